@@ -1,0 +1,31 @@
+# `make run` and `make test` work on a fresh clone: each creates .venv and installs what it needs.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
+EXTRAS ?= dev
+STAMP  := $(VENV)/.installed-$(EXTRAS)
+
+.PHONY: run test bench install clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+	$(PIP) -e ".[$(EXTRAS)]"
+	@touch $@
+
+install: $(STAMP)
+
+run: $(STAMP)
+	@echo "aiperf: the search workflow is not built yet; 'make run' counts ResNet-50 (paper Table 3)."
+	$(BIN)/aiperf count resnet50
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	@for f in benchmarks/*.py; do echo "== $$f"; $(BIN)/python $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info

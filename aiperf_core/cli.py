@@ -1,0 +1,60 @@
+"""The `aiperf` command line. Each subcommand lives in aiperf_core/commands/<name>.py.
+
+User errors print one line on stderr and exit with status 2; --debug shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from aiperf_core.errors import AiperfError
+
+# Subcommand modules, in the order `aiperf --help` lists them. Each defines
+# HELP, add_arguments(parser) and run(args) -> int.
+COMMANDS = ("count",)
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="aiperf", description="AI-HPC benchmark: AutoML scored in analytic operations per second.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for name in COMMANDS:
+        module = importlib.import_module(f"aiperf_core.commands.{name.replace('-', '_')}")
+        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except AiperfError as exc:
+        if args.debug:
+            raise
+        print(f"aiperf: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("aiperf: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

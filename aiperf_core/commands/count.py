@@ -1,0 +1,102 @@
+"""aiperf count MODEL: the analytic FP/BP operation count, per layer and in total."""
+
+from __future__ import annotations
+
+import json
+
+from aiperf_core.builders import BUILDERS
+from aiperf_core.commands.options import image_shape, non_negative_int, positive_int
+from aiperf_core.models import load_model
+
+HELP = "count the analytic operations of a model (builder name, IR .json or .onnx), per image and per epoch"
+
+DEFAULT_INPUT = (224, 224, 3)
+DEFAULT_CLASSES = 1000
+
+# Table 3's rows, in its order, from IR ops.
+_TABLE3_ROWS = (
+    ("Convolutional", "conv2d"),
+    ("Dense", "dense"),
+    ("Batch normalization", "batch_norm"),
+    ("ReLU", "relu"),
+    ("Max-pooling", "max_pool"),
+    ("Average-pooling", "global_avg_pool"),
+    ("Add", "add"),
+    ("Softmax", "softmax"),
+)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", metavar="MODEL", help="builder name (resnet50, resnet_small), IR .json or .onnx file")
+    p.add_argument("--input", type=image_shape, default=None, metavar="HxWxC",
+                   help="input shape for builder models (default 224x224x3)")
+    p.add_argument("--classes", type=positive_int, default=None, metavar="N",
+                   help="number of classes for builder models (default 1000)")
+    p.add_argument("--train-images", type=non_negative_int, default=None, metavar="N",
+                   help="training images per epoch, for the per-epoch figure")
+    p.add_argument("--val-images", type=non_negative_int, default=None, metavar="M",
+                   help="validation images per epoch, for the per-epoch figure")
+    p.add_argument("--convention", choices=("paper", "valid"), default="paper",
+                   help="'paper' (scoring, padded taps counted) or 'valid' (padded taps left out, as XLA counts)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args) -> int:
+    from opcount import count
+
+    input_shape, classes = args.input, args.classes
+    if args.model in BUILDERS:
+        input_shape = input_shape or DEFAULT_INPUT
+        classes = classes or DEFAULT_CLASSES
+    graph, _ = load_model(args.model, input_shape, classes)
+    result = count(graph, args.convention)
+    epoch = args.train_images is not None or args.val_images is not None
+    if args.json:
+        print(json.dumps(result.to_dict(args.train_images, args.val_images) if epoch else result.to_dict()))
+        return 0
+    print(render(result, graph, args.train_images, args.val_images) if epoch else render(result, graph))
+    return 0
+
+
+def sci(x: float) -> str:
+    return f"{x:.2e}" if x else "0"
+
+
+def ratio(bp: int, fp: int) -> str:
+    return f"{bp / fp:.4f}" if fp else "-"
+
+
+def render(result, graph, train_images: int | None = None, val_images: int | None = None) -> str:
+    lines = [f"{graph.name}: input {'x'.join(map(str, graph.input_shape))}, {len(graph)} nodes, "
+             f"{graph.num_params():,} parameters, convention '{result.convention}' (ops per image)", ""]
+    width = max(len(n.id) for n in result.nodes)
+    lines.append(f"{'node':<{width}}  {'op':<15} {'output':>14} {'FP':>16} {'BP':>16}")
+    for n in result.nodes:
+        shape = "x".join(map(str, n.shape))
+        lines.append(f"{n.id:<{width}}  {n.op:<15} {shape:>14} {n.fp:>16,} {n.bp:>16,}")
+    lines += ["", f"{'layer (paper Table 3)':<22} {'FP':>10} {'BP':>10} {'BP/FP':>8} {'total':>10}"]
+    by_op = result.by_op()
+    shown = set()
+    for label, op in _TABLE3_ROWS:
+        if op in by_op:
+            shown.add(op)
+            row = by_op[op]
+            lines.append(f"{label:<22} {sci(row['fp']):>10} {sci(row['bp']):>10} "
+                         f"{ratio(row['bp'], row['fp']):>8} {sci(row['fp'] + row['bp']):>10}")
+    for op, row in by_op.items():
+        if op not in shown and op != "input" and (row["fp"] or row["bp"]):
+            lines.append(f"{op:<22} {sci(row['fp']):>10} {sci(row['bp']):>10} "
+                         f"{ratio(row['bp'], row['fp']):>8} {sci(row['fp'] + row['bp']):>10}")
+    lines.append(f"{'Total':<22} {sci(result.fp):>10} {sci(result.bp):>10} "
+                 f"{ratio(result.bp, result.fp):>8} {sci(result.total):>10}")
+    lines.append(f"exact per image: FP {result.fp:,}  BP {result.bp:,}  total {result.total:,}")
+    if train_images is not None or val_images is not None:
+        e = result.epoch(train_images or 0, val_images or 0)
+        lines += ["", f"per epoch ({e.train_images:,} training, {e.val_images:,} validation images):",
+                  f"  FP (training)   {sci(e.fp_train)}",
+                  f"  BP (training)   {sci(e.bp_train)}",
+                  f"  BP/FP training  {ratio(e.bp_train, e.fp_train)}",
+                  f"  total training  {sci(e.fp_train + e.bp_train)}",
+                  f"  FP (validation) {sci(e.fp_val)}",
+                  f"  total           {sci(e.total)}"]
+    return "\n".join(lines)

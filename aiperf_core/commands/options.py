@@ -1,0 +1,36 @@
+"""Argument types shared by several subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+
+def image_shape(text: str) -> tuple[int, int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"'{text}' is not HxWxC (for example 224x224x3)")
+    shape = tuple(int(g) for g in m.groups())
+    if min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"'{text}': every size must be at least 1")
+    return shape
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"'{text}' must be at least 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"'{text}' must not be negative")
+    return value

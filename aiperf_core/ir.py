@@ -1,0 +1,512 @@
+"""The framework-neutral graph IR.
+
+A graph is a DAG of nodes kept in topological order. Activations are NHWC,
+conv kernels HWIO, dense kernels (in, out); padding is explicit per side.
+Shapes are per image (no batch axis) and are inferred here, never by a backend.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from aiperf_core.errors import GraphError
+
+SCHEMA_VERSION = 1
+
+Shape = tuple[int, ...]
+
+_ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    op: str
+    inputs: tuple[str, ...] = ()
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "op": self.op, "inputs": list(self.inputs), "attrs": _plain(self.attrs)}
+
+
+def _plain(value):
+    """Attributes as JSON-ready plain values (tuples become lists)."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------
+# Op specifications: arity, attribute validation with defaults, shape rule,
+# and parameter shapes. One table, so that adding an op touches one place.
+# ---------------------------------------------------------------------------
+
+
+def _int(node: str, attrs: Mapping, key: str, *, minimum: int, default=None) -> int:
+    if key not in attrs:
+        if default is None:
+            raise GraphError(f"missing attribute '{key}'", node)
+        return default
+    value = attrs[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GraphError(f"attribute '{key}' must be an integer, got {value!r}", node)
+    if value < minimum:
+        raise GraphError(f"attribute '{key}' must be >= {minimum}, got {value}", node)
+    return value
+
+
+def _ints(node: str, attrs: Mapping, key: str, length: int, *, minimum: int, default=None) -> tuple[int, ...]:
+    if key not in attrs:
+        if default is None:
+            raise GraphError(f"missing attribute '{key}'", node)
+        return tuple(default)
+    value = attrs[key]
+    if not isinstance(value, (list, tuple)) or len(value) != length:
+        raise GraphError(f"attribute '{key}' must be a list of {length} integers, got {value!r}", node)
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise GraphError(f"attribute '{key}' must hold integers, got {value!r}", node)
+        if v < minimum:
+            raise GraphError(f"attribute '{key}' values must be >= {minimum}, got {value!r}", node)
+    return tuple(value)
+
+
+def _float(node: str, attrs: Mapping, key: str, *, low: float, high: float, default: float) -> float:
+    value = attrs.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise GraphError(f"attribute '{key}' must be a number, got {value!r}", node)
+    if not low <= value <= high:
+        raise GraphError(f"attribute '{key}' must be in [{low}, {high}], got {value}", node)
+    return float(value)
+
+
+def _bool(node: str, attrs: Mapping, key: str, default: bool) -> bool:
+    value = attrs.get(key, default)
+    if not isinstance(value, bool):
+        raise GraphError(f"attribute '{key}' must be true or false, got {value!r}", node)
+    return value
+
+
+def _check_no_extra(node: str, attrs: Mapping, allowed: Iterable[str]) -> None:
+    extra = sorted(set(attrs) - set(allowed))
+    if extra:
+        raise GraphError(f"unknown attribute '{extra[0]}'", node)
+
+
+def _image(node: str, shape: Shape, what: str = "input") -> Shape:
+    if len(shape) != 3:
+        raise GraphError(f"{what} must be an image HxWxC, got shape {list(shape)}", node)
+    return shape
+
+
+def _window_out(node: str, size: int, kernel: int, stride: int, pad_lo: int, pad_hi: int, axis: str) -> int:
+    span = size + pad_lo + pad_hi - kernel
+    if span < 0:
+        raise GraphError(
+            f"kernel {kernel} does not fit the padded {axis} size {size + pad_lo + pad_hi}", node
+        )
+    return span // stride + 1
+
+
+def _conv_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("filters", "kernel", "strides", "padding", "use_bias"))
+    return {
+        "filters": _int(node, attrs, "filters", minimum=1),
+        "kernel": _ints(node, attrs, "kernel", 2, minimum=1),
+        "strides": _ints(node, attrs, "strides", 2, minimum=1, default=(1, 1)),
+        "padding": _ints(node, attrs, "padding", 4, minimum=0, default=(0, 0, 0, 0)),
+        "use_bias": _bool(node, attrs, "use_bias", False),
+    }
+
+
+def _pool_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("kernel", "strides", "padding"))
+    kernel = _ints(node, attrs, "kernel", 2, minimum=1)
+    return {
+        "kernel": kernel,
+        "strides": _ints(node, attrs, "strides", 2, minimum=1, default=kernel),
+        "padding": _ints(node, attrs, "padding", 4, minimum=0, default=(0, 0, 0, 0)),
+    }
+
+
+def _windowed_shape(node: str, shape: Shape, attrs: Mapping, channels: int) -> Shape:
+    h, w, _ = _image(node, shape)
+    kh, kw = attrs["kernel"]
+    sh, sw = attrs["strides"]
+    pt, pb, pl, pr = attrs["padding"]
+    if max(pt, pb) >= kh or max(pl, pr) >= kw:
+        # A window that could lie wholly in padding reads nothing real.
+        raise GraphError(f"padding {list(attrs['padding'])} must be smaller than kernel {[kh, kw]}", node)
+    return (
+        _window_out(node, h, kh, sh, pt, pb, "height"),
+        _window_out(node, w, kw, sw, pl, pr, "width"),
+        channels,
+    )
+
+
+def _same_shapes(node: str, shapes: list[Shape], what: str) -> None:
+    for s in shapes[1:]:
+        if s != shapes[0]:
+            raise GraphError(f"{what} inputs have mismatched shapes {[list(x) for x in shapes]}", node)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    min_inputs: int
+    max_inputs: int | None
+    parse: Any  # (node_id, attrs) -> normalised attrs
+    shape: Any  # (node_id, attrs, [input shapes]) -> output shape
+    params: Any = None  # (attrs, [input shapes]) -> {name: shape}
+
+
+def _input_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("shape",))
+    shape = attrs.get("shape")
+    if not isinstance(shape, (list, tuple)) or len(shape) not in (1, 3):
+        raise GraphError(f"attribute 'shape' must be [H, W, C] or [C], got {shape!r}", node)
+    return {"shape": _ints(node, attrs, "shape", len(shape), minimum=1)}
+
+
+def _no_attrs(node, attrs):
+    _check_no_extra(node, attrs, ())
+    return {}
+
+
+def _bn_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("epsilon", "momentum"))
+    return {
+        "epsilon": _float(node, attrs, "epsilon", low=1e-12, high=1.0, default=1e-3),
+        "momentum": _float(node, attrs, "momentum", low=0.0, high=1.0, default=0.99),
+    }
+
+
+def _dense_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("units", "use_bias"))
+    return {"units": _int(node, attrs, "units", minimum=1), "use_bias": _bool(node, attrs, "use_bias", True)}
+
+
+def _dropout_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("rate",))
+    return {"rate": _float(node, attrs, "rate", low=0.0, high=0.99, default=0.5)}
+
+
+def _conv_shape(node, attrs, shapes):
+    return _windowed_shape(node, shapes[0], attrs, attrs["filters"])
+
+
+def _conv_params(attrs, shapes):
+    kh, kw = attrs["kernel"]
+    p = {"kernel": (kh, kw, shapes[0][-1], attrs["filters"])}
+    if attrs["use_bias"]:
+        p["bias"] = (attrs["filters"],)
+    return p
+
+
+def _bn_params(attrs, shapes):
+    c = (shapes[0][-1],)
+    return {"gamma": c, "beta": c, "moving_mean": c, "moving_variance": c}
+
+
+def _dense_shape(node, attrs, shapes):
+    if len(shapes[0]) != 1:
+        raise GraphError(f"dense needs a flat input, got shape {list(shapes[0])}", node)
+    return (attrs["units"],)
+
+
+def _dense_params(attrs, shapes):
+    p = {"kernel": (shapes[0][0], attrs["units"])}
+    if attrs["use_bias"]:
+        p["bias"] = (attrs["units"],)
+    return p
+
+
+def _add_shape(node, attrs, shapes):
+    _same_shapes(node, shapes, "add")
+    return shapes[0]
+
+
+def _concat_shape(node, attrs, shapes):
+    for s in shapes:
+        _image(node, s)
+    _same_shapes(node, [s[:2] for s in shapes], "concat")
+    return (shapes[0][0], shapes[0][1], sum(s[2] for s in shapes))
+
+
+def _flat_shape(node, attrs, shapes):
+    if len(shapes[0]) != 1:
+        raise GraphError(f"softmax needs a flat input, got shape {list(shapes[0])}", node)
+    return shapes[0]
+
+
+OPS: dict[str, OpSpec] = {
+    spec.name: spec
+    for spec in (
+        OpSpec("input", 0, 0, _input_attrs, lambda n, a, s: a["shape"]),
+        OpSpec("conv2d", 1, 1, _conv_attrs, _conv_shape, _conv_params),
+        OpSpec("batch_norm", 1, 1, _bn_attrs, lambda n, a, s: s[0], _bn_params),
+        OpSpec("relu", 1, 1, _no_attrs, lambda n, a, s: s[0]),
+        OpSpec("add", 2, None, _no_attrs, _add_shape),
+        OpSpec("concat", 2, None, _no_attrs, _concat_shape),
+        OpSpec("max_pool", 1, 1, _pool_attrs, lambda n, a, s: _windowed_shape(n, s[0], a, s[0][-1])),
+        OpSpec("global_avg_pool", 1, 1, _no_attrs, lambda n, a, s: (_image(n, s[0])[2],)),
+        OpSpec("flatten", 1, 1, _no_attrs, lambda n, a, s: (math.prod(s[0]),)),
+        OpSpec("dense", 1, 1, _dense_attrs, _dense_shape, _dense_params),
+        OpSpec("softmax", 1, 1, _no_attrs, _flat_shape),
+        OpSpec("dropout", 1, 1, _dropout_attrs, lambda n, a, s: s[0]),
+    )
+}
+
+PARAMETRIC_OPS = frozenset(name for name, spec in OPS.items() if spec.params is not None)
+
+
+class Graph:
+    """An immutable, validated graph with inferred per-image shapes.
+
+    Construction validates everything; a Graph that exists is well formed.
+    """
+
+    def __init__(self, nodes: Iterable[Node | Mapping], name: str = "graph", history: Iterable[Mapping] = ()):
+        raw = [n if isinstance(n, Node) else _node_from_dict(n, i) for i, n in enumerate(nodes)]
+        if not raw:
+            raise GraphError("graph has no nodes")
+        self.name = name
+        self.history: tuple[dict, ...] = tuple(dict(h) for h in history)
+        ordered = _topological(raw)
+        self.nodes: tuple[Node, ...]
+        self.shapes: dict[str, Shape] = {}
+        normalised: list[Node] = []
+        consumers: dict[str, int] = {n.id: 0 for n in ordered}
+        for node in ordered:
+            spec = OPS[node.op]
+            attrs = spec.parse(node.id, node.attrs)
+            in_shapes = [self.shapes[i] for i in node.inputs]
+            out = tuple(int(d) for d in spec.shape(node.id, attrs, in_shapes))
+            if any(d <= 0 for d in out):
+                raise GraphError(f"output shape {list(out)} has a non-positive size", node.id)
+            self.shapes[node.id] = out
+            for i in node.inputs:
+                consumers[i] += 1
+            normalised.append(Node(node.id, node.op, tuple(node.inputs), attrs))
+        self.nodes = tuple(normalised)
+        self._by_id = {n.id: n for n in self.nodes}
+        inputs = [n.id for n in self.nodes if n.op == "input"]
+        if len(inputs) != 1:
+            raise GraphError(f"graph must have exactly one input node, found {len(inputs)}")
+        sinks = [n.id for n in self.nodes if consumers[n.id] == 0]
+        if len(sinks) != 1:
+            raise GraphError(
+                f"graph must have exactly one output, found {len(sinks)} nodes that nothing reads",
+                sinks[0] if sinks[0] != self.nodes[-1].id else sinks[-1],
+            )
+        self.input_id = inputs[0]
+        self.output_id = sinks[0]
+
+    # -- access --------------------------------------------------------------
+    def __getitem__(self, node_id: str) -> Node:
+        try:
+            return self._by_id[node_id]
+        except KeyError:
+            raise GraphError("no such node in the graph", node_id) from None
+
+    def __contains__(self, node_id: str) -> bool:
+        return node_id in self._by_id
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def __iter__(self):
+        return iter(self.nodes)
+
+    @property
+    def input_shape(self) -> Shape:
+        return self.shapes[self.input_id]
+
+    @property
+    def output_shape(self) -> Shape:
+        return self.shapes[self.output_id]
+
+    def consumers(self, node_id: str) -> list[Node]:
+        return [n for n in self.nodes if node_id in n.inputs]
+
+    def param_shapes(self, node_id: str) -> dict[str, Shape]:
+        node = self[node_id]
+        spec = OPS[node.op]
+        if spec.params is None:
+            return {}
+        return spec.params(node.attrs, [self.shapes[i] for i in node.inputs])
+
+    def all_param_shapes(self) -> dict[str, dict[str, Shape]]:
+        return {n.id: self.param_shapes(n.id) for n in self.nodes if n.op in PARAMETRIC_OPS}
+
+    def num_params(self, trainable_only: bool = True) -> int:
+        total = 0
+        for node_id, params in self.all_param_shapes().items():
+            for pname, shape in params.items():
+                if trainable_only and pname.startswith("moving_"):
+                    continue
+                total += math.prod(shape)
+        return total
+
+    def signature(self) -> str:
+        """A canonical string of the architecture (ids excluded), for de-duplication."""
+        index = {n.id: i for i, n in enumerate(self.nodes)}
+        parts = [
+            f"{n.op}({','.join(str(index[i]) for i in n.inputs)}){json.dumps(_plain(n.attrs), sort_keys=True)}"
+            for n in self.nodes
+        ]
+        return ";".join(parts)
+
+    # -- serialisation -------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "name": self.name,
+            "nodes": [n.to_dict() for n in self.nodes],
+            "history": [_plain(h) for h in self.history],
+        }
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Graph":
+        if not isinstance(data, Mapping):
+            raise GraphError("graph JSON must be an object")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise GraphError(f"unsupported schema_version {version!r} (this aiperf reads {SCHEMA_VERSION})")
+        nodes = data.get("nodes")
+        if not isinstance(nodes, list):
+            raise GraphError("graph JSON needs a list 'nodes'")
+        name = data.get("name", "graph")
+        if not isinstance(name, str):
+            raise GraphError("graph 'name' must be a string")
+        history = data.get("history", [])
+        if not isinstance(history, list) or not all(isinstance(h, Mapping) for h in history):
+            raise GraphError("graph 'history' must be a list of objects")
+        return cls(nodes, name=name, history=history)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Graph":
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise GraphError(f"not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    def replace(self, nodes: Iterable[Node], history_entry: Mapping | None = None, name: str | None = None) -> "Graph":
+        history = self.history + ((dict(history_entry),) if history_entry else ())
+        return Graph(nodes, name=name or self.name, history=history)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Graph) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"Graph({self.name!r}, {len(self.nodes)} nodes, input {list(self.input_shape)})"
+
+
+def _node_from_dict(data: Any, index: int) -> Node:
+    if not isinstance(data, Mapping):
+        raise GraphError(f"node #{index} must be an object")
+    node_id = data.get("id")
+    if not isinstance(node_id, str) or not _ID_RE.match(node_id):
+        raise GraphError(f"node #{index} has a bad id {node_id!r} (letters, digits, '_', '.', '-')")
+    op = data.get("op")
+    if op not in OPS:
+        raise GraphError(f"unknown op {op!r}", node_id)
+    inputs = data.get("inputs", [])
+    if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
+        raise GraphError("'inputs' must be a list of node ids", node_id)
+    attrs = data.get("attrs", {})
+    if not isinstance(attrs, Mapping):
+        raise GraphError("'attrs' must be an object", node_id)
+    extra = sorted(set(data) - {"id", "op", "inputs", "attrs"})
+    if extra:
+        raise GraphError(f"unknown field '{extra[0]}'", node_id)
+    return Node(node_id, op, tuple(inputs), dict(attrs))
+
+
+def _topological(nodes: list[Node]) -> list[Node]:
+    """Kahn's algorithm, keeping the given order where it is already valid."""
+    by_id: dict[str, Node] = {}
+    for node in nodes:
+        if not isinstance(node.id, str) or not _ID_RE.match(node.id):
+            raise GraphError(f"bad node id {node.id!r} (letters, digits, '_', '.', '-')")
+        if node.op not in OPS:
+            raise GraphError(f"unknown op {node.op!r}", node.id)
+        if node.id in by_id:
+            raise GraphError("duplicate node id", node.id)
+        by_id[node.id] = node
+    for node in nodes:
+        spec = OPS[node.op]
+        n = len(node.inputs)
+        if n < spec.min_inputs or (spec.max_inputs is not None and n > spec.max_inputs):
+            want = spec.min_inputs if spec.max_inputs == spec.min_inputs else f"at least {spec.min_inputs}"
+            raise GraphError(f"{node.op} takes {want} input(s), got {n}", node.id)
+        if len(set(node.inputs)) != n:
+            raise GraphError("the same input is listed twice", node.id)
+        for i in node.inputs:
+            if i not in by_id:
+                raise GraphError(f"input '{i}' does not exist (dangling input)", node.id)
+            if i == node.id:
+                raise GraphError("node reads its own output (cycle)", node.id)
+    position = {n.id: k for k, n in enumerate(nodes)}
+    if all(position[i] < position[n.id] for n in nodes for i in n.inputs):
+        return list(nodes)
+    pending = {n.id: len(n.inputs) for n in nodes}
+    readers: dict[str, list[str]] = {n.id: [] for n in nodes}
+    for n in nodes:
+        for i in n.inputs:
+            readers[i].append(n.id)
+    import heapq
+
+    ready = [(position[n.id], n.id) for n in nodes if pending[n.id] == 0]
+    heapq.heapify(ready)
+    out: list[Node] = []
+    while ready:
+        _, nid = heapq.heappop(ready)
+        out.append(by_id[nid])
+        for r in readers[nid]:
+            pending[r] -= 1
+            if pending[r] == 0:
+                heapq.heappush(ready, (position[r], r))
+    if len(out) != len(nodes):
+        stuck = next(n.id for n in nodes if pending[n.id] > 0)
+        raise GraphError("graph has a cycle through this node", stuck)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------
+
+
+def load_graph(path) -> Graph:
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise GraphError(f"{p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise GraphError(f"{p}: cannot read: {exc}") from None
+    try:
+        return Graph.from_json(text)
+    except GraphError as exc:
+        located = GraphError(f"{p}: {exc}")
+        located.node = exc.node
+        raise located from None
+
+
+def save_graph(graph: Graph, path) -> None:
+    from aiperf_core.atomic import write_text_atomic
+
+    write_text_atomic(path, graph.to_json())

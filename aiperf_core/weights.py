@@ -1,0 +1,96 @@
+"""Canonical weights: {node id: {param name: numpy array}} in the IR's layout.
+
+Stored as .npz with keys "<node id>/<param>"; loaded with allow_pickle=False so
+a weights file can never run code.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from aiperf_core.atomic import write_bytes_atomic
+from aiperf_core.errors import GraphError
+from aiperf_core.ir import Graph
+
+Weights = dict[str, dict[str, np.ndarray]]
+
+_SEP = "/"
+
+
+def validate_weights(graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray]], *, complete: bool = True) -> None:
+    """Raise GraphError naming the node if weights do not fit the graph."""
+    expected = graph.all_param_shapes()
+    for node_id, params in weights.items():
+        if node_id not in expected:
+            if node_id in graph:
+                raise GraphError(f"weights given for a {graph[node_id].op} node, which has none", node_id)
+            raise GraphError("weights given for a node that is not in the graph", node_id)
+        want = expected[node_id]
+        for pname, array in params.items():
+            if pname not in want:
+                raise GraphError(f"unexpected weight '{pname}' (expected {sorted(want)})", node_id)
+            shape = tuple(np.shape(array))
+            if shape != tuple(want[pname]):
+                raise GraphError(f"weight '{pname}' has shape {list(shape)}, expected {list(want[pname])}", node_id)
+            if not np.issubdtype(np.asarray(array).dtype, np.floating):
+                raise GraphError(f"weight '{pname}' must be floating point, got {np.asarray(array).dtype}", node_id)
+    if complete:
+        for node_id, want in expected.items():
+            have = weights.get(node_id, {})
+            missing = sorted(set(want) - set(have))
+            if missing:
+                raise GraphError(f"missing weight '{missing[0]}'", node_id)
+
+
+def init_weights(graph: Graph, seed: int = 0, dtype=np.float32) -> Weights:
+    """He-normal kernels (fan-in), zero biases, BN as identity over unit statistics."""
+    rng = np.random.default_rng(seed)
+    out: Weights = {}
+    for node_id, params in graph.all_param_shapes().items():
+        node = graph[node_id]
+        w: dict[str, np.ndarray] = {}
+        for pname, shape in params.items():
+            if pname == "kernel":
+                fan_in = math.prod(shape[:-1])
+                w[pname] = (rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)).astype(dtype)
+            elif pname in ("gamma", "moving_variance"):
+                w[pname] = np.ones(shape, dtype)
+            else:
+                w[pname] = np.zeros(shape, dtype)
+        out[node.id] = w
+    return out
+
+
+def save_weights(weights: Mapping[str, Mapping[str, np.ndarray]], path) -> None:
+    flat = {}
+    for node_id, params in weights.items():
+        for pname, array in params.items():
+            flat[f"{node_id}{_SEP}{pname}"] = np.asarray(array)
+    buf = io.BytesIO()
+    np.savez(buf, **flat)
+    write_bytes_atomic(path, buf.getvalue())
+
+
+def load_weights(path, graph: Graph | None = None) -> Weights:
+    p = Path(path)
+    try:
+        with np.load(p, allow_pickle=False) as data:
+            flat = {k: data[k] for k in data.files}
+    except FileNotFoundError:
+        raise GraphError(f"{p}: no such file") from None
+    except (OSError, ValueError) as exc:
+        raise GraphError(f"{p}: not a weights .npz file: {exc}") from None
+    weights: Weights = {}
+    for key, array in flat.items():
+        node_id, sep, pname = key.rpartition(_SEP)
+        if not sep or not node_id:
+            raise GraphError(f"{p}: key {key!r} is not '<node id>/<param>'")
+        weights.setdefault(node_id, {})[pname] = array
+    if graph is not None:
+        validate_weights(graph, weights)
+    return weights
