@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed as one line
+        return int(exc.code or 0)
     try:
         return int(args._run(args) or 0)
     except AiperfError as exc:

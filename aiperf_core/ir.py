@@ -419,7 +419,7 @@ def _node_from_dict(data: Any, index: int) -> Node:
     if not isinstance(node_id, str) or not _ID_RE.match(node_id):
         raise GraphError(f"node #{index} has a bad id {node_id!r} (letters, digits, '_', '.', '-')")
     op = data.get("op")
-    if op not in OPS:
+    if not isinstance(op, str) or op not in OPS:
         raise GraphError(f"unknown op {op!r}", node_id)
     inputs = data.get("inputs", [])
     if not isinstance(inputs, list) or not all(isinstance(i, str) for i in inputs):
@@ -439,7 +439,7 @@ def _topological(nodes: list[Node]) -> list[Node]:
     for node in nodes:
         if not isinstance(node.id, str) or not _ID_RE.match(node.id):
             raise GraphError(f"bad node id {node.id!r} (letters, digits, '_', '.', '-')")
-        if node.op not in OPS:
+        if not isinstance(node.op, str) or node.op not in OPS:
             raise GraphError(f"unknown op {node.op!r}", node.id)
         if node.id in by_id:
             raise GraphError("duplicate node id", node.id)

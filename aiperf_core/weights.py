@@ -6,14 +6,13 @@ a weights file can never run code.
 
 from __future__ import annotations
 
-import io
 import math
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
 
-from aiperf_core.atomic import write_bytes_atomic
+from aiperf_core.atomic import write_atomic
 from aiperf_core.errors import GraphError
 from aiperf_core.ir import Graph
 
@@ -71,9 +70,7 @@ def save_weights(weights: Mapping[str, Mapping[str, np.ndarray]], path) -> None:
     for node_id, params in weights.items():
         for pname, array in params.items():
             flat[f"{node_id}{_SEP}{pname}"] = np.asarray(array)
-    buf = io.BytesIO()
-    np.savez(buf, **flat)
-    write_bytes_atomic(path, buf.getvalue())
+    write_atomic(path, lambda fh: np.savez(fh, **flat))
 
 
 def load_weights(path, graph: Graph | None = None) -> Weights:
