@@ -1,0 +1,205 @@
+"""The backend contract. Every backend, first-party or a vendor's plugin, implements `Backend`.
+
+A backend lowers the IR to its framework, moves canonical weights in and out, runs inference,
+computes gradients, and trains one trial. It never counts the ops that are scored and never owns
+the clock: the core counts (opcount) and times. Backends are found through the entry-point group
+`aiperf.backends` (see aiperf_core.registry) and must import their framework lazily, inside methods,
+so that listing backends never fails because one framework is missing.
+
+Arrays crossing this interface are NumPy, in the IR's canonical layout: images NHWC, conv kernels
+HWIO, dense kernels (in, out).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from aiperf_core.errors import AiperfError
+from aiperf_core.ir import Graph
+from aiperf_core.weights import Weights
+
+PRECISIONS = ("fp32", "fp16", "bf16")  # fp16 and bf16 mean mixed precision with fp32 master weights
+
+
+class BackendError(AiperfError):
+    """A backend cannot do what was asked (missing framework, unsupported precision or device)."""
+
+
+@dataclass(frozen=True)
+class Availability:
+    available: bool
+    reason: str | None = None  # why not, when unavailable
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Learning rate per epoch: `initial` decayed linearly to `final_fraction * initial` over `epochs`."""
+
+    initial: float = 0.1
+    final_fraction: float = 0.0
+    warmup_epochs: int = 0
+
+    def rate(self, epoch: int, epochs: int) -> float:
+        if epoch < self.warmup_epochs:
+            return self.initial * (epoch + 1) / (self.warmup_epochs + 1)
+        span = max(epochs - self.warmup_epochs, 1)
+        progress = (epoch - self.warmup_epochs) / span
+        return self.initial * (1.0 - (1.0 - self.final_fraction) * progress)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int
+    batch_size: int
+    schedule: Schedule = field(default_factory=Schedule)
+    momentum: float = 0.9
+    label_smoothing: float = 0.0
+    precision: str = "fp32"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """What a backend reports after each epoch. Images are counted exactly, not estimated."""
+
+    epoch: int
+    train_images: int
+    val_images: int
+    loss: float
+    val_loss: float
+    val_accuracy: float
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """In-memory arrays: images NHWC float32, labels int64 class indices."""
+
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+    classes: int
+
+
+EpochCallback = Callable[[EpochReport], bool | None]  # return True to stop training early
+
+
+@dataclass(frozen=True)
+class CounterConvention:
+    """How a native op counter counts, so the kit compares like with like.
+
+    mac_ops: ops per multiply-accumulate (2 when a MAC counts as a mul and an add).
+    padding: 'paper' when padded taps are counted, 'valid' when only taps on real input are.
+    covers: opcount categories the counter measures; the others it reports as 0 or leaves out.
+    backward: how the counter's backward relates to the analytic one, in words.
+    """
+
+    mac_ops: int
+    padding: str
+    covers: tuple[str, ...]
+    backward: str = ""
+    notes: str = ""
+
+
+class NativeCounter(abc.ABC):
+    convention: CounterConvention
+
+    @abc.abstractmethod
+    def count(self, model: Any, batch: int, backward: bool) -> dict[str, int]:
+        """Native ops per category for `batch` images, forward (and backward if asked)."""
+
+
+class Backend(abc.ABC):
+    """One framework's implementation of the contract. Subclasses set `name`."""
+
+    name: str = ""
+
+    # -- discovery ----------------------------------------------------------
+    @classmethod
+    @abc.abstractmethod
+    def availability(cls) -> Availability:
+        """Whether the framework imports and works here; must not raise."""
+
+    @abc.abstractmethod
+    def framework_version(self) -> str: ...
+
+    @abc.abstractmethod
+    def devices(self) -> list[str]:
+        """Local devices this backend would train on, e.g. ['cpu'] or ['cuda:0', 'cuda:1']."""
+
+    def precisions(self) -> tuple[str, ...]:
+        """Precisions the local devices support; lower() rejects the others loudly."""
+        return ("fp32",)
+
+    # -- models -------------------------------------------------------------
+    @abc.abstractmethod
+    def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> Any:
+        """Build a framework model for `graph`. Without weights, initialise as init_weights does."""
+
+    @abc.abstractmethod
+    def export_weights(self, model: Any) -> Weights:
+        """Canonical weights (float32 NumPy arrays, IR layout) of a lowered model."""
+
+    @abc.abstractmethod
+    def import_weights(self, model: Any, weights: Weights) -> None: ...
+
+    @abc.abstractmethod
+    def predict(self, model: Any, x: np.ndarray) -> np.ndarray:
+        """Inference-mode output for a batch of NHWC images."""
+
+    @abc.abstractmethod
+    def loss_and_grads(self, model: Any, x: np.ndarray, labels: np.ndarray,
+                       label_smoothing: float = 0.0) -> tuple[float, Weights]:
+        """Training-mode mean cross-entropy and its gradients (trainable params, canonical layout)."""
+
+    @abc.abstractmethod
+    def train(self, model: Any, data: Dataset, config: TrainConfig, on_epoch: EpochCallback | None = None) -> list[EpochReport]:
+        """Train one trial: SGD with momentum, config.schedule per epoch, data parallel over devices()."""
+
+    def native_counter(self) -> NativeCounter | None:
+        return None
+
+    # -- helpers shared by every backend ------------------------------------
+    def check_precision(self, precision: str) -> None:
+        if precision not in PRECISIONS:
+            raise BackendError(f"unknown precision '{precision}' (choose from {', '.join(PRECISIONS)})")
+        if precision not in self.precisions():
+            raise BackendError(
+                f"backend '{self.name}' cannot run precision '{precision}' on {', '.join(self.devices())} "
+                f"(supported: {', '.join(self.precisions())})"
+            )
+
+
+def batches(n: int, batch_size: int, rng: np.random.Generator | None = None) -> Iterable[np.ndarray]:
+    """Index batches over n items, shuffled when rng is given; the last batch may be short."""
+    order = rng.permutation(n) if rng is not None else np.arange(n)
+    for start in range(0, n, batch_size):
+        yield order[start:start + batch_size]
+
+
+def one_hot(labels: np.ndarray, classes: int, label_smoothing: float = 0.0, dtype=np.float32) -> np.ndarray:
+    y = np.zeros((len(labels), classes), dtype)
+    y[np.arange(len(labels)), labels] = 1
+    if label_smoothing:
+        y = y * (1 - label_smoothing) + label_smoothing / classes
+    return y
+
+
+def accuracy(probs: np.ndarray, labels: np.ndarray) -> float:
+    return float(np.mean(np.argmax(probs, axis=-1) == labels)) if len(labels) else 0.0
+
+
+def cross_entropy(probs: np.ndarray, labels: np.ndarray, label_smoothing: float = 0.0) -> float:
+    y = one_hot(labels, probs.shape[-1], label_smoothing, np.float64)
+    return float(-np.mean(np.sum(y * np.log(np.clip(probs.astype(np.float64), 1e-12, 1.0)), axis=-1)))
+
+
+def describe(backend_cls: type[Backend]) -> Mapping[str, Any]:
+    """Version and devices of an available backend, for `aiperf backends`."""
+    instance = backend_cls()
+    return {"version": instance.framework_version(), "devices": instance.devices(),
+            "precisions": list(instance.precisions())}

@@ -1,0 +1,564 @@
+"""NumPy reference executor for the aiperf graph IR: forward, backward and loss.
+
+This is the numerical oracle every framework backend is compared against, so
+each op is written for clarity first and speed second. Layouts are the IR's:
+NHWC activations, HWIO conv kernels, dense kernels (in, out), explicit
+per-side padding [top, bottom, left, right].
+
+Public API
+----------
+``forward(graph, weights, x, *, training=False, dtype=np.float64, seed=0)``
+    The output node's value for a batch ``x`` of shape (N, H, W, C), or (N, C)
+    for a flat input.
+``run(...)`` (same arguments) -> :class:`Trace`
+    Every node's output plus what :func:`backward` needs, and the batch-norm
+    moving-statistics updates of a training step.
+``backward(trace, grad_output)`` -> ``(grad_input, param_grads)``
+    Reverse-mode gradients. ``param_grads`` is shaped like the weights but
+    holds only the trainable parameters (kernel, bias, gamma, beta).
+``loss_and_grads(graph, weights, x, labels, *, label_smoothing=0.0,
+training=True, dtype=np.float64, seed=0)`` -> ``(loss, param_grads, moving_updates)``
+    Mean categorical cross-entropy over the batch, its parameter gradients
+    and the batch-norm moving-statistics updates.
+
+Semantics
+---------
+* Computation runs in ``dtype`` (float32 or float64); the input and the
+  weights are cast to it, and every returned array has it.
+* ``batch_norm`` normalises over every axis but the last (channels):
+  (N, H, W) for images, (N,) for flat inputs.
+
+  - Inference: ``y = (x - moving_mean) / sqrt(moving_variance + epsilon) * gamma + beta``.
+  - Training: the same formula with the batch mean and the *biased* batch
+    variance (divided by m = N*H*W). The moving statistics are not changed
+    in place; the new values are reported as
+    ``new = momentum * old + (1 - momentum) * batch_stat``, where the batch
+    variance used for this update is the *unbiased* (Bessel-corrected,
+    ``var * m / (m - 1)``) one, as PyTorch and TensorFlow's fused batch norm
+    do. With m == 1 the correction factor is taken as 1 (TensorFlow's rule).
+* ``dropout`` is the identity in inference. In training it is inverted
+  dropout: ``y = x * keep / (1 - rate)`` with ``keep = u >= rate`` where
+  ``u = rng.random(x.shape)`` (float64 draws, so float32 and float64 runs use
+  the same mask) and ``rng = np.random.default_rng(seed)`` is created once
+  per run and drawn from by dropout nodes in graph (topological) order. A
+  given seed therefore always gives the same masks.
+* ``max_pool`` treats padding as -inf. Its gradient goes to the first maximum
+  of each window in row-major (kh, kw) order.
+* ``relu``'s gradient at exactly 0 is 0.
+* ``softmax`` runs over the last axis, shifted by the row maximum.
+* The loss targets are ``one_hot(labels) * (1 - label_smoothing) +
+  label_smoothing / classes``. If the output node is a softmax, the loss is
+  computed from its logits with a stable log-softmax and the gradient enters
+  the graph at the logits as ``(p - y) / N``. Otherwise the output is taken
+  as probabilities: ``loss = -mean_n sum_c y * log(clip(p, 1e-7, 1 - 1e-7))``,
+  and the gradient is zero where ``p`` lies outside the clip range.
+
+Speed: convolutions are im2col (``sliding_window_view`` on the padded input)
+plus one GEMM; their backward passes are two GEMMs and a col2im that adds the
+kh*kw shifted slices with strided slice-adds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from aiperf_core.errors import GraphError
+from aiperf_core.ir import Graph, Node
+from aiperf_core.weights import validate_weights
+
+__all__ = ["Trace", "backward", "forward", "loss_and_grads", "run"]
+
+TRAINABLE_PARAMS = ("kernel", "bias", "gamma", "beta")
+PROBABILITY_CLIP = 1e-7
+_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+Params = Mapping[str, np.ndarray]
+
+
+@dataclass
+class Trace:
+    """A recorded forward pass: every node's output and what backward needs.
+
+    ``outputs`` maps node id -> array (batch axis first). Treat the arrays as
+    read-only: an identity op (inference dropout) may share its input's array.
+    ``caches`` holds small per-node extras (batch-norm statistics, dropout
+    masks, max-pool argmax). ``weights`` are the weights cast to ``dtype``.
+    """
+
+    graph: Graph
+    weights: dict[str, dict[str, np.ndarray]]
+    training: bool
+    dtype: np.dtype
+    seed: int
+    outputs: dict[str, np.ndarray]
+    moving_updates: dict[str, dict[str, np.ndarray]]
+    caches: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def output(self) -> np.ndarray:
+        return self.outputs[self.graph.output_id]
+
+
+@dataclass
+class _Context:
+    training: bool
+    keep: bool  # record what backward needs
+    rng: np.random.Generator
+    moving_updates: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------
+# Helpers shared by the windowed ops
+# ---------------------------------------------------------------------------
+
+
+def _pad(x: np.ndarray, padding, value: float) -> np.ndarray:
+    pt, pb, pl, pr = padding
+    if not (pt or pb or pl or pr):
+        return x
+    return np.pad(x, ((0, 0), (pt, pb), (pl, pr), (0, 0)), mode="constant", constant_values=value)
+
+
+def _out_size(size: int, kernel: int, stride: int) -> int:
+    return (size - kernel) // stride + 1
+
+
+def _window(xp: np.ndarray, i: int, j: int, strides, out_hw) -> np.ndarray:
+    """The strided slice of padded ``xp`` that kernel offset (i, j) reads, shape (N, Ho, Wo, C)."""
+    sh, sw = strides
+    ho, wo = out_hw
+    return xp[:, i : i + sh * (ho - 1) + 1 : sh, j : j + sw * (wo - 1) + 1 : sw, :]
+
+
+def _im2col(x: np.ndarray, kernel, strides, padding) -> tuple[np.ndarray, tuple[int, int]]:
+    """Patches of shape (N*Ho*Wo, kh*kw*C), columns in (kh, kw, C) order.
+
+    That order matches an HWIO kernel reshaped to (kh*kw*C, filters), so a
+    convolution is one GEMM: ``patches @ kernel.reshape(-1, filters)``.
+    """
+    kh, kw = kernel
+    sh, sw = strides
+    n, c = x.shape[0], x.shape[-1]
+    xp = _pad(x, padding, 0.0)
+    if kh == 1 and kw == 1:  # padding < kernel, so there is none
+        view = xp[:, ::sh, ::sw, :]
+        ho, wo = view.shape[1:3]
+        return np.ascontiguousarray(view).reshape(n * ho * wo, c), (ho, wo)
+    windows = sliding_window_view(xp, (kh, kw), axis=(1, 2))[:, ::sh, ::sw]  # (N, Ho, Wo, C, kh, kw)
+    ho, wo = windows.shape[1:3]
+    patches = np.ascontiguousarray(windows.transpose(0, 1, 2, 4, 5, 3))  # (N, Ho, Wo, kh, kw, C)
+    return patches.reshape(n * ho * wo, kh * kw * c), (ho, wo)
+
+
+def _col2im(dpatches: np.ndarray, x_shape, kernel, strides, padding, out_hw) -> np.ndarray:
+    """Adjoint of :func:`_im2col`: add each kernel offset's patch gradient back onto the input."""
+    n, h, w, c = x_shape
+    kh, kw = kernel
+    sh, sw = strides
+    pt, pb, pl, pr = padding
+    ho, wo = out_hw
+    if kh == 1 and kw == 1 and sh == 1 and sw == 1:
+        return dpatches.reshape(n, h, w, c)
+    d = dpatches.reshape(n, ho, wo, kh, kw, c)
+    dxp = np.zeros((n, h + pt + pb, w + pl + pr, c), dtype=dpatches.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            _window(dxp, i, j, strides, out_hw)[...] += d[:, :, :, i, j, :]
+    return dxp[:, pt : pt + h, pl : pl + w, :]
+
+
+# ---------------------------------------------------------------------------
+# Forward ops: (node, inputs, params, ctx) -> (output, cache or None)
+# ---------------------------------------------------------------------------
+
+
+def _conv2d(node: Node, inputs, params: Params, ctx: _Context):
+    (x,) = inputs
+    a = node.attrs
+    patches, (ho, wo) = _im2col(x, a["kernel"], a["strides"], a["padding"])
+    kernel = params["kernel"]
+    y = patches @ kernel.reshape(-1, kernel.shape[-1])
+    if a["use_bias"]:
+        y += params["bias"]
+    return y.reshape(x.shape[0], ho, wo, kernel.shape[-1]), None
+
+
+def _batch_norm(node: Node, inputs, params: Params, ctx: _Context):
+    (x,) = inputs
+    axes = tuple(range(x.ndim - 1))
+    if ctx.training:
+        mean = x.mean(axis=axes)
+        var = np.square(x - mean).mean(axis=axes)  # biased: normalises the batch
+        m = x.size // x.shape[-1]
+        unbiased = var * (m / max(m - 1, 1))  # Bessel-corrected: feeds the moving average
+        momentum = node.attrs["momentum"]
+        ctx.moving_updates[node.id] = {
+            "moving_mean": momentum * params["moving_mean"] + (1.0 - momentum) * mean,
+            "moving_variance": momentum * params["moving_variance"] + (1.0 - momentum) * unbiased,
+        }
+    else:
+        mean, var = params["moving_mean"], params["moving_variance"]
+    inv_std = 1.0 / np.sqrt(var + node.attrs["epsilon"])
+    y = x - mean
+    y *= params["gamma"] * inv_std
+    y += params["beta"]
+    return y, {"mean": mean, "inv_std": inv_std}
+
+
+def _relu(node: Node, inputs, params: Params, ctx: _Context):
+    return np.maximum(inputs[0], 0), None
+
+
+def _add(node: Node, inputs, params: Params, ctx: _Context):
+    y = inputs[0] + inputs[1]
+    for other in inputs[2:]:
+        y += other
+    return y, None
+
+
+def _concat(node: Node, inputs, params: Params, ctx: _Context):
+    return np.concatenate(inputs, axis=-1), None
+
+
+def _max_pool(node: Node, inputs, params: Params, ctx: _Context):
+    (x,) = inputs
+    a = node.attrs
+    kh, kw = a["kernel"]
+    sh, sw = a["strides"]
+    xp = _pad(x, a["padding"], -np.inf)
+    out_hw = (_out_size(xp.shape[1], kh, sh), _out_size(xp.shape[2], kw, sw))
+    best = _window(xp, 0, 0, a["strides"], out_hw).copy()
+    argmax = np.zeros(best.shape, np.min_scalar_type(kh * kw - 1)) if ctx.keep else None
+    for k in range(1, kh * kw):  # row-major over the window; strict '>' keeps the first maximum
+        v = _window(xp, *divmod(k, kw), a["strides"], out_hw)
+        if argmax is not None:
+            np.putmask(argmax, v > best, k)
+        np.maximum(best, v, out=best)
+    return best, ({"argmax": argmax} if argmax is not None else None)
+
+
+def _global_avg_pool(node: Node, inputs, params: Params, ctx: _Context):
+    return inputs[0].mean(axis=(1, 2)), None
+
+
+def _flatten(node: Node, inputs, params: Params, ctx: _Context):
+    x = inputs[0]
+    return x.reshape(x.shape[0], -1), None
+
+
+def _dense(node: Node, inputs, params: Params, ctx: _Context):
+    y = inputs[0] @ params["kernel"]
+    if node.attrs["use_bias"]:
+        y += params["bias"]
+    return y, None
+
+
+def _softmax(node: Node, inputs, params: Params, ctx: _Context):
+    z = inputs[0] - inputs[0].max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True), None
+
+
+def _dropout(node: Node, inputs, params: Params, ctx: _Context):
+    (x,) = inputs
+    rate = node.attrs["rate"]
+    if not ctx.training or rate == 0.0:
+        return x, None
+    keep = ctx.rng.random(x.shape) >= rate  # float64 draws: the same mask whatever the dtype
+    mask = np.where(keep, 1.0 / (1.0 - rate), 0.0).astype(x.dtype)
+    return x * mask, {"mask": mask}
+
+
+_FORWARD: dict[str, Callable] = {
+    "conv2d": _conv2d,
+    "batch_norm": _batch_norm,
+    "relu": _relu,
+    "add": _add,
+    "concat": _concat,
+    "max_pool": _max_pool,
+    "global_avg_pool": _global_avg_pool,
+    "flatten": _flatten,
+    "dense": _dense,
+    "softmax": _softmax,
+    "dropout": _dropout,
+}
+
+
+# ---------------------------------------------------------------------------
+# Backward ops: (node, dy, inputs, output, params, cache, training)
+#   -> ([gradient per input], {param: gradient})
+# None of them modifies dy or any input in place.
+# ---------------------------------------------------------------------------
+
+
+def _conv2d_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    (x,) = inputs
+    a = node.attrs
+    kernel = params["kernel"]
+    filters = kernel.shape[-1]
+    dy2 = dy.reshape(-1, filters)
+    patches, out_hw = _im2col(x, a["kernel"], a["strides"], a["padding"])
+    grads = {"kernel": (patches.T @ dy2).reshape(kernel.shape)}
+    if a["use_bias"]:
+        grads["bias"] = dy2.sum(axis=0)
+    dpatches = dy2 @ kernel.reshape(-1, filters).T
+    dx = _col2im(dpatches, x.shape, a["kernel"], a["strides"], a["padding"], out_hw)
+    return [dx], grads
+
+
+def _batch_norm_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    (x,) = inputs
+    axes = tuple(range(x.ndim - 1))
+    gamma, inv_std = params["gamma"], cache["inv_std"]
+    xhat = (x - cache["mean"]) * inv_std
+    dbeta = dy.sum(axis=axes)
+    dgamma = (dy * xhat).sum(axis=axes)
+    if training:
+        # The batch mean and variance depend on x too:
+        # dx = gamma * inv_std * (dy - mean(dy) - xhat * mean(dy * xhat)).
+        m = x.size // x.shape[-1]
+        dx = (gamma * inv_std) * (dy - dbeta / m - xhat * (dgamma / m))
+    else:
+        dx = dy * (gamma * inv_std)
+    return [dx], {"gamma": dgamma, "beta": dbeta}
+
+
+def _relu_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    return [np.where(out > 0, dy, 0)], {}
+
+
+def _add_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    return [dy] * len(inputs), {}
+
+
+def _concat_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    bounds = np.cumsum([x.shape[-1] for x in inputs])[:-1]
+    return np.split(dy, bounds, axis=-1), {}
+
+
+def _max_pool_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    (x,) = inputs
+    a = node.attrs
+    kh, kw = a["kernel"]
+    pt, pb, pl, pr = a["padding"]
+    n, h, w, c = x.shape
+    argmax = cache["argmax"]
+    out_hw = dy.shape[1:3]
+    dxp = np.zeros((n, h + pt + pb, w + pl + pr, c), dtype=dy.dtype)
+    for k in range(kh * kw):
+        _window(dxp, *divmod(k, kw), a["strides"], out_hw)[...] += np.where(argmax == k, dy, 0)
+    return [dxp[:, pt : pt + h, pl : pl + w, :]], {}
+
+
+def _global_avg_pool_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    (x,) = inputs
+    dx = np.empty_like(x)
+    dx[...] = (dy / (x.shape[1] * x.shape[2]))[:, None, None, :]
+    return [dx], {}
+
+
+def _flatten_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    return [dy.reshape(inputs[0].shape)], {}
+
+
+def _dense_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    (x,) = inputs
+    grads = {"kernel": x.T @ dy}
+    if node.attrs["use_bias"]:
+        grads["bias"] = dy.sum(axis=0)
+    return [dy @ params["kernel"].T], grads
+
+
+def _softmax_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    # J = diag(p) - p p^T (symmetric), so J @ dy = p * (dy - <dy, p>).
+    return [out * (dy - (dy * out).sum(axis=-1, keepdims=True))], {}
+
+
+def _dropout_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    return [dy * cache["mask"] if cache is not None else dy], {}
+
+
+_BACKWARD: dict[str, Callable] = {
+    "conv2d": _conv2d_grad,
+    "batch_norm": _batch_norm_grad,
+    "relu": _relu_grad,
+    "add": _add_grad,
+    "concat": _concat_grad,
+    "max_pool": _max_pool_grad,
+    "global_avg_pool": _global_avg_pool_grad,
+    "flatten": _flatten_grad,
+    "dense": _dense_grad,
+    "softmax": _softmax_grad,
+    "dropout": _dropout_grad,
+}
+
+
+# ---------------------------------------------------------------------------
+# Execution
+# ---------------------------------------------------------------------------
+
+
+def _check_dtype(dtype) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt not in _DTYPES:
+        raise ValueError(f"dtype must be float32 or float64, got {dt}")
+    return dt
+
+
+def _check_input(graph: Graph, x, dt: np.dtype) -> np.ndarray:
+    node = graph.input_id
+    arr = np.asarray(x)
+    want = tuple(graph.input_shape)
+    expected = "[N, " + ", ".join(str(d) for d in want) + "]"
+    if arr.ndim != len(want) + 1 or tuple(arr.shape[1:]) != want:
+        raise GraphError(f"input batch has shape {list(arr.shape)}, expected {expected}", node)
+    if arr.shape[0] < 1:
+        raise GraphError(f"input batch is empty (shape {list(arr.shape)})", node)
+    if arr.dtype.kind not in "fiu":
+        raise GraphError(f"input batch must hold real numbers, got dtype {arr.dtype}", node)
+    return arr.astype(dt, copy=False)
+
+
+def _cast_weights(graph: Graph, weights, dt: np.dtype) -> dict[str, dict[str, np.ndarray]]:
+    if not isinstance(weights, Mapping):
+        raise GraphError(f"weights must be a mapping {{node id: {{param: array}}}}, got {type(weights).__name__}")
+    validate_weights(graph, weights)
+    return {nid: {p: np.asarray(a, dtype=dt) for p, a in params.items()} for nid, params in weights.items()}
+
+
+def _execute(graph: Graph, weights, x, *, training: bool, dtype, seed: int, keep: bool):
+    if not isinstance(graph, Graph):
+        raise TypeError(f"graph must be an aiperf_core.ir.Graph, got {type(graph).__name__}")
+    dt = _check_dtype(dtype)
+    w = _cast_weights(graph, weights, dt)
+    x = _check_input(graph, x, dt)
+    ctx = _Context(training=bool(training), keep=keep, rng=np.random.default_rng(seed))
+    # Without keep, drop each value after its last reader to bound memory.
+    last_reader = {}
+    if not keep:
+        for index, node in enumerate(graph.nodes):
+            for i in node.inputs:
+                last_reader[i] = index
+    values: dict[str, np.ndarray] = {}
+    caches: dict[str, dict[str, Any]] = {}
+    for index, node in enumerate(graph.nodes):
+        if node.op == "input":
+            out, cache = x, None
+        else:
+            out, cache = _FORWARD[node.op](node, [values[i] for i in node.inputs], w.get(node.id, {}), ctx)
+        values[node.id] = out
+        if keep and cache is not None:
+            caches[node.id] = cache
+        if not keep:
+            for i in node.inputs:
+                if last_reader[i] == index:
+                    del values[i]
+    return Trace(graph, w, ctx.training, dt, seed, values, ctx.moving_updates, caches)
+
+
+def forward(graph: Graph, weights, x, *, training: bool = False, dtype=np.float64, seed: int = 0) -> np.ndarray:
+    """The output node's value for the batch ``x`` (N, H, W, C) or (N, C)."""
+    trace = _execute(graph, weights, x, training=training, dtype=dtype, seed=seed, keep=False)
+    return trace.output
+
+
+def run(graph: Graph, weights, x, *, training: bool = False, dtype=np.float64, seed: int = 0) -> Trace:
+    """Forward pass that keeps every node's output and what :func:`backward` needs."""
+    return _execute(graph, weights, x, training=training, dtype=dtype, seed=seed, keep=True)
+
+
+def _backward_from(trace: Trace, start: str, grad: np.ndarray):
+    """Propagate ``grad`` (d loss / d output of node ``start``) back to the input and the parameters."""
+    graph = trace.graph
+    grads: dict[str, np.ndarray] = {start: grad}
+    param_grads: dict[str, dict[str, np.ndarray]] = {nid: {} for nid in graph.all_param_shapes()}
+    grad_input = None
+    for node in reversed(graph.nodes):
+        dy = grads.pop(node.id, None)
+        if dy is None:  # downstream of start, or unreachable from it
+            continue
+        if node.op == "input":
+            grad_input = dy
+            continue
+        dxs, pgrads = _BACKWARD[node.op](
+            node, dy, [trace.outputs[i] for i in node.inputs], trace.outputs[node.id],
+            trace.weights.get(node.id, {}), trace.caches.get(node.id), trace.training,
+        )
+        if pgrads:
+            param_grads[node.id].update(pgrads)
+        for i, dx in zip(node.inputs, dxs):
+            grads[i] = dx if i not in grads else grads[i] + dx  # never in place: dx may be shared
+    for nid, shapes in graph.all_param_shapes().items():
+        for pname, shape in shapes.items():
+            if pname in TRAINABLE_PARAMS and pname not in param_grads[nid]:
+                param_grads[nid][pname] = np.zeros(shape, trace.dtype)
+    if grad_input is None:
+        grad_input = np.zeros_like(trace.outputs[graph.input_id])
+    return np.ascontiguousarray(grad_input), param_grads
+
+
+def backward(trace: Trace, grad_output) -> tuple[np.ndarray, dict[str, dict[str, np.ndarray]]]:
+    """Gradients of ``sum(trace.output * grad_output)`` w.r.t. the input and the trainable parameters.
+
+    Returns ``(grad_input, param_grads)``; ``param_grads`` is
+    ``{node id: {"kernel"|"bias"|"gamma"|"beta": array}}``. In training mode
+    batch norm is differentiated through its batch statistics; in inference
+    mode it is the affine map of the moving statistics.
+    """
+    g = np.asarray(grad_output, dtype=trace.dtype)
+    if g.shape != trace.output.shape:
+        raise GraphError(
+            f"grad_output has shape {list(g.shape)}, expected the output's {list(trace.output.shape)}",
+            trace.graph.output_id,
+        )
+    return _backward_from(trace, trace.graph.output_id, g)
+
+
+def _targets(labels, n: int, classes: int, label_smoothing: float, dt: np.dtype, node: str) -> np.ndarray:
+    lab = np.asarray(labels)
+    if lab.shape != (n,):
+        raise GraphError(f"labels have shape {list(lab.shape)}, expected [{n}] (one class index per image)", node)
+    if lab.dtype.kind not in "iu":
+        raise GraphError(f"labels must be integer class indices, got dtype {lab.dtype}", node)
+    if lab.min() < 0 or lab.max() >= classes:
+        raise GraphError(f"labels must lie in [0, {classes}), got values in [{lab.min()}, {lab.max()}]", node)
+    ls = float(label_smoothing)
+    if not 0.0 <= ls <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    y = np.full((n, classes), ls / classes, dtype=dt)
+    y[np.arange(n), lab] += 1.0 - ls
+    return y
+
+
+def loss_and_grads(
+    graph: Graph, weights, x, labels, *, label_smoothing: float = 0.0, training: bool = True,
+    dtype=np.float64, seed: int = 0,
+) -> tuple[float, dict[str, dict[str, np.ndarray]], dict[str, dict[str, np.ndarray]]]:
+    """Mean categorical cross-entropy against smoothed one-hot labels, its parameter gradients
+    and the batch-norm moving-statistics updates (empty in inference mode)."""
+    trace = run(graph, weights, x, training=training, dtype=dtype, seed=seed)
+    out_id = graph.output_id
+    if len(graph.output_shape) != 1:
+        raise GraphError(f"the loss needs a flat class output, got shape {list(graph.output_shape)}", out_id)
+    p = trace.output
+    n, classes = p.shape
+    y = _targets(labels, n, classes, label_smoothing, trace.dtype, out_id)
+    out_node = graph[out_id]
+    if out_node.op == "softmax":
+        logits_id = out_node.inputs[0]
+        z = trace.outputs[logits_id]
+        shifted = z - z.max(axis=1, keepdims=True)
+        log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        loss = -(y * log_p).sum() / n
+        _, param_grads = _backward_from(trace, logits_id, (p - y) / n)
+    else:
+        lo, hi = PROBABILITY_CLIP, 1.0 - PROBABILITY_CLIP
+        clipped = np.clip(p, lo, hi)
+        loss = -(y * np.log(clipped)).sum() / n
+        dp = np.where((p >= lo) & (p <= hi), -y / (clipped * n), 0).astype(trace.dtype)
+        _, param_grads = _backward_from(trace, out_id, dp)
+    return float(loss), param_grads, trace.moving_updates
