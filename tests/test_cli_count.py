@@ -76,3 +76,23 @@ def test_bad_json_file_subprocess(tmp_path):
     assert proc.stderr.strip().endswith("node 'y': unknown op 'warp'") and proc.stderr.count("\n") == 1
     proc = subprocess.run([sys.executable, "-m", "aiperf_core", "--debug", "count", str(bad)], capture_output=True, text=True)
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_count_onnx_file_and_unsupported_op(tmp_path, capsys):
+    import onnx
+    from onnx import TensorProto, helper
+
+    from aiperf_core.onnx_io import export_onnx
+
+    path = tmp_path / "small.onnx"
+    export_onnx(resnet_small(), path=path)
+    data = run_json(capsys, str(path))
+    assert data["fp"] > 0 and data["nodes"][-1]["shape"] == [10]
+    node = helper.make_node("LRN", ["input"], ["y"], name="norm1", size=3)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 3, 8, 8])])
+    bad = tmp_path / "lrn.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), bad)
+    assert main(["count", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "LRN" in err and "norm1" in err and err.count("\n") == 1
