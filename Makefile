@@ -3,16 +3,20 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
-EXTRAS ?= dev
-STAMP  := $(VENV)/.installed-$(EXTRAS)
+# What `make test` exercises: test tools, ONNX, search, and every backend the kit runs on.
+EXTRAS ?= dev,torch
+PLUGINS := plugins/aiperf-numpy
+comma  := ,
+STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: run test bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml constraints.txt
+$(STAMP): $(BIN)/python pyproject.toml constraints.txt $(PLUGINS)/pyproject.toml
 	$(PIP) -e ".[$(EXTRAS)]"
+	$(PIP) --no-deps $(foreach p,$(PLUGINS),-e $(p))
 	@touch $@
 
 install: $(STAMP)

@@ -95,13 +95,12 @@ class CounterConvention:
     mac_ops: ops per multiply-accumulate (2 when a MAC counts as a mul and an add).
     padding: 'paper' when padded taps are counted, 'valid' when only taps on real input are.
     covers: opcount categories the counter measures; the others it reports as 0 or leaves out.
-    backward: how the counter's backward relates to the analytic one, in words.
     """
 
     mac_ops: int
     padding: str
     covers: tuple[str, ...]
-    backward: str = ""
+    includes_update: bool = False  # whether a backward count contains the weight update
     notes: str = ""
 
 

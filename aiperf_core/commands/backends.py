@@ -31,5 +31,8 @@ def run(args) -> int:
                   f"  precisions: {', '.join(i.precisions)}")
         else:
             print(f"{mark} {i.name:<{width}}  unavailable: {i.reason}")
-    print(f"(* selected: '{selected}' from --backend, $AIPERF_BACKEND, the config file or the default)")
+    if selected not in {i.name for i in infos}:
+        print(f"selected: '{selected}', which is not installed")
+    else:
+        print(f"(* selected: '{selected}' from $AIPERF_BACKEND, the config file or the default)")
     return 0

@@ -1,0 +1,1 @@
+"""One module per conformance level; each defines checks(ctx) -> iterable of Check."""

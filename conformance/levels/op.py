@@ -1,0 +1,60 @@
+"""Level 'op': every IR op, forward and backward, against the NumPy reference."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+
+from conformance.cases import OP_CASES, OpCase, trained_looking_weights
+from conformance.kit import Check, Context, Outcome, compare, reference
+
+BATCH = 4
+
+
+def _inputs(ctx: Context, case: OpCase, salt: int) -> np.ndarray:
+    return ctx.rng(salt).normal(0, 1, (BATCH,) + case.input_shape).astype(np.float32)
+
+
+def forward(ctx: Context, case: OpCase, index: int) -> Outcome:
+    graph = case.graph()
+    weights = trained_looking_weights(graph, ctx.seed + index)
+    x = _inputs(ctx, case, index)
+    expected = reference().forward(graph, weights, x, dtype=np.float64)
+    model = ctx.backend.lower(graph, weights)
+    measured = ctx.backend.predict(model, x)
+    return compare(measured, expected, ctx.expectations.tolerance("op"), f"node 'op' ({graph['op'].op})")
+
+
+def backward(ctx: Context, case: OpCase, index: int) -> Outcome:
+    graph = case.with_head()
+    weights = trained_looking_weights(graph, ctx.seed + index)
+    x = _inputs(ctx, case, index)
+    labels = ctx.rng(index).integers(0, 3, BATCH)
+    ref_loss, ref_grads, _ = reference().loss_and_grads(graph, weights, x, labels, dtype=np.float64)
+    loss, grads = ctx.backend.loss_and_grads(ctx.backend.lower(graph, weights), x, labels)
+    return compare_grads(ctx, loss, grads, ref_loss, ref_grads, "op_grad")
+
+
+def compare_grads(ctx: Context, loss, grads, ref_loss, ref_grads, tolerance_key: str) -> Outcome:
+    tol = ctx.expectations.tolerance(tolerance_key)
+    outcome = compare(np.array(loss), np.array(ref_loss), tol, "loss")
+    if not outcome.passed:
+        return outcome
+    worst = outcome
+    for node_id, params in ref_grads.items():
+        for name, expected in params.items():
+            if node_id not in grads or name not in grads[node_id]:
+                return Outcome(False, "missing", name, tol, f"node '{node_id}': no gradient for '{name}'")
+            o = compare(grads[node_id][name], expected, tol, f"node '{node_id}' gradient '{name}'")
+            if not o.passed:
+                return o
+            if o.measured > (worst.measured or 0):
+                worst = o
+    return worst
+
+
+def checks(ctx: Context):
+    for i, case in enumerate(OP_CASES):
+        yield Check("op", f"{case.name}/forward", partial(forward, case=case, index=i))
+        yield Check("op", f"{case.name}/backward", partial(backward, case=case, index=i))

@@ -1,0 +1,95 @@
+"""Level 'train': a step lowers the loss, gradients match the reference, weights round-trip
+exactly, and a short run of the small ResNet learns the digits dataset."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from aiperf_core.backend import Dataset, Schedule, TrainConfig
+from aiperf_core.builders import resnet_small
+from conformance.cases import trained_looking_weights
+from conformance.kit import Check, Context, Outcome, compare, reference
+from conformance.levels.op import compare_grads
+
+# The digits run: enough for the small ResNet to pass 90% with plain SGD on every backend.
+DIGITS_EPOCHS = 8
+DIGITS_BATCH = 32
+DIGITS_LR = 0.05
+
+
+def _small(ctx: Context, size: int = 16, classes: int = 5):
+    graph = resnet_small((size, size, 3), classes)
+    return graph, trained_looking_weights(graph, ctx.seed)
+
+
+def step_lowers_loss(ctx: Context) -> Outcome:
+    graph, weights = _small(ctx)
+    rng = ctx.rng(11)
+    x = rng.normal(0, 1, (16,) + graph.input_shape).astype(np.float32)
+    y = rng.integers(0, 5, 16)
+    model = ctx.backend.lower(graph, weights)
+    before, _ = ctx.backend.loss_and_grads(model, x, y)
+    data = Dataset(x, y, x, y, 5)
+    config = TrainConfig(epochs=1, batch_size=16, schedule=Schedule(initial=0.01), seed=ctx.seed)
+    ctx.backend.train(model, data, config)
+    after, _ = ctx.backend.loss_and_grads(model, x, y)
+    return Outcome(bool(after < before), after, f"< {before}", None,
+                   f"training-mode loss on the fixed batch went from {before:.5f} to {after:.5f}")
+
+
+def gradients(ctx: Context) -> Outcome:
+    graph, weights = _small(ctx)
+    rng = ctx.rng(12)
+    x = rng.normal(0, 1, (4,) + graph.input_shape).astype(np.float32)
+    y = rng.integers(0, 5, 4)
+    ref_loss, ref_grads, _ = reference().loss_and_grads(graph, weights, x, y, label_smoothing=0.1, dtype=np.float64)
+    loss, grads = ctx.backend.loss_and_grads(ctx.backend.lower(graph, weights), x, y, label_smoothing=0.1)
+    return compare_grads(ctx, loss, grads, ref_loss, ref_grads, "train_grad")
+
+
+def weights_round_trip(ctx: Context) -> Outcome:
+    graph, weights = _small(ctx)
+    model = ctx.backend.lower(graph, weights)
+    exported = ctx.backend.export_weights(model)
+    for node_id, params in weights.items():
+        for name, value in params.items():
+            got = exported.get(node_id, {}).get(name)
+            if got is None or got.shape != value.shape or not np.array_equal(got.astype(np.float32), value):
+                return Outcome(False, "differs", "bitwise equal", 0,
+                               f"node '{node_id}': weight '{name}' did not round-trip exactly")
+    other = trained_looking_weights(graph, ctx.seed + 1)
+    ctx.backend.import_weights(model, other)
+    exported = ctx.backend.export_weights(model)
+    same = all(np.array_equal(exported[n][p].astype(np.float32), other[n][p]) for n in other for p in other[n])
+    return Outcome(same, same, True, 0, "import then export returns the same arrays bit for bit")
+
+
+def digits_accuracy(ctx: Context) -> Outcome:
+    from aiperf_core.data.digits import load_digits
+
+    data = load_digits(32)
+    graph = resnet_small((32, 32, 3), data.classes)
+    model = ctx.backend.lower(graph)
+    epochs = 2 if ctx.quick else DIGITS_EPOCHS
+    config = TrainConfig(epochs=epochs, batch_size=DIGITS_BATCH, schedule=Schedule(initial=DIGITS_LR),
+                         seed=ctx.seed)
+    goal = ctx.expectations.tolerance("train_accuracy")
+    # Stop as soon as the goal is reached: the check is about learning, not about the time budget.
+    reports = ctx.backend.train(model, data, config, on_epoch=lambda r: r.val_accuracy >= goal)
+    stopped_early = bool(reports) and reports[-1].val_accuracy >= goal
+    if not reports or (len(reports) != epochs and not stopped_early) or len(reports) > epochs:
+        return Outcome(False, len(reports), epochs, None, f"{len(reports)} epoch reports for {epochs} epochs")
+    counted = [r.train_images for r in reports]
+    if any(c != len(data.y_train) for c in counted):
+        return Outcome(False, counted, len(data.y_train), 0, "images processed per epoch miscounted")
+    best = max(r.val_accuracy for r in reports)
+    return Outcome(best >= goal, best, goal, None,
+                   f"best validation accuracy {best:.3f} after {len(reports)} of at most {epochs} epochs "
+                   f"(goal {goal:.2f})")
+
+
+def checks(ctx: Context):
+    yield Check("train", "step_lowers_loss", step_lowers_loss)
+    yield Check("train", "gradients_match_reference", gradients)
+    yield Check("train", "weights_round_trip", weights_round_trip)
+    yield Check("train", "digits_accuracy", digits_accuracy)

@@ -1,0 +1,107 @@
+"""The NumPy reference backend: the aiperf backend contract on top of the reference executor.
+
+It is the template for vendor backends (see README.md): one class implementing
+aiperf_core.backend.Backend, registered under the entry-point group `aiperf.backends`, and a
+conformance data file shipped inside the package.
+"""
+
+from __future__ import annotations
+
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, TrainConfig, accuracy,
+                                 batches, cross_entropy)
+from aiperf_core.ir import Graph
+from aiperf_core.weights import Weights, init_weights, validate_weights
+from aiperf_numpy.executor import TRAINABLE_PARAMS, forward, loss_and_grads
+
+PREDICT_BATCH = 256
+
+
+@dataclass
+class NumpyModel:
+    graph: Graph
+    weights: Weights  # float32, canonical layout
+    precision: str = "fp32"
+
+
+def _copy(weights: Weights) -> Weights:
+    return {n: {p: np.array(a, dtype=np.float32, copy=True) for p, a in ps.items()} for n, ps in weights.items()}
+
+
+class NumpyBackend(Backend):
+    name = "numpy"
+
+    @classmethod
+    def availability(cls) -> Availability:
+        return Availability(True)
+
+    def framework_version(self) -> str:
+        return f"numpy {np.__version__}"
+
+    def devices(self) -> list[str]:
+        return [f"cpu ({platform.machine() or 'unknown'})"]
+
+    def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> NumpyModel:
+        self.check_precision(precision)
+        if weights is None:
+            weights = init_weights(graph, seed=0)
+        validate_weights(graph, weights)
+        return NumpyModel(graph, _copy(weights), precision)
+
+    def export_weights(self, model: NumpyModel) -> Weights:
+        return _copy(model.weights)
+
+    def import_weights(self, model: NumpyModel, weights: Weights) -> None:
+        validate_weights(model.graph, weights)
+        model.weights = _copy(weights)
+
+    def predict(self, model: NumpyModel, x: np.ndarray) -> np.ndarray:
+        parts = [forward(model.graph, model.weights, x[i:i + PREDICT_BATCH], dtype=np.float32)
+                 for i in range(0, len(x), PREDICT_BATCH)]
+        return np.concatenate(parts) if parts else np.zeros((0,) + model.graph.output_shape, np.float32)
+
+    def loss_and_grads(self, model: NumpyModel, x, labels, label_smoothing: float = 0.0):
+        loss, grads, _ = loss_and_grads(model.graph, model.weights, x, labels, label_smoothing=label_smoothing,
+                                        dtype=np.float32)
+        return loss, grads
+
+    def train(self, model: NumpyModel, data: Dataset, config: TrainConfig,
+              on_epoch: EpochCallback | None = None) -> list[EpochReport]:
+        self.check_precision(config.precision)
+        velocity = {n: {p: np.zeros_like(a) for p, a in ps.items() if p in TRAINABLE_PARAMS}
+                    for n, ps in model.weights.items()}
+        reports: list[EpochReport] = []
+        for epoch in range(config.epochs):
+            lr = config.schedule.rate(epoch, config.epochs)
+            rng = np.random.default_rng(config.seed + epoch)
+            seen, losses = 0, []
+            for index in batches(len(data.y_train), config.batch_size, rng):
+                loss, grads, moving = loss_and_grads(
+                    model.graph, model.weights, data.x_train[index], data.y_train[index],
+                    label_smoothing=config.label_smoothing, dtype=np.float32, seed=config.seed + seen)
+                for node_id, params in grads.items():
+                    for name, g in params.items():
+                        v = velocity[node_id][name]
+                        v *= config.momentum
+                        v += g
+                        model.weights[node_id][name] -= lr * v
+                for node_id, stats in moving.items():
+                    for name, value in stats.items():
+                        model.weights[node_id][name] = value.astype(np.float32)
+                seen += len(index)
+                losses.append(loss * len(index))
+            probs = self.predict(model, data.x_val)
+            report = EpochReport(epoch, seen, len(data.y_val), float(np.sum(losses) / max(seen, 1)),
+                                 cross_entropy(probs, data.y_val), accuracy(probs, data.y_val))
+            reports.append(report)
+            if on_epoch is not None and on_epoch(report):
+                break
+        return reports
+
+    def conformance_file(self) -> str:
+        return str(Path(__file__).with_name("conformance.json"))
