@@ -1,0 +1,70 @@
+"""Level 'morph': each morph preserves the backend's output, and the change in the native op count
+equals the change in the analytic count under the counter's convention."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+
+from aiperf_core.builders import resnet_small
+from aiperf_core.morph import random_morph
+from conformance.cases import trained_looking_weights
+from conformance.kit import Check, Context, Outcome, compare
+from conformance.levels.count import BATCH, EXACT_CATEGORIES, analytic_by_category
+
+MORPHS = ("deeper", "wider", "skip", "kernel")
+
+
+def _family(ctx: Context, op: str):
+    """(parent graph, parent weights, child MorphResult). 'kernel' needs a morph-added conv first."""
+    key = ("morph", op)
+    if key not in ctx.cache:
+        graph = resnet_small((16, 16, 3), 5)
+        weights = trained_looking_weights(graph, ctx.seed)
+        rng = ctx.rng(31)
+        if op == "kernel":
+            grown = random_morph(graph, weights, rng, ops=("deeper",))
+            graph, weights = grown.graph, grown.weights
+        ctx.cache[key] = (graph, weights, random_morph(graph, weights, rng, ops=(op,)))
+    return ctx.cache[key]
+
+
+def preserves_function(ctx: Context, op: str) -> Outcome:
+    graph, weights, child = _family(ctx, op)
+    x = ctx.rng(32).normal(0, 1, (4,) + graph.input_shape).astype(np.float32)
+    before = ctx.backend.predict(ctx.backend.lower(graph, weights), x)
+    after = ctx.backend.predict(ctx.backend.lower(child.graph, child.weights), x)
+    args = ", ".join(f"{k}={v}" for k, v in child.record["args"].items())
+    return compare(after, before, ctx.expectations.tolerance("morph"), f"{op}({args}): child vs parent output")
+
+
+def count_delta(ctx: Context, op: str) -> Outcome:
+    counter = ctx.backend.native_counter()
+    if counter is None:
+        return Outcome(False, None, None, None, f"backend '{ctx.backend.name}' offers no native op counter")
+    conv = counter.convention
+    graph, weights, child = _family(ctx, op)
+    deltas = []
+    for backward in (False, True):
+        native = [counter.count(ctx.backend.lower(g, w), BATCH, backward)
+                  for g, w in ((graph, weights), (child.graph, child.weights))]
+        analytic = [analytic_by_category(g, conv.padding, backward, conv.includes_update)
+                    for g in (graph, child.graph)]
+        for category in conv.covers:
+            got = int(native[1].get(category, 0)) - int(native[0].get(category, 0))
+            want = (analytic[1].get(category, 0) - analytic[0].get(category, 0)) * BATCH
+            tol = ctx.expectations.tolerance("count" if category in EXACT_CATEGORIES else "count_other")
+            err = abs(got - want) / max(abs(want), 1)
+            pass_name = "forward+backward" if backward else "forward"
+            if err > tol:
+                return Outcome(False, got, want, tol, f"{op} {pass_name} {category}: native change {got:,}, "
+                                                      f"analytic change {want:,}")
+            deltas.append(f"{pass_name} {category} {got:+,}")
+    return Outcome(True, 0.0, 0.0, None, f"{op}: " + "; ".join(deltas))
+
+
+def checks(ctx: Context):
+    for op in MORPHS:
+        yield Check("morph", f"{op}/preserves_function", partial(preserves_function, op=op))
+        yield Check("morph", f"{op}/count_delta", partial(count_delta, op=op))
