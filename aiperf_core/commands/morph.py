@@ -1,0 +1,129 @@
+"""aiperf morph MODEL: grow a model by function-preserving morphs and write the child's graph and weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from aiperf_core.builders import BUILDERS
+from aiperf_core.commands.options import image_shape, non_negative_int, positive_int
+from aiperf_core.errors import AiperfError
+
+HELP = "apply function-preserving morphs (deeper, wider, skip, kernel) to a model and write the child"
+
+DEFAULT_INPUT = (224, 224, 3)
+DEFAULT_CLASSES = 1000
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", metavar="MODEL", help="builder name (resnet50, resnet_small) or IR .json file")
+    p.add_argument("--weights", metavar="W.npz", default=None,
+                   help="the model's weights (default: He-initialised from --seed)")
+    p.add_argument("--input", type=image_shape, default=None, metavar="HxWxC",
+                   help="input shape for builder models (default 224x224x3)")
+    p.add_argument("--classes", type=positive_int, default=None, metavar="N",
+                   help="number of classes for builder models (default 1000)")
+    p.add_argument("--op", choices=("deeper", "wider", "skip", "kernel", "random"), default="random",
+                   help="the morph of every step; 'random' draws one per step (default)")
+    p.add_argument("--node", metavar="ID", default=None,
+                   help="target of every step: the relu for deeper, the conv for wider and kernel, "
+                        "the destination for skip (default: a random valid one)")
+    p.add_argument("--src", metavar="ID", default=None, help="source of the skip connection (with --op skip --node)")
+    p.add_argument("--steps", type=positive_int, default=1, metavar="N", help="number of morphs (default 1)")
+    p.add_argument("--seed", type=non_negative_int, default=0, metavar="S",
+                   help="seed of the random choices and of initial weights (default 0)")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for graph.json and weights.npz")
+    p.add_argument("--max-nodes", type=positive_int, default=None, metavar="N", help="cap on the child's node count")
+    p.add_argument("--max-params", type=positive_int, default=None, metavar="N",
+                   help="cap on the child's trainable parameters")
+    p.add_argument("--max-ops", type=positive_int, default=None, metavar="N",
+                   help="cap on the child's training ops per image (FP + BP, paper convention)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _check_targets(args) -> None:
+    if args.node is None and args.src is None:
+        return
+    if args.op == "random":
+        raise AiperfError("--node and --src need a specific --op, not random")
+    if args.op == "skip" and (args.node is None or args.src is None):
+        raise AiperfError("--op skip with a fixed target needs both --src and --node (the destination)")
+    if args.op != "skip" and args.src is not None:
+        raise AiperfError("--src applies to --op skip only")
+
+
+def _step(graph, weights, args, rng, caps):
+    from aiperf_core import morph
+
+    if args.node is None:
+        ops = morph.OPERATORS if args.op == "random" else (args.op,)
+        return morph.random_morph(graph, weights, rng, ops, caps=caps)
+    if args.op == "deeper":
+        return morph.deeper(graph, weights, args.node, caps=caps)
+    if args.op == "wider":
+        return morph.wider(graph, weights, args.node, rng=rng, caps=caps)
+    if args.op == "kernel":
+        return morph.kernel(graph, weights, args.node, caps=caps)
+    return morph.skip(graph, weights, args.src, args.node, caps=caps)
+
+
+def run(args) -> int:
+    import numpy as np
+
+    from aiperf_core.ir import save_graph
+    from aiperf_core.models import load_model
+    from aiperf_core.morph import MorphCaps
+    from aiperf_core.weights import init_weights, save_weights, validate_weights
+    from opcount import count
+
+    _check_targets(args)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise AiperfError(f"{out}: exists and is not a folder")
+    input_shape, classes = args.input, args.classes
+    if args.model in BUILDERS:
+        input_shape = input_shape or DEFAULT_INPUT
+        classes = classes or DEFAULT_CLASSES
+    graph, weights = load_model(args.model, input_shape, classes, args.weights)
+    if weights is None:
+        weights = init_weights(graph, args.seed)
+    caps = MorphCaps(args.max_nodes, args.max_params, args.max_ops)
+    rng = np.random.default_rng(args.seed)
+
+    start = count(graph)
+    fp, bp = start.fp, start.bp
+    summary = {"model": graph.name, "seed": args.seed,
+               "start": {"nodes": len(graph), "params": graph.num_params(), "fp": fp, "bp": bp}, "steps": []}
+    lines = [f"{graph.name}: {len(graph)} nodes, {graph.num_params():,} parameters, "
+             f"FP {fp:,} BP {bp:,} per image"]
+    for step in range(1, args.steps + 1):
+        result = _step(graph, weights, args, rng, caps)
+        graph, weights, record = result.graph, result.weights, result.record
+        fp, bp = fp + record["delta"]["fp"], bp + record["delta"]["bp"]
+        entry = {"step": step, "op": record["op"], "args": record["args"], "delta": record["delta"],
+                 "nodes": len(graph), "params": graph.num_params(), "fp": fp, "bp": bp}
+        summary["steps"].append(entry)
+        lines.append(f"step {step}: {record['op']} {_format_args(record['args'])}: "
+                     f"FP {record['delta']['fp']:+,} BP {record['delta']['bp']:+,} -> "
+                     f"{entry['nodes']} nodes, {entry['params']:,} parameters, FP {fp:,} BP {bp:,} per image")
+
+    validate_weights(graph, weights)
+    graph_path, weights_path = out / "graph.json", out / "weights.npz"
+    save_graph(graph, graph_path)
+    save_weights(weights, weights_path)
+    summary.update(graph=str(graph_path), weights=str(weights_path))
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        lines.append(f"wrote {graph_path} and {weights_path}")
+        print("\n".join(lines))
+    return 0
+
+
+def _format_args(args: dict) -> str:
+    parts = []
+    for key, value in args.items():
+        if isinstance(value, list):
+            value = f"<{len(value)} channels>" if key == "sources" else json.dumps(value)
+        parts.append(f"{key}={value}")
+    return " ".join(parts)
