@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import json
 
-from aiperf_core.builders import BUILDERS
-from aiperf_core.commands.options import image_shape, non_negative_int, positive_int
+from aiperf_core.commands.options import add_model_arguments, non_negative_int
 from aiperf_core.models import load_model
 
 HELP = "count the analytic operations of a model (builder name, IR .json or .onnx), per image and per epoch"
-
-DEFAULT_INPUT = (224, 224, 3)
-DEFAULT_CLASSES = 1000
 
 # Table 3's rows, in its order, from IR ops.
 _TABLE3_ROWS = (
@@ -27,11 +23,7 @@ _TABLE3_ROWS = (
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", metavar="MODEL", help="builder name (resnet50, resnet_small), IR .json or .onnx file")
-    p.add_argument("--input", type=image_shape, default=None, metavar="HxWxC",
-                   help="input shape for builder models (default 224x224x3)")
-    p.add_argument("--classes", type=positive_int, default=None, metavar="N",
-                   help="number of classes for builder models (default 1000)")
+    add_model_arguments(p)
     p.add_argument("--train-images", type=non_negative_int, default=None, metavar="N",
                    help="training images per epoch, for the per-epoch figure")
     p.add_argument("--val-images", type=non_negative_int, default=None, metavar="M",
@@ -44,11 +36,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from opcount import count
 
-    input_shape, classes = args.input, args.classes
-    if args.model in BUILDERS:
-        input_shape = input_shape or DEFAULT_INPUT
-        classes = classes or DEFAULT_CLASSES
-    graph, _ = load_model(args.model, input_shape, classes)
+    graph, _ = load_model(args.model, args.input, args.classes)
     result = count(graph, args.convention)
     epoch = args.train_images is not None or args.val_images is not None
     if args.json:

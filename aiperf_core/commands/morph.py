@@ -5,24 +5,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from aiperf_core.builders import BUILDERS
-from aiperf_core.commands.options import image_shape, non_negative_int, positive_int
+from aiperf_core.commands.options import add_model_arguments, non_negative_int, positive_int
 from aiperf_core.errors import AiperfError
 
 HELP = "apply function-preserving morphs (deeper, wider, skip, kernel) to a model and write the child"
 
-DEFAULT_INPUT = (224, 224, 3)
-DEFAULT_CLASSES = 1000
-
 
 def add_arguments(p) -> None:
-    p.add_argument("model", metavar="MODEL", help="builder name (resnet50, resnet_small) or IR .json file")
+    add_model_arguments(p, "builder name (resnet50, resnet_small) or IR .json file")
     p.add_argument("--weights", metavar="W.npz", default=None,
                    help="the model's weights (default: He-initialised from --seed)")
-    p.add_argument("--input", type=image_shape, default=None, metavar="HxWxC",
-                   help="input shape for builder models (default 224x224x3)")
-    p.add_argument("--classes", type=positive_int, default=None, metavar="N",
-                   help="number of classes for builder models (default 1000)")
     p.add_argument("--op", choices=("deeper", "wider", "skip", "kernel", "random"), default="random",
                    help="the morph of every step; 'random' draws one per step (default)")
     p.add_argument("--node", metavar="ID", default=None,
@@ -80,11 +72,7 @@ def run(args) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise AiperfError(f"{out}: exists and is not a folder")
-    input_shape, classes = args.input, args.classes
-    if args.model in BUILDERS:
-        input_shape = input_shape or DEFAULT_INPUT
-        classes = classes or DEFAULT_CLASSES
-    graph, weights = load_model(args.model, input_shape, classes, args.weights)
+    graph, weights = load_model(args.model, args.input, args.classes, args.weights)
     if weights is None:
         weights = init_weights(graph, args.seed)
     caps = MorphCaps(args.max_nodes, args.max_params, args.max_ops)

@@ -34,3 +34,12 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"'{text}' must not be negative")
     return value
+
+
+def add_model_arguments(p, what: str = "builder name (resnet50, resnet_small), IR .json or .onnx file") -> None:
+    """MODEL plus the builder-only shape options, shared by every command that takes a model."""
+    p.add_argument("model", metavar="MODEL", help=what)
+    p.add_argument("--input", type=image_shape, default=None, metavar="HxWxC",
+                   help="input shape for builder models (default: the builder's, 224x224x3 for resnet50)")
+    p.add_argument("--classes", type=positive_int, default=None, metavar="N",
+                   help="number of classes for builder models (default: the builder's, 1000 for resnet50)")
