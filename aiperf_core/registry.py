@@ -38,9 +38,17 @@ def _one_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+def _fresh_scan() -> None:
+    """stevedore caches entry points per group for the process; a plugin installed since must still show."""
+    from stevedore import ExtensionManager
+
+    ExtensionManager.ENTRY_POINT_CACHE.pop(NAMESPACE, None)
+
+
 def list_backends() -> list[BackendInfo]:
     from stevedore import ExtensionManager
 
+    _fresh_scan()
     failures: dict[str, BaseException] = {}
 
     def on_failure(_manager, entry_point, exc):
@@ -85,6 +93,7 @@ def load_backend(name: str) -> Backend:
     from stevedore import DriverManager
     from stevedore.exception import NoMatches
 
+    _fresh_scan()
     try:
         plugin = DriverManager(NAMESPACE, name, invoke_on_load=False).driver
     except NoMatches:

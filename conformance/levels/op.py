@@ -57,4 +57,5 @@ def compare_grads(ctx: Context, loss, grads, ref_loss, ref_grads, tolerance_key:
 def checks(ctx: Context):
     for i, case in enumerate(OP_CASES):
         yield Check("op", f"{case.name}/forward", partial(forward, case=case, index=i))
-        yield Check("op", f"{case.name}/backward", partial(backward, case=case, index=i))
+        if not case.stochastic:
+            yield Check("op", f"{case.name}/backward", partial(backward, case=case, index=i))

@@ -1,0 +1,286 @@
+"""TorchBackend: the aiperf Backend contract on PyTorch.
+
+torch is imported lazily, inside methods, so that `import backends.torch` and listing backends work
+where torch is not installed.
+
+* devices: every CUDA device ('cuda:0', ...) when CUDA is available, else ['cpu'].
+* precisions: fp32, plus bf16 and fp16 as mixed precision (torch.autocast, fp32 master weights;
+  fp16 training uses a GradScaler). A mixed precision is declared only where the first device runs
+  it natively (CUDA: fp16 always, bf16 where torch.cuda.is_bf16_supported(); CPU: where oneDNN
+  reports native bf16 / fp16 support) and a small probe (conv, batch norm, dense and the loss,
+  forward and backward, under autocast) produced finite values in the expected dtype. torch
+  2.13's CPU autocast accepts both bf16 and fp16 on any x86 CPU, but without the instructions it
+  emulates them, slower than fp32, which a benchmark should not offer as a choice.
+* train: one device trains in this process; several devices train data parallel, one spawned
+  process per device (see distributed.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, EpochCallback, EpochReport,
+                                 NativeCounter, TrainConfig)
+from aiperf_core.errors import GraphError
+from aiperf_core.ir import Graph
+from aiperf_core.weights import Weights, init_weights, validate_weights
+
+_PRECISION_CACHE: dict[str, tuple[str, ...]] = {}
+_THREADS_SET = False
+
+
+def _torch():
+    import torch
+
+    global _THREADS_SET
+    if not _THREADS_SET:
+        # torch takes one thread per core it detects; in a container limited to fewer cores
+        # (CPU affinity) that oversubscribes, so cap it at the cores this process may use.
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            cores = os.cpu_count() or 1
+        if torch.get_num_threads() > cores:
+            torch.set_num_threads(cores)
+        _THREADS_SET = True
+    return torch
+
+
+def _probe_precision(device: str, precision: str) -> bool:
+    """Whether mixed precision `precision` trains a tiny conv/BN/dense net on `device`."""
+    torch = _torch()
+    from backends.torch.training import AUTOCAST_DTYPES
+
+    dtype = AUTOCAST_DTYPES[precision]
+    dev = torch.device(device)
+    try:
+        if not torch.amp.is_autocast_available(dev.type):
+            return False
+        if dev.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
+            return False
+        if dev.type == "cpu" and not _cpu_has_native(torch, precision):
+            return False
+        gen = torch.Generator().manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+                                  torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 3)).to(dev)
+        x = torch.randn(2, 3, 6, 6, generator=gen).to(dev)
+        with torch.autocast(dev.type, dtype=dtype):
+            hidden = net[0](x)
+            logits = net[1:](hidden)
+            loss = torch.nn.functional.cross_entropy(logits.float(), torch.tensor([0, 2], device=dev))
+        if hidden.dtype != dtype:
+            return False
+        if precision == "fp16":
+            scaler = torch.amp.GradScaler(dev.type)
+            scaler.scale(loss).backward()
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+        return bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p).all()) for p in net.parameters())
+    except Exception:  # an unsupported dtype raises in many ways; it just is not declared
+        return False
+
+
+def _cpu_has_native(torch, precision: str) -> bool:
+    """Whether oneDNN runs `precision` natively on this CPU (AVX512-BF16/AMX for bf16,
+    AVX512-FP16/AMX-FP16 for fp16). Without it CPU autocast still runs, by converting, and is
+    several times slower than fp32 (fp16 training measured 3.5x slower on an AVX512-BF16 Zen 4
+    without FP16 units), so such a precision is not declared."""
+    try:
+        if precision == "bf16":
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    # -- discovery ----------------------------------------------------------
+    @classmethod
+    def availability(cls) -> Availability:
+        try:
+            import torch  # noqa: F401
+        except Exception as exc:  # ImportError, or a broken install raising anything else
+            detail = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return Availability(False, f"torch is not installed: {detail} (pip install 'aiperf[torch]')")
+        return Availability(True)
+
+    def framework_version(self) -> str:
+        return _torch().__version__
+
+    def devices(self) -> list[str]:
+        torch = _torch()
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        return ["cpu"]
+
+    def precisions(self) -> tuple[str, ...]:
+        device = self.devices()[0]
+        if device not in _PRECISION_CACHE:
+            _PRECISION_CACHE[device] = ("fp32",) + tuple(p for p in ("bf16", "fp16") if _probe_precision(device, p))
+        return _PRECISION_CACHE[device]
+
+    def native_counter(self) -> NativeCounter | None:
+        from backends.torch.counter import TorchFlopCounter
+
+        return TorchFlopCounter()
+
+    # -- models -------------------------------------------------------------
+    def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> Any:
+        from backends.torch.lowering import lower_graph
+
+        if not isinstance(graph, Graph):
+            raise TypeError(f"graph must be an aiperf_core.ir.Graph, got {type(graph).__name__}")
+        self.check_precision(precision)
+        if weights is None:
+            weights = init_weights(graph, seed=0)  # every backend starts from the same weights
+        validate_weights(graph, weights)
+        _torch()
+        return lower_graph(graph, weights, precision, self.devices()[0])
+
+    def export_weights(self, model: Any) -> Weights:
+        return _check_model(model).export_canonical()
+
+    def import_weights(self, model: Any, weights: Weights) -> None:
+        _check_model(model).load_canonical(weights)
+
+    def predict(self, model: Any, x: np.ndarray) -> np.ndarray:
+        torch = _torch()
+        from backends.torch.training import PREDICT_BATCH, autocast
+
+        model = _check_model(model)
+        x = _check_input(model.graph, x)
+        device = _device_of(model)
+        was_training = model.training
+        model.eval()
+        outputs = []
+        try:
+            with torch.no_grad():
+                for start in range(0, len(x), PREDICT_BATCH):
+                    xb = torch.from_numpy(x[start:start + PREDICT_BATCH]).to(device)
+                    with autocast(device, model.precision):
+                        out = model(xb)
+                    outputs.append(out.to("cpu", torch.float32).numpy())
+        finally:
+            model.train(was_training)
+        return np.ascontiguousarray(np.concatenate(outputs), dtype=np.float32)
+
+    def loss_and_grads(self, model: Any, x: np.ndarray, labels: np.ndarray,
+                       label_smoothing: float = 0.0) -> tuple[float, Weights]:
+        torch = _torch()
+        from backends.torch.training import autocast, preserved, summed_loss
+
+        model = _check_model(model)
+        x = _check_input(model.graph, x)
+        labels = _check_labels(model.graph, labels, len(x))
+        if not 0.0 <= float(label_smoothing) <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        device = _device_of(model)
+        was_training = model.training
+        # Training mode (batch statistics), but the running statistics and any gradients already
+        # held are restored: computing gradients never changes the model.
+        with preserved(model):
+            model.train()
+            try:
+                xt = torch.from_numpy(x).to(device)
+                yt = torch.from_numpy(labels).to(device)
+                # Dropout masks are the NumPy reference's for seed 0: deterministic, and comparable.
+                with autocast(device, model.precision), model.dropout_masks(np.random.default_rng(0)):
+                    total = summed_loss(model, xt, yt, float(label_smoothing))
+                loss = total / len(x)
+                if loss.requires_grad:  # a graph without parameters has no gradient to take
+                    loss.backward()
+                grads = model.canonical_grads()
+            finally:
+                model.train(was_training)
+        return float(loss.detach()), grads
+
+    def train(self, model: Any, data: Dataset, config: TrainConfig,
+              on_epoch: EpochCallback | None = None) -> list[EpochReport]:
+        from backends.torch.training import run_epochs
+
+        model = _check_model(model)
+        self.check_precision(config.precision)
+        _check_config(config)
+        _check_dataset(model.graph, data)
+        devices = self.devices()
+        if len(devices) > 1:
+            from backends.torch.distributed import train_data_parallel
+
+            return train_data_parallel(model, data, config, devices, on_epoch)
+        _torch()
+        return run_epochs(model, data, config, _device_of(model), on_epoch=on_epoch)
+
+
+# ---------------------------------------------------------------------------
+# Argument checks: errors name what is wrong instead of failing deep inside torch
+# ---------------------------------------------------------------------------
+
+
+def _check_model(model):
+    from backends.torch.lowering import LoweredModel
+
+    if not isinstance(model, LoweredModel):
+        raise BackendError(f"not a model lowered by the torch backend: {type(model).__name__}")
+    return model
+
+
+def _device_of(model):
+    for p in model.parameters():
+        return p.device
+    return _torch().device("cpu")
+
+
+def _check_input(graph: Graph, x) -> np.ndarray:
+    arr = np.asarray(x)
+    want = tuple(graph.input_shape)
+    if arr.ndim != len(want) + 1 or tuple(arr.shape[1:]) != want:
+        raise GraphError(f"input batch has shape {list(arr.shape)}, expected [N, {', '.join(map(str, want))}]",
+                         graph.input_id)
+    if arr.shape[0] < 1:
+        raise GraphError("input batch is empty", graph.input_id)
+    if arr.dtype.kind not in "fiu":
+        raise GraphError(f"input batch must hold real numbers, got dtype {arr.dtype}", graph.input_id)
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def _check_labels(graph: Graph, labels, n: int) -> np.ndarray:
+    lab = np.asarray(labels)
+    node = graph.output_id
+    if len(graph.output_shape) != 1:
+        raise GraphError(f"the loss needs a flat class output, got shape {list(graph.output_shape)}", node)
+    classes = graph.output_shape[0]
+    if lab.shape != (n,):
+        raise GraphError(f"labels have shape {list(lab.shape)}, expected [{n}] (one class index per image)", node)
+    if lab.dtype.kind not in "iu":
+        raise GraphError(f"labels must be integer class indices, got dtype {lab.dtype}", node)
+    if n and (lab.min() < 0 or lab.max() >= classes):
+        raise GraphError(f"labels must lie in [0, {classes}), got values in [{lab.min()}, {lab.max()}]", node)
+    return lab.astype(np.int64)
+
+
+def _check_config(config: TrainConfig) -> None:
+    if config.epochs < 0:
+        raise BackendError(f"epochs must be >= 0, got {config.epochs}")
+    if config.batch_size < 1:
+        raise BackendError(f"batch_size must be >= 1, got {config.batch_size}")
+    if not 0.0 <= config.label_smoothing <= 1.0:
+        raise BackendError(f"label_smoothing must be in [0, 1], got {config.label_smoothing}")
+
+
+def _check_dataset(graph: Graph, data: Dataset) -> None:
+    for xs, ys, what in ((data.x_train, data.y_train, "training"), (data.x_val, data.y_val, "validation")):
+        if len(xs) != len(ys):
+            raise BackendError(f"{what} set has {len(xs)} images but {len(ys)} labels")
+        if len(xs):
+            _check_input(graph, xs[:1])
+            _check_labels(graph, np.asarray(ys), len(ys))
+    if len(data.x_train) == 0:
+        raise BackendError("the training set is empty")

@@ -1,0 +1,310 @@
+"""Data parallelism over the local devices with torch.distributed (NCCL on GPUs, gloo on CPUs).
+
+`train_data_parallel` spawns one process per device. Every process lowers the same graph with the
+same weights, wraps it in DistributedDataParallel and runs training.run_epochs with its rank: each
+global batch of `config.batch_size` images is cut into contiguous shards, one per rank, and the
+gradients are all-reduced synchronously after every step.
+
+Batch norm is synchronised across the ranks (the statistics of a training step are those of the
+whole global batch, and the moving averages are updated from them identically on every rank). That
+makes data-parallel training mathematically the same as training on one device with the global
+batch, which is what a benchmark needs: the result must not depend on how many accelerators ran
+it. On CUDA this is torch.nn.SyncBatchNorm; torch's SyncBatchNorm refuses CPU tensors, so elsewhere
+(CPU with gloo, used by the tests) `DistributedBatchNorm` below does the same with two
+differentiable all-reduces per layer.
+
+Rank 0 reports each epoch to the parent, which calls the caller's on_epoch and sends back whether
+to stop; the decision is broadcast to all ranks. At the end rank 0 sends the trained weights
+(canonical NumPy arrays) back, and the parent loads them into its model.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_module
+import socket
+from dataclasses import asdict
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig
+from aiperf_core.ir import Graph
+
+MASTER_ADDR = "127.0.0.1"
+
+
+# ---------------------------------------------------------------------------
+# Synchronised batch norm for any device (torch's SyncBatchNorm is GPU-only)
+# ---------------------------------------------------------------------------
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Differentiable sum over the ranks: the gradient of a sum is the sum of the gradients."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM)
+        return grad
+
+
+class DistributedBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """Batch norm whose training statistics are those of the union of every rank's batch.
+
+    mean = sum(x) / count and the biased variance = sum((x - mean)^2) / count, each summed over the
+    ranks (two-pass, as stable as the single-device kernel); the moving variance gets the unbiased
+    one (count / (count - 1), factor 1 when count == 1), as the NumPy reference and torch do.
+    Ranks with an empty shard still take part in the collectives.
+    """
+
+    def _check_input_dim(self, input):
+        if input.dim() not in (2, 4):
+            raise ValueError(f"expected a 2D or 4D input, got {input.dim()}D")
+
+    def forward(self, x):
+        if not (self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            from backends.torch.lowering import _bn_single_value
+
+            if self.training and x.numel() == x.shape[1]:
+                return _bn_single_value(self, x)
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                self.training, self.momentum, self.eps)
+        channels = x.shape[1]
+        dims = [0] + list(range(2, x.dim()))
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        xf = x.float()
+        count = xf.new_full((1,), xf.numel() // channels)
+        stats = _AllReduceSum.apply(torch.cat([xf.sum(dims), count]))
+        total = stats[channels].detach()
+        mean = stats[:channels] / total
+        centred = xf - mean.view(shape)
+        var = _AllReduceSum.apply((centred * centred).sum(dims)) / total
+        y = centred * torch.rsqrt(var + self.eps).view(shape) * self.weight.view(shape) + self.bias.view(shape)
+        with torch.no_grad():
+            m = self.momentum
+            unbiased = var * (total / torch.clamp(total - 1, min=1))
+            self.running_mean.mul_(1 - m).add_(mean.to(self.running_mean.dtype), alpha=m)
+            self.running_var.mul_(1 - m).add_(unbiased.to(self.running_var.dtype), alpha=m)
+            self.num_batches_tracked.add_(1)
+        return y
+
+
+def convert_sync_batchnorm(model, device: torch.device):
+    """Replace every batch norm of a LoweredModel by a synchronised one (in place); returns the model."""
+    for key, module in list(model.layers.items()):
+        if not isinstance(module, nn.modules.batchnorm._BatchNorm):
+            continue
+        if device.type == "cuda":
+            new = nn.SyncBatchNorm(module.num_features, module.eps, module.momentum)
+        else:
+            new = DistributedBatchNorm(module.num_features, module.eps, module.momentum)
+        with torch.no_grad():
+            new.weight.copy_(module.weight)
+            new.bias.copy_(module.bias)
+            new.running_mean.copy_(module.running_mean)
+            new.running_var.copy_(module.running_var)
+            new.num_batches_tracked.copy_(module.num_batches_tracked)
+        model.layers[key] = new.to(device)
+    model.rebuild_plan()
+    return model
+
+
+# ---------------------------------------------------------------------------
+# Process groups
+# ---------------------------------------------------------------------------
+
+
+def free_port(host: str = MASTER_ADDR) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def process_group_backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(rank: int, world: int, device: torch.device, master_addr: str, master_port: int) -> None:
+    os.environ["MASTER_ADDR"] = master_addr
+    os.environ["MASTER_PORT"] = str(master_port)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(process_group_backend(device), rank=rank, world_size=world,
+                            init_method=f"tcp://{master_addr}:{master_port}")
+
+
+def set_worker_threads(world: int) -> None:
+    """Share this machine's cores between the ranks instead of each taking them all."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // world))
+
+
+def wrap(model, device: torch.device):
+    """Synchronised batch norm plus DistributedDataParallel around a lowered model on `device`."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    convert_sync_batchnorm(model, device)
+    if device.type == "cuda":
+        return DDP(model, device_ids=[device.index], output_device=device.index)
+    return DDP(model)
+
+
+def float_all_reduce(device: torch.device) -> Callable[[list[float]], list[float]]:
+    def reduce(values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
+    return reduce
+
+
+def shard(global_indices: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """This rank's contiguous part of a global batch (the shards partition the batch)."""
+    return np.array_split(global_indices, world)[rank]
+
+
+def ddp_step(stepper, x_global: torch.Tensor, y_global: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """One synchronous data-parallel SGD step on a global batch: this rank takes its shard.
+
+    `stepper` is a training.Stepper around the DDP-wrapped model. Returns the shard's summed loss.
+    """
+    part = torch.from_numpy(shard(np.arange(len(y_global)), rank, world))
+    return stepper.step(x_global.index_select(0, part), y_global.index_select(0, part), len(y_global), world)
+
+
+# ---------------------------------------------------------------------------
+# The spawned training job
+# ---------------------------------------------------------------------------
+
+
+def _start_rank(rank: int, job: dict):
+    """Process group, lowered model, synchronised BN and DDP for this rank: (model, ddp, device, config)."""
+    from backends.torch.lowering import lower_graph
+
+    world = job["world"]
+    device = torch.device(job["devices"][rank])
+    set_worker_threads(world)
+    init_process_group(rank, world, device, job["master_addr"], job["master_port"])
+    config: TrainConfig = job["config"]
+    model = lower_graph(Graph.from_dict(job["graph"]), job["weights"], config.precision, str(device))
+    return model, wrap(model, device), device, config
+
+
+def _rank_main(rank: int, job: dict) -> None:
+    """One rank of train_data_parallel: the whole epoch loop."""
+    from backends.torch.training import Stepper, run_epochs
+
+    try:
+        model, ddp, device, config = _start_rank(rank, job)
+        data = Dataset(*(t.numpy() for t in job["data"]), classes=job["classes"])
+        reports_q, replies_q = job["reports"], job["replies"]
+
+        def on_epoch(report: EpochReport) -> bool:
+            flag = torch.zeros(1, dtype=torch.int64, device=device)
+            if rank == 0:
+                reports_q.put(("epoch", asdict(report)))
+                flag[0] = int(bool(replies_q.get()))
+            dist.broadcast(flag, src=0)
+            return bool(flag.item())
+
+        run_epochs(ddp, data, config, device, rank=rank, world=job["world"], all_reduce=float_all_reduce(device),
+                   on_epoch=on_epoch, stepper=Stepper(ddp, device, config))
+        if rank == 0:
+            reports_q.put(("weights", model.export_canonical()))
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_rank_steps(rank: int, job: dict) -> None:
+    """One rank of a fixed sequence of data-parallel SGD steps, for tests and self-checks.
+
+    `job` holds what train_data_parallel's jobs hold (world, devices, master_addr, master_port,
+    graph, weights, config) plus `batches`, a list of global batches (NHWC float32 tensor, int64
+    labels), and `results`, a queue. Each step runs ddp_step at epoch 0's learning rate; the rank
+    then puts (rank, per-step summed shard losses, per-step canonical gradients, final canonical
+    weights) on the queue. The gradients are those after DDP's all-reduce: those of the global
+    batch's mean loss.
+    """
+    from backends.torch.training import Stepper
+
+    try:
+        model, ddp, device, config = _start_rank(rank, job)
+        stepper = Stepper(ddp, device, config)
+        stepper.set_lr(config.schedule.rate(0, max(config.epochs, 1)))
+        losses, grads = [], []
+        for x, y in job["batches"]:
+            losses.append(float(ddp_step(stepper, x.to(device), y.to(device), rank, job["world"])))
+            grads.append(model.canonical_grads())
+        job["results"].put((rank, losses, grads, model.export_canonical()))
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def make_job(model, config: TrainConfig, devices: list[str], **extra) -> dict:
+    """What every rank needs to rebuild `model` (a LoweredModel) and train it with `config`."""
+    return {"world": len(devices), "devices": list(devices), "master_addr": MASTER_ADDR,
+            "master_port": free_port(), "graph": model.graph.to_dict(), "weights": model.export_canonical(),
+            "config": config, **extra}
+
+
+def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list[str],
+                        on_epoch: Callable[[EpochReport], Any] | None = None) -> list[EpochReport]:
+    """Train `model` (a LoweredModel) with one spawned process per device; the trained weights are
+    loaded back into `model`. Returns the epoch reports."""
+    import torch.multiprocessing as mp
+
+    world = len(devices)
+    ctx = mp.get_context("spawn")
+    reports_q, replies_q = ctx.Queue(), ctx.Queue()
+    shared = []
+    for array, dtype in ((data.x_train, np.float32), (data.y_train, np.int64), (data.x_val, np.float32),
+                         (data.y_val, np.int64)):
+        shared.append(torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).share_memory_())
+    job = make_job(model, config, devices, data=shared, classes=data.classes, reports=reports_q, replies=replies_q)
+    processes = mp.start_processes(_rank_main, args=(job,), nprocs=world, join=False, start_method="spawn")
+    reports: list[EpochReport] = []
+    weights = None
+    try:
+        while True:
+            try:
+                kind, payload = reports_q.get(timeout=0.5)
+            except queue_module.Empty:
+                if processes.join(timeout=0):  # raises if a rank failed
+                    break
+                continue
+            if kind == "epoch":
+                report = EpochReport(**payload)
+                reports.append(report)
+                stop = bool(on_epoch(report)) if on_epoch is not None else False
+                replies_q.put(stop)
+            elif kind == "weights":
+                weights = payload
+        while not processes.join(timeout=1):
+            pass
+    except BaseException:
+        for p in processes.processes:
+            if p.is_alive():
+                p.terminate()
+        raise
+    if weights is None:
+        raise BackendError("data-parallel training ended without returning the trained weights")
+    model.load_canonical(weights)
+    return reports

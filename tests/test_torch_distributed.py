@@ -1,0 +1,137 @@
+"""Data-parallel training of the torch backend equals single-process training on the global batch.
+
+Two CPU processes with gloo (MASTER_ADDR 127.0.0.1, a free port) run the small ResNet. Batch norm
+is synchronised across the ranks (backends/torch/distributed.py), so a data-parallel step is the
+same computation as a single-process step on the combined batch, up to float32 summation order:
+the gradients and the updated weights must agree to ~1e-5.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not (dist.is_available() and dist.is_gloo_available()):  # pragma: no cover
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+from aiperf_core.backend import Dataset, Schedule, TrainConfig  # noqa: E402
+from aiperf_core.builders import resnet_small  # noqa: E402
+from backends.torch import TorchBackend  # noqa: E402
+from backends.torch.distributed import make_job, run_rank_steps  # noqa: E402
+from backends.torch.training import Stepper  # noqa: E402
+from conformance.cases import trained_looking_weights  # noqa: E402
+
+# float32 throughout: the two runs differ only in summation order (BN statistics summed per rank
+# then across ranks, gradients averaged by DDP). On this network float32 itself is ~5e-6 away from
+# the float64 reference (conformance train/gradients_match_reference), hence ~1e-5 between two
+# float32 computations.
+TOL = 2e-5
+WORLD = 2
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
+
+
+def worst(got: dict, want: dict) -> tuple[float, str]:
+    errs = [(rel_err(got[n][p], want[n][p]), f"{n}/{p}") for n in want for p in want[n]]
+    return max(errs)
+
+
+@pytest.fixture(scope="module")
+def setup():
+    graph = resnet_small((16, 16, 3), 5)
+    weights = trained_looking_weights(graph, 3)
+    rng = np.random.default_rng(5)
+    x = rng.normal(0, 1, (40,) + graph.input_shape).astype(np.float32)
+    y = rng.integers(0, 5, 40)
+    return graph, weights, x, y
+
+
+def spawn(fn, job: dict, world: int):
+    import torch.multiprocessing as mp
+
+    processes = mp.start_processes(fn, args=(job,), nprocs=world, join=False, start_method="spawn")
+    results = [job["results"].get(timeout=300) for _ in range(world)]
+    while not processes.join(timeout=60):
+        pass
+    return sorted(results, key=lambda r: r[0])
+
+
+def test_ddp_steps_match_single_process(setup):
+    import torch.multiprocessing as mp
+
+    graph, weights, x, y = setup
+    config = TrainConfig(epochs=1, batch_size=16, schedule=Schedule(initial=0.05), momentum=0.9,
+                         label_smoothing=0.1)
+    # Global batches that split evenly (8 + 8) and unevenly (4 + 3, 3 + 2). The case of a rank
+    # with an empty shard is covered by the next test.
+    sizes = [16, 7, 5]
+    starts = np.cumsum([0] + sizes)
+    global_batches = [(torch.from_numpy(x[a:b]), torch.from_numpy(y[a:b])) for a, b in zip(starts, starts[1:])]
+
+    backend = TorchBackend()
+    model = backend.lower(graph, weights)
+    stepper = Stepper(model, "cpu", config)
+    stepper.set_lr(config.schedule.initial)
+    single_losses, single_grads = [], []
+    for xb, yb in global_batches:
+        single_losses.append(float(stepper.step(xb, yb, len(yb))))
+        single_grads.append(model.canonical_grads())
+    single_weights = model.export_canonical()
+
+    job = make_job(backend.lower(graph, weights), config, ["cpu"] * WORLD, batches=global_batches,
+                   results=mp.get_context("spawn").Queue())
+    results = spawn(run_rank_steps, job, WORLD)
+
+    for rank, losses, grads, final in results:
+        for step, (g_dp, g_single) in enumerate(zip(grads, single_grads)):
+            err, where = worst(g_dp, g_single)
+            assert err <= TOL, f"rank {rank} step {step}: gradient {where} differs by {err:.3g}"
+        err, where = worst(final, single_weights)
+        assert err <= TOL, f"rank {rank}: weight {where} differs by {err:.3g} after {len(sizes)} steps"
+    # The shards' summed losses add up to the global batch's.
+    for step in range(len(sizes)):
+        total = sum(r[1][step] for r in results)
+        assert total == pytest.approx(single_losses[step], rel=TOL)
+
+
+class TwoCPUs(TorchBackend):
+    """The torch backend as it behaves on a machine with two devices, using two CPU processes."""
+
+    def devices(self) -> list[str]:
+        return ["cpu"] * WORLD
+
+
+def test_train_data_parallel_matches_single_process(setup):
+    graph, weights, x, y = setup
+    # 37 images in batches of 12: the last global batch has one image, so rank 1 gets none.
+    data = Dataset(x[:37], y[:37], x[37:], y[37:], 5)
+    config = TrainConfig(epochs=3, batch_size=12, schedule=Schedule(initial=0.05), seed=4)
+    stop_after = 2
+    seen = []
+
+    def on_epoch(report):
+        seen.append(report)
+        return report.epoch + 1 >= stop_after  # stops early: the decision must reach every rank
+
+    single = TorchBackend()
+    m_single = single.lower(graph, weights)
+    r_single = single.train(m_single, data, config, on_epoch=lambda r: r.epoch + 1 >= stop_after)
+
+    parallel = TwoCPUs()
+    m_parallel = parallel.lower(graph, weights)
+    r_parallel = parallel.train(m_parallel, data, config, on_epoch=on_epoch)
+
+    assert len(r_parallel) == len(r_single) == stop_after == len(seen)
+    for a, b in zip(r_parallel, r_single):
+        assert a.train_images == b.train_images == 37
+        assert a.val_images == b.val_images == 3
+        assert a.loss == pytest.approx(b.loss, rel=TOL)
+        assert a.val_loss == pytest.approx(b.val_loss, rel=1e-4)
+        assert a.val_accuracy == b.val_accuracy
+    err, where = worst(parallel.export_weights(m_parallel), single.export_weights(m_single))
+    assert err <= TOL, f"weight {where} differs by {err:.3g} after data-parallel training"
