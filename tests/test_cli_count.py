@@ -22,6 +22,7 @@ def test_count_resnet50_shows_table3(capsys):
     assert "conv1_conv" in out and "conv5_block3_3_conv" in out
     assert "Convolutional            7.71e+09   1.52e+10   1.9755   2.29e+10" in out
     assert "Total                    7.81e+09   1.52e+10   1.9531   2.31e+10" in out
+    assert "Batch normalization      7.41e+07   1.91e+03  0.00003   7.41e+07" in out
 
 
 def test_count_json_keys(capsys):

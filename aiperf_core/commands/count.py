@@ -51,7 +51,11 @@ def sci(x: float) -> str:
 
 
 def ratio(bp: int, fp: int) -> str:
-    return f"{bp / fp:.4f}" if fp else "-"
+    if not fp:
+        return "-"
+    r = bp / fp
+    # Table 3 prints BN's tiny ratio as 0.00003: one significant digit rather than a flat zero.
+    return f"{r:.5f}" if 0 < r < 1e-3 else f"{r:.4f}"
 
 
 def render(result, graph, train_images: int | None = None, val_images: int | None = None) -> str:
