@@ -159,3 +159,14 @@ def test_bad_json_file_is_named(tmp_path):
     p.write_text(json.dumps(doc(small()[:2] + [{"id": "r", "op": "nope", "inputs": ["c"]}])))
     with pytest.raises(GraphError, match=r"g\.json: node 'r': unknown op"):
         load_graph(p)
+
+
+def test_core_and_opcount_import_no_framework():
+    import subprocess
+    import sys
+
+    code = ("import sys, aiperf_core.ir, aiperf_core.builders, aiperf_core.weights, aiperf_core.morph, "
+            "aiperf_core.backend, aiperf_core.registry, aiperf_core.cli, opcount, backends.torch; "
+            "print(sorted(m for m in ('torch', 'tensorflow', 'jax', 'mindspore', 'flax', 'onnx') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

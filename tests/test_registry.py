@@ -73,3 +73,22 @@ def test_selection_precedence():
     assert resolve_backend_name(None, env, config) == "jax"
     assert resolve_backend_name(None, {}, config) == "mindspore"
     assert resolve_backend_name(None, {}, None) == DEFAULT_BACKEND == "tensorflow"
+
+
+def test_config_file_selects_backend(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("AIPERF_BACKEND", raising=False)
+    monkeypatch.delenv("AIPERF_CONFIG", raising=False)
+    (tmp_path / "aiperf.toml").write_text('backend = "numpy"\n')
+    assert main(["backends", "--json"]) == 0
+    import json
+
+    assert json.loads(capsys.readouterr().out)["selected"] == "numpy"
+    monkeypatch.setenv("AIPERF_BACKEND", "torch")
+    assert main(["backends", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["selected"] == "torch"
+    (tmp_path / "bad.toml").write_text('backend = "numpy"\nbackned = 1\n')
+    assert main(["backends", "--config", "bad.toml"]) == 2
+    assert "unknown setting 'backned'" in capsys.readouterr().err
+    assert main(["backends", "--config", "missing.toml"]) == 2
+    assert "missing.toml: no such file" in capsys.readouterr().err

@@ -9,13 +9,16 @@ HELP = "list the registered backends with their framework versions and devices, 
 
 def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print a JSON list")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="config file (default: $AIPERF_CONFIG, else ./aiperf.toml if present)")
 
 
 def run(args) -> int:
+    from aiperf_core.config_file import load_config
     from aiperf_core.registry import DEFAULT_BACKEND, list_backends, resolve_backend_name
 
     infos = list_backends()
-    selected = resolve_backend_name()
+    selected = resolve_backend_name(config=load_config(args.config))
     if args.json:
         print(json.dumps({"selected": selected, "default": DEFAULT_BACKEND,
                           "backends": [i.to_dict() for i in infos]}))
