@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from aiperf_core.errors import AiperfError
+from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights
 
@@ -195,6 +195,57 @@ def accuracy(probs: np.ndarray, labels: np.ndarray) -> float:
 def cross_entropy(probs: np.ndarray, labels: np.ndarray, label_smoothing: float = 0.0) -> float:
     y = one_hot(labels, probs.shape[-1], label_smoothing, np.float64)
     return float(-np.mean(np.sum(y * np.log(np.clip(probs.astype(np.float64), 1e-12, 1.0)), axis=-1)))
+
+
+# -- argument checks every backend applies, so that bad input gets the same error everywhere --------
+
+
+def check_input(graph: Graph, x) -> np.ndarray:
+    arr = np.asarray(x)
+    want = tuple(graph.input_shape)
+    if arr.ndim != len(want) + 1 or tuple(arr.shape[1:]) != want:
+        raise GraphError(f"input batch has shape {list(arr.shape)}, expected [N, {', '.join(map(str, want))}]",
+                         graph.input_id)
+    if arr.shape[0] < 1:
+        raise GraphError("input batch is empty", graph.input_id)
+    if arr.dtype.kind not in "fiu":
+        raise GraphError(f"input batch must hold real numbers, got dtype {arr.dtype}", graph.input_id)
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def check_labels(graph: Graph, labels, n: int) -> np.ndarray:
+    lab = np.asarray(labels)
+    node = graph.output_id
+    if len(graph.output_shape) != 1:
+        raise GraphError(f"the loss needs a flat class output, got shape {list(graph.output_shape)}", node)
+    classes = graph.output_shape[0]
+    if lab.shape != (n,):
+        raise GraphError(f"labels have shape {list(lab.shape)}, expected [{n}] (one class index per image)", node)
+    if lab.dtype.kind not in "iu":
+        raise GraphError(f"labels must be integer class indices, got dtype {lab.dtype}", node)
+    if n and (lab.min() < 0 or lab.max() >= classes):
+        raise GraphError(f"labels must lie in [0, {classes}), got values in [{lab.min()}, {lab.max()}]", node)
+    return lab.astype(np.int64)
+
+
+def check_train_config(config: TrainConfig) -> None:
+    if config.epochs < 0:
+        raise BackendError(f"epochs must be >= 0, got {config.epochs}")
+    if config.batch_size < 1:
+        raise BackendError(f"batch_size must be >= 1, got {config.batch_size}")
+    if not 0.0 <= config.label_smoothing <= 1.0:
+        raise BackendError(f"label_smoothing must be in [0, 1], got {config.label_smoothing}")
+
+
+def check_dataset(graph: Graph, data: Dataset) -> None:
+    for xs, ys, what in ((data.x_train, data.y_train, "training"), (data.x_val, data.y_val, "validation")):
+        if len(xs) != len(ys):
+            raise BackendError(f"{what} set has {len(xs)} images but {len(ys)} labels")
+        if len(xs):
+            check_input(graph, xs[:1])
+            check_labels(graph, np.asarray(ys), len(ys))
+    if len(data.x_train) == 0:
+        raise BackendError("the training set is empty")
 
 
 def describe(backend_cls: type[Backend]) -> Mapping[str, Any]:

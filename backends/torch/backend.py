@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, EpochCallback, EpochReport,
-                                 NativeCounter, TrainConfig)
-from aiperf_core.errors import GraphError
+                                 NativeCounter, TrainConfig, check_dataset, check_input, check_labels,
+                                 check_train_config)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, init_weights, validate_weights
 
@@ -156,7 +156,7 @@ class TorchBackend(Backend):
         from backends.torch.training import PREDICT_BATCH, autocast
 
         model = _check_model(model)
-        x = _check_input(model.graph, x)
+        x = check_input(model.graph, x)
         device = _device_of(model)
         was_training = model.training
         model.eval()
@@ -178,8 +178,8 @@ class TorchBackend(Backend):
         from backends.torch.training import autocast, preserved, summed_loss
 
         model = _check_model(model)
-        x = _check_input(model.graph, x)
-        labels = _check_labels(model.graph, labels, len(x))
+        x = check_input(model.graph, x)
+        labels = check_labels(model.graph, labels, len(x))
         if not 0.0 <= float(label_smoothing) <= 1.0:
             raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
         device = _device_of(model)
@@ -208,8 +208,8 @@ class TorchBackend(Backend):
 
         model = _check_model(model)
         self.check_precision(config.precision)
-        _check_config(config)
-        _check_dataset(model.graph, data)
+        check_train_config(config)
+        check_dataset(model.graph, data)
         devices = self.devices()
         if len(devices) > 1:
             from backends.torch.distributed import train_data_parallel
@@ -237,50 +237,3 @@ def _device_of(model):
         return p.device
     return _torch().device("cpu")
 
-
-def _check_input(graph: Graph, x) -> np.ndarray:
-    arr = np.asarray(x)
-    want = tuple(graph.input_shape)
-    if arr.ndim != len(want) + 1 or tuple(arr.shape[1:]) != want:
-        raise GraphError(f"input batch has shape {list(arr.shape)}, expected [N, {', '.join(map(str, want))}]",
-                         graph.input_id)
-    if arr.shape[0] < 1:
-        raise GraphError("input batch is empty", graph.input_id)
-    if arr.dtype.kind not in "fiu":
-        raise GraphError(f"input batch must hold real numbers, got dtype {arr.dtype}", graph.input_id)
-    return np.ascontiguousarray(arr, dtype=np.float32)
-
-
-def _check_labels(graph: Graph, labels, n: int) -> np.ndarray:
-    lab = np.asarray(labels)
-    node = graph.output_id
-    if len(graph.output_shape) != 1:
-        raise GraphError(f"the loss needs a flat class output, got shape {list(graph.output_shape)}", node)
-    classes = graph.output_shape[0]
-    if lab.shape != (n,):
-        raise GraphError(f"labels have shape {list(lab.shape)}, expected [{n}] (one class index per image)", node)
-    if lab.dtype.kind not in "iu":
-        raise GraphError(f"labels must be integer class indices, got dtype {lab.dtype}", node)
-    if n and (lab.min() < 0 or lab.max() >= classes):
-        raise GraphError(f"labels must lie in [0, {classes}), got values in [{lab.min()}, {lab.max()}]", node)
-    return lab.astype(np.int64)
-
-
-def _check_config(config: TrainConfig) -> None:
-    if config.epochs < 0:
-        raise BackendError(f"epochs must be >= 0, got {config.epochs}")
-    if config.batch_size < 1:
-        raise BackendError(f"batch_size must be >= 1, got {config.batch_size}")
-    if not 0.0 <= config.label_smoothing <= 1.0:
-        raise BackendError(f"label_smoothing must be in [0, 1], got {config.label_smoothing}")
-
-
-def _check_dataset(graph: Graph, data: Dataset) -> None:
-    for xs, ys, what in ((data.x_train, data.y_train, "training"), (data.x_val, data.y_val, "validation")):
-        if len(xs) != len(ys):
-            raise BackendError(f"{what} set has {len(xs)} images but {len(ys)} labels")
-        if len(xs):
-            _check_input(graph, xs[:1])
-            _check_labels(graph, np.asarray(ys), len(ys))
-    if len(data.x_train) == 0:
-        raise BackendError("the training set is empty")

@@ -8,7 +8,7 @@ import numpy as np
 from aiperf_core.backend import Dataset, Schedule, TrainConfig
 from aiperf_core.builders import resnet_small
 from conformance.cases import trained_looking_weights
-from conformance.kit import Check, Context, Outcome, compare, reference
+from conformance.kit import Check, Context, Outcome, reference
 from conformance.levels.op import compare_grads
 
 # The digits run: enough for the small ResNet to pass 90% with plain SGD on every backend.

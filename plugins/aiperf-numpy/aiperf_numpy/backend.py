@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, TrainConfig, accuracy,
-                                 batches, cross_entropy)
+                                 batches, check_dataset, check_train_config, cross_entropy)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, init_weights, validate_weights
 from aiperf_numpy.executor import TRAINABLE_PARAMS, forward, loss_and_grads
@@ -73,6 +73,8 @@ class NumpyBackend(Backend):
     def train(self, model: NumpyModel, data: Dataset, config: TrainConfig,
               on_epoch: EpochCallback | None = None) -> list[EpochReport]:
         self.check_precision(config.precision)
+        check_train_config(config)
+        check_dataset(model.graph, data)
         velocity = {n: {p: np.zeros_like(a) for p, a in ps.items() if p in TRAINABLE_PARAMS}
                     for n, ps in model.weights.items()}
         reports: list[EpochReport] = []
