@@ -1,0 +1,257 @@
+"""Lowering the aiperf IR to a tf.Module that runs the graph node by node.
+
+Layout: the IR's layouts are TensorFlow's own (NHWC activations, HWIO conv kernels, (in, out)
+dense kernels), so weights cross the interface without any transpose and export returns exactly
+(bit for bit) what was imported.
+
+* conv2d: ``tf.nn.conv2d``. Padding is explicit per side [top, bottom, left, right]; when it equals
+  what TF's 'SAME' would choose (or is zero: 'VALID') the string form is used, which takes the
+  fastest kernels, else explicit padding ``[[0, 0], [t, b], [l, r], [0, 0]]``.
+* max_pool: ``tf.pad`` with -inf, then ``tf.nn.max_pool2d`` with 'VALID' ('SAME' where it
+  coincides, since TF's SAME max-pool also ignores the padded taps).
+* flatten: a reshape, which is NHWC order already, so a following dense kernel keeps its
+  canonical (H, W, C)-ordered rows.
+* batch_norm: written out. Training normalises with the biased batch variance and returns, without
+  assigning them, the moving-statistics updates ``momentum * old + (1 - momentum) * batch`` with the
+  unbiased variance (Bessel factor count / (count - 1), taken as 1 when count == 1), as the NumPy
+  reference does. Inside a tf.distribute replica context with more than one replica the batch
+  statistics are those of the *global* batch: the per-replica sums (and counts) are all-reduced,
+  two-pass (mean first, then the centred sum of squares), so data-parallel training is the same
+  computation as single-device training on the combined batch (synchronised batch norm).
+* dropout: inverted dropout. Masks come from tf.random in training, or, when the caller passes
+  them (loss_and_grads), from the NumPy reference's generator, so gradients are comparable.
+
+Mixed precision (bf16/fp16) is manual: variables stay float32; conv and dense cast their input
+and kernel to the compute dtype; batch norm computes its statistics in float32 and returns the
+compute dtype; the logits / softmax are float32.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import numpy as np
+import tensorflow as tf
+
+from aiperf_core.errors import GraphError
+from aiperf_core.ir import Graph, Node
+from aiperf_core.weights import Weights, validate_weights
+
+TRAINABLE = ("kernel", "bias", "gamma", "beta")
+COMPUTE_DTYPES = {"fp32": tf.float32, "bf16": tf.bfloat16, "fp16": tf.float16}
+XLA_ENV = "AIPERF_TF_XLA"  # "1": compile the forward and the train step with XLA (jit_compile)
+
+
+def use_xla() -> bool:
+    return os.environ.get(XLA_ENV, "0").lower() in ("1", "true", "yes", "on")
+
+
+def _same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
+    out = -(-size // stride)
+    total = max((out - 1) * stride + kernel - size, 0)
+    return total // 2, total - total // 2
+
+
+def tf_padding(in_shape, attrs) -> Any:
+    """'VALID', 'SAME' or the explicit NHWC padding list for a windowed op."""
+    pt, pb, pl, pr = attrs["padding"]
+    if not (pt or pb or pl or pr):
+        return "VALID"
+    (kh, kw), (sh, sw) = attrs["kernel"], attrs["strides"]
+    if (_same_padding(in_shape[0], kh, sh) == (pt, pb)) and (_same_padding(in_shape[1], kw, sw) == (pl, pr)):
+        return "SAME"
+    return [[0, 0], [pt, pb], [pl, pr], [0, 0]]
+
+
+def make_variable(value, name: str, trainable: bool) -> tf.Variable:
+    """A float32 variable. Under MirroredStrategy every replica computes the same update (gradients
+    are all-reduced, batch norm is synchronised), so a replica-context assign takes the first
+    replica's value (ONLY_FIRST_REPLICA) and the copies stay identical."""
+    return tf.Variable(value, trainable=trainable, name=name, dtype=tf.float32,
+                       aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+
+
+class LoweredModel(tf.Module):
+    """An IR graph as a tf.Module.
+
+    ``call(x, training, logits=False, masks=None)`` returns ``(output, updates)``: the graph's
+    output (or the softmax's input with logits=True, when the output node is a softmax) and the
+    list of (moving variable, new value) pairs of a training pass (empty in inference).
+    ``predict_fn`` is a tf.function of the inference forward with a None batch dimension.
+    """
+
+    def __init__(self, graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray]], precision: str = "fp32"):
+        super().__init__(name="aiperf_lowered")
+        validate_weights(graph, weights)
+        self.graph = graph
+        self.precision = precision
+        self.compute_dtype = COMPUTE_DTYPES[precision]
+        self.params: dict[str, dict[str, tf.Variable]] = {}
+        for node_id, shapes in graph.all_param_shapes().items():
+            self.params[node_id] = {}
+            for pname in shapes:
+                value = np.asarray(weights[node_id][pname], np.float32)
+                vname = f"{node_id}/{pname}".replace(":", "_")
+                self.params[node_id][pname] = make_variable(value, vname, trainable=pname in TRAINABLE)
+        self.trainables = [v for ps in self.params.values() for k, v in ps.items() if k in TRAINABLE]
+        self.trainable_keys = [(n, k) for n, ps in self.params.items() for k in ps if k in TRAINABLE]
+        out_node = graph[graph.output_id]
+        self.logits_id = out_node.inputs[0] if out_node.op == "softmax" else None
+        self.dropout_ids = [n.id for n in graph.nodes if n.op == "dropout"]
+        self._last_reader = {}
+        for i, node in enumerate(graph.nodes):
+            for src in node.inputs:
+                self._last_reader[src] = i
+        spec = tf.TensorSpec([None] + list(graph.input_shape), tf.float32)
+        self.predict_fn = tf.function(lambda x: self.call(x, False)[0], input_signature=[spec],
+                                      jit_compile=use_xla() or None)
+
+    def set_precision(self, precision: str) -> None:
+        """Compute in `precision` in functions traced from now on (variables stay float32)."""
+        self.precision = precision
+        self.compute_dtype = COMPUTE_DTYPES[precision]
+
+    @property
+    def has_logits(self) -> bool:
+        return self.logits_id is not None
+
+    # -- forward ------------------------------------------------------------
+    def call(self, x, training: bool, logits: bool = False, masks: Mapping[str, Any] | None = None):
+        g = self.graph
+        stop = self.logits_id if logits and self.logits_id is not None else g.output_id
+        values: dict[str, Any] = {}
+        updates: list[tuple[tf.Variable, Any]] = []
+        cd = self.compute_dtype
+        for i, node in enumerate(g.nodes):
+            if node.op == "input":
+                values[node.id] = tf.cast(x, cd) if cd != tf.float32 and len(g.input_shape) == 3 else x
+                continue
+            ins = [values[s] for s in node.inputs]
+            values[node.id] = self._op(node, ins, training, updates, masks)
+            if node.id == stop:
+                break
+            for s in node.inputs:  # free values after their last reader (eager mode)
+                if self._last_reader.get(s) == i and s != stop:
+                    values.pop(s, None)
+        out = values[stop]
+        if len(out.shape) == 2 and out.dtype != tf.float32:
+            out = tf.cast(out, tf.float32)
+        return out, updates
+
+    def _op(self, node: Node, ins, training, updates, masks):
+        a, op, cd = node.attrs, node.op, self.compute_dtype
+        if op == "conv2d":
+            p = self.params[node.id]
+            x = ins[0]
+            kernel = p["kernel"] if cd == tf.float32 else tf.cast(p["kernel"], cd)
+            in_shape = self.graph.shapes[node.inputs[0]]
+            y = tf.nn.conv2d(tf.cast(x, cd), kernel, strides=[1] + list(a["strides"]) + [1],
+                             padding=tf_padding(in_shape, a))
+            if a["use_bias"]:
+                y = tf.nn.bias_add(y, tf.cast(p["bias"], cd))
+            return y
+        if op == "dense":
+            p = self.params[node.id]
+            kernel = p["kernel"] if cd == tf.float32 else tf.cast(p["kernel"], cd)
+            y = tf.matmul(tf.cast(ins[0], cd), kernel)
+            if a["use_bias"]:
+                y = tf.nn.bias_add(y, tf.cast(p["bias"], cd))
+            return y
+        if op == "batch_norm":
+            return self._batch_norm(node, ins[0], training, updates)
+        if op == "relu":
+            return tf.nn.relu(ins[0])
+        if op == "add":
+            xs = _same_dtype(ins)
+            return xs[0] + xs[1] if len(xs) == 2 else tf.add_n(xs)
+        if op == "concat":
+            return tf.concat(_same_dtype(ins), axis=-1)
+        if op == "max_pool":
+            x = ins[0]
+            in_shape = self.graph.shapes[node.inputs[0]]
+            pad = tf_padding(in_shape, a)
+            if isinstance(pad, list):
+                x = tf.pad(x, pad, constant_values=-np.inf)
+                pad = "VALID"
+            return tf.nn.max_pool2d(x, list(a["kernel"]), list(a["strides"]), pad)
+        if op == "global_avg_pool":
+            return tf.reduce_mean(ins[0], axis=[1, 2])
+        if op == "flatten":
+            x = ins[0]
+            n = x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]  # static when known (counter)
+            return tf.reshape(x, [n, -1])
+        if op == "softmax":
+            return tf.nn.softmax(tf.cast(ins[0], tf.float32), axis=-1)
+        if op == "dropout":
+            x, rate = ins[0], a["rate"]
+            if not training or rate == 0:
+                return x
+            if masks is not None and node.id in masks:
+                return x * tf.cast(masks[node.id], x.dtype)
+            keep = tf.random.uniform(tf.shape(x)) >= rate
+            return x * tf.cast(keep, x.dtype) * tf.cast(1.0 / (1.0 - rate), x.dtype)
+        raise GraphError(f"op '{op}' is not supported by the tensorflow backend", node.id)
+
+    def _batch_norm(self, node: Node, x, training: bool, updates):
+        p = self.params[node.id]
+        eps = node.attrs["epsilon"]
+        out_dtype = x.dtype
+        x = tf.cast(x, tf.float32)
+        axes = list(range(len(x.shape) - 1))
+        if not training:
+            scale = p["gamma"] * tf.math.rsqrt(p["moving_variance"] + eps)
+            return tf.cast(x * scale + (p["beta"] - p["moving_mean"] * scale), out_dtype)
+        count = tf.cast(tf.size(x) // tf.shape(x)[-1], tf.float32)
+        total_x = tf.reduce_sum(x, axis=axes)
+        ctx = tf.distribute.get_replica_context()
+        sync = ctx is not None and ctx.num_replicas_in_sync > 1
+        if sync:  # global batch statistics: sum of sums and of counts over the replicas
+            total_x, count = ctx.all_reduce(tf.distribute.ReduceOp.SUM, [total_x, count])
+        mean = total_x / count
+        centred = x - mean
+        sq = tf.reduce_sum(tf.square(centred), axis=axes)
+        if sync:
+            sq = ctx.all_reduce(tf.distribute.ReduceOp.SUM, sq)
+        var = sq / count
+        y = centred * (p["gamma"] * tf.math.rsqrt(var + eps)) + p["beta"]
+        momentum = node.attrs["momentum"]
+        unbiased = var * (count / tf.maximum(count - 1.0, 1.0))
+        updates.append((p["moving_mean"], momentum * p["moving_mean"] + (1.0 - momentum) * tf.stop_gradient(mean)))
+        updates.append((p["moving_variance"],
+                        momentum * p["moving_variance"] + (1.0 - momentum) * tf.stop_gradient(unbiased)))
+        return tf.cast(y, out_dtype)
+
+    # -- weights ------------------------------------------------------------
+    def load_canonical(self, weights: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        validate_weights(self.graph, weights)
+        for node_id, params in weights.items():
+            for pname, array in params.items():
+                var = self.params.get(node_id, {}).get(pname)
+                if var is None:
+                    raise GraphError(f"no parameter '{pname}' in the lowered model", node_id)
+                var.assign(np.asarray(array, np.float32))
+
+    def export_canonical(self, trainable_only: bool = False) -> Weights:
+        out: Weights = {}
+        for node_id, params in self.params.items():
+            out[node_id] = {k: np.array(v.numpy(), dtype=np.float32, copy=True) for k, v in params.items()
+                            if not trainable_only or k in TRAINABLE}
+        return out
+
+    def canonical_grads(self, grads) -> Weights:
+        out: Weights = {n: {} for n in self.params}
+        for (node_id, pname), var, g in zip(self.trainable_keys, self.trainables, grads):
+            value = np.zeros(var.shape, np.float32) if g is None else np.asarray(tf.convert_to_tensor(g), np.float32)
+            out[node_id][pname] = np.ascontiguousarray(value)
+        return out
+
+
+def _same_dtype(xs):
+    if any(x.dtype != xs[0].dtype for x in xs):
+        return [tf.cast(x, tf.float32) for x in xs]
+    return xs
+
+
+def lower_graph(graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray]], precision: str) -> LoweredModel:
+    return LoweredModel(graph, weights, precision)
