@@ -1,0 +1,229 @@
+"""Lowering the aiperf IR to a pure JAX function over a parameter pytree.
+
+The IR's layouts are JAX's natural ones, so nothing is transposed anywhere: activations NHWC,
+conv kernels HWIO (``lax.conv_general_dilated`` with dimension numbers ('NHWC', 'HWIO', 'NHWC')),
+dense kernels (in, out), flatten in NHWC order (a plain reshape). Canonical weights therefore
+round-trip bit for bit.
+
+A lowered model (`JaxModel`) holds
+
+* ``params``: {node id: {kernel, bias, gamma, beta}} float32 master weights (trainable);
+* ``state``:  {node id: {moving_mean, moving_variance}} batch-norm statistics (not trainable);
+
+and `apply(graph, params, state, x, ...)` runs the graph node by node:
+
+* conv2d: explicit per-side padding [t, b, l, r] becomes lax padding ((t, b), (l, r)) (zeros);
+* max_pool: ``lax.reduce_window`` with -inf padding;
+* batch_norm: inference uses the moving statistics; training normalises with the batch mean and
+  the biased batch variance (statistics in float32 over the *global* batch array, so with the
+  batch axis sharded over devices they are the statistics of the whole global batch) and returns
+  moving = momentum * moving + (1 - momentum) * unbiased batch statistic (Bessel factor
+  m / (m - 1), taken as 1 when m == 1), as the NumPy reference does;
+* relu: ``jax.nn.relu`` (gradient 0 at exactly 0, as the reference);
+* softmax in float32; with ``logits=True`` the softmax's input is returned so the loss can use
+  a stable log-softmax;
+* dropout: identity in inference; in training inverted dropout with masks either given
+  (``masks``: node id -> keep/(1-rate) array, e.g. the NumPy reference's) or drawn from a JAX
+  PRNG key folded with the node's index.
+
+Mixed precision (``compute_dtype`` bfloat16): conv and dense run in bfloat16 on bfloat16 copies
+of the float32 master weights; batch-norm statistics, the softmax and the loss stay float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from aiperf_core.errors import GraphError
+from aiperf_core.ir import Graph
+from aiperf_core.weights import Weights, validate_weights
+
+TRAINABLE = ("kernel", "bias", "gamma", "beta")
+STATE = ("moving_mean", "moving_variance")
+
+
+@dataclass
+class JaxModel:
+    """An IR graph lowered for JAX: the graph, float32 parameters and BN state as jax arrays."""
+
+    graph: Graph
+    precision: str
+    params: dict = field(default_factory=dict)
+    state: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)  # jitted functions, keyed by what they compute
+
+    @property
+    def has_logits(self) -> bool:
+        return self.graph[self.graph.output_id].op == "softmax"
+
+    def load_canonical(self, weights: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        import jax.numpy as jnp
+
+        validate_weights(self.graph, weights)
+        params: dict = {}
+        state: dict = {}
+        for node_id in self.graph.all_param_shapes():
+            for pname, array in weights[node_id].items():
+                value = jnp.asarray(np.asarray(array, dtype=np.float32))
+                (params if pname in TRAINABLE else state).setdefault(node_id, {})[pname] = value
+        self.params, self.state = params, state
+
+    def export_canonical(self) -> Weights:
+        out: Weights = {}
+        for node_id, shapes in self.graph.all_param_shapes().items():
+            out[node_id] = {}
+            for pname in shapes:
+                source = self.params if pname in TRAINABLE else self.state
+                out[node_id][pname] = np.array(source[node_id][pname], dtype=np.float32)
+        return out
+
+
+def compute_dtype(precision: str):
+    import jax.numpy as jnp
+
+    return {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[precision]
+
+
+def conv2d(x, kernel, attrs, dtype=None):
+    from jax import lax
+
+    pt, pb, pl, pr = attrs["padding"]
+    if dtype is not None:
+        x, kernel = x.astype(dtype), kernel.astype(dtype)
+    return lax.conv_general_dilated(x, kernel, tuple(attrs["strides"]), ((pt, pb), (pl, pr)),
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def dense(x, kernel, dtype=None):
+    if dtype is not None:
+        x, kernel = x.astype(dtype), kernel.astype(dtype)
+    return x @ kernel
+
+
+def max_pool(x, attrs):
+    import jax.numpy as jnp
+    from jax import lax
+
+    kh, kw = attrs["kernel"]
+    sh, sw = attrs["strides"]
+    pt, pb, pl, pr = attrs["padding"]
+    # A Python -inf init makes JAX use its differentiable max-window primitive (reduce_window_max).
+    return lax.reduce_window(x, -jnp.inf, lax.max, (1, kh, kw, 1), (1, sh, sw, 1),
+                             ((0, 0), (pt, pb), (pl, pr), (0, 0)))
+
+
+def batch_norm(x, p, s, attrs, training: bool):
+    """(y, new state or None). Statistics in float32 whatever x's dtype."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    dtype = x.dtype
+    xf = x.astype(jnp.float32)
+    axes = tuple(range(x.ndim - 1))
+    eps = attrs["epsilon"]
+    if training:
+        mean = jnp.mean(xf, axis=axes)
+        centred = xf - mean
+        var = jnp.mean(centred * centred, axis=axes)
+        m = x.size // x.shape[-1]
+        unbiased = var * (m / max(m - 1, 1))
+        momentum = attrs["momentum"]
+        new = {"moving_mean": momentum * s["moving_mean"] + (1.0 - momentum) * lax.stop_gradient(mean),
+               "moving_variance": momentum * s["moving_variance"] + (1.0 - momentum) * lax.stop_gradient(unbiased)}
+    else:
+        mean, var = s["moving_mean"], s["moving_variance"]
+        centred = xf - mean
+        new = None
+    y = centred * (p["gamma"] * lax.rsqrt(var + eps)) + p["beta"]
+    return y.astype(dtype), new
+
+
+def apply(graph: Graph, params, state, x, *, training: bool = False, logits: bool = False,
+          precision: str = "fp32", masks: Mapping[str, Any] | None = None, key=None):
+    """Run the graph. Returns (output, new_state); new_state holds the BN updates of a training pass
+    (the old statistics where a node was not reached) and is `state` itself in inference."""
+    import jax
+    import jax.numpy as jnp
+
+    cdt = None if precision == "fp32" else compute_dtype(precision)
+    out_node = graph[graph.output_id]
+    stop = out_node.inputs[0] if logits and out_node.op == "softmax" else graph.output_id
+    values: dict[str, Any] = {}
+    new_state = dict(state) if training else state
+    for index, node in enumerate(graph.nodes):
+        op, a = node.op, node.attrs
+        ins = [values[i] for i in node.inputs]
+        if op == "input":
+            y = x
+        elif op == "conv2d":
+            y = conv2d(ins[0], params[node.id]["kernel"], a, cdt)
+            if a["use_bias"]:
+                y = y + params[node.id]["bias"].astype(y.dtype)
+        elif op == "dense":
+            y = dense(ins[0], params[node.id]["kernel"], cdt)
+            if a["use_bias"]:
+                y = y + params[node.id]["bias"].astype(y.dtype)
+        elif op == "batch_norm":
+            y, upd = batch_norm(ins[0], params[node.id], state[node.id], a, training)
+            if upd is not None:
+                new_state[node.id] = upd
+        elif op == "relu":
+            y = jax.nn.relu(ins[0])
+        elif op == "add":
+            dtype = jnp.result_type(*ins)
+            y = ins[0].astype(dtype)
+            for other in ins[1:]:
+                y = y + other.astype(dtype)
+        elif op == "concat":
+            dtype = jnp.result_type(*ins)
+            y = jnp.concatenate([v.astype(dtype) for v in ins], axis=-1)
+        elif op == "max_pool":
+            y = max_pool(ins[0], a)
+        elif op == "global_avg_pool":
+            y = jnp.mean(ins[0].astype(jnp.float32), axis=(1, 2)).astype(ins[0].dtype)
+        elif op == "flatten":
+            y = ins[0].reshape(ins[0].shape[0], -1)
+        elif op == "softmax":
+            y = jax.nn.softmax(ins[0].astype(jnp.float32), axis=-1)
+        elif op == "dropout":
+            y = ins[0]
+            rate = a["rate"]
+            if training and rate > 0.0:
+                if masks is not None and node.id in masks:
+                    y = y * masks[node.id].astype(y.dtype)
+                elif key is not None:
+                    keep = jax.random.uniform(jax.random.fold_in(key, index), y.shape) >= rate
+                    y = jnp.where(keep, y / (1.0 - rate), jnp.zeros((), y.dtype)).astype(y.dtype)
+                else:
+                    raise GraphError("training-mode dropout needs masks or a PRNG key", node.id)
+        else:  # pragma: no cover - the IR validates ops
+            raise GraphError(f"op '{op}' is not supported by the jax backend", node.id)
+        values[node.id] = y
+        if node.id == stop:
+            break
+    out = values[stop]
+    if out.dtype != jnp.float32:
+        out = out.astype(jnp.float32)
+    return out, new_state
+
+
+def reference_dropout_masks(graph: Graph, batch_shape_of: Mapping[str, tuple], seed: int = 0) -> dict:
+    """The NumPy reference's dropout masks for `seed` (float64 draws in graph order), as float32
+    arrays of keep / (1 - rate): loss_and_grads then matches the reference even with dropout."""
+    rng = np.random.default_rng(seed)
+    masks = {}
+    for node in graph.nodes:
+        if node.op == "dropout" and node.attrs["rate"] > 0.0:
+            rate = node.attrs["rate"]
+            keep = rng.random(batch_shape_of[node.id]) >= rate
+            masks[node.id] = np.where(keep, 1.0 / (1.0 - rate), 0.0).astype(np.float32)
+    return masks
+
+
+def lower_graph(graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray]], precision: str) -> JaxModel:
+    model = JaxModel(graph, precision)
+    model.load_canonical(weights)
+    return model

@@ -1,0 +1,179 @@
+"""Training throughput of the IR-lowered ResNet-50 against a hand-written Flax ResNet-50 (JAX backend).
+
+Both are the Keras layout (stride on the first 1x1 conv of a downsampling bottleneck, no conv bias,
+batch norm after every conv, epsilon 1.001e-5, momentum 0.99), 128x128x3 inputs, 1000 classes,
+batch 16, fp32, SGD with momentum 0.9, on the default JAX device. The lowered model trains
+through the backend's own jitted step (training.make_train_step); the hand-written one is a
+flax.linen module trained by a jitted optax.sgd step, written the way a Flax user would. Each is
+compiled and warmed up first (compile time is not timed).
+
+The timed steps come in pairs (one step of each model, in alternating order) and the ratio is the
+median of the pairs' ratios, as in torch_throughput.py: a pair's two steps see the same machine
+load. AIPERF_BENCH_STEPS sets the number of pairs (default 8, under 3 minutes on 2 CPU cores).
+
+Goal: lowered / hand-written images per second >= 0.97.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import numpy as np  # noqa: E402
+
+from _common import report  # noqa: E402
+
+BATCH = 16
+SIZE = 128
+CLASSES = 1000
+WARMUP = 1
+STEPS = int(os.environ.get("AIPERF_BENCH_STEPS", "8"))  # timed (lowered, hand-written) pairs
+LR = 0.01
+MOMENTUM = 0.9
+
+
+def hand_written_resnet50(classes: int):
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    class ConvBN(nn.Module):
+        filters: int
+        kernel: int
+        stride: int
+        pad: int
+
+        @nn.compact
+        def __call__(self, x, train: bool):
+            x = nn.Conv(self.filters, (self.kernel, self.kernel), (self.stride, self.stride),
+                        padding=((self.pad, self.pad), (self.pad, self.pad)), use_bias=False)(x)
+            return nn.BatchNorm(use_running_average=not train, momentum=0.99, epsilon=1.001e-5)(x)
+
+    class Bottleneck(nn.Module):
+        filters: tuple
+        stride: int
+        project: bool
+
+        @nn.compact
+        def __call__(self, x, train: bool):
+            f1, f2, f3 = self.filters
+            shortcut = ConvBN(f3, 1, self.stride, 0)(x, train) if self.project else x
+            y = jax.nn.relu(ConvBN(f1, 1, self.stride, 0)(x, train))
+            y = jax.nn.relu(ConvBN(f2, 3, 1, 1)(y, train))
+            y = ConvBN(f3, 1, 1, 0)(y, train)
+            return jax.nn.relu(y + shortcut)
+
+    class ResNet50(nn.Module):
+        classes: int
+
+        @nn.compact
+        def __call__(self, x, train: bool = True):
+            x = jax.nn.relu(ConvBN(64, 7, 2, 3)(x, train))
+            x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
+            for s, (n, filters) in enumerate(((3, (64, 64, 256)), (4, (128, 128, 512)), (6, (256, 256, 1024)),
+                                              (3, (512, 512, 2048)))):
+                for b in range(n):
+                    stride = (1 if s == 0 else 2) if b == 0 else 1
+                    x = Bottleneck(filters, stride, b == 0)(x, train)
+            x = jnp.mean(x, axis=(1, 2))
+            return nn.Dense(self.classes)(x)
+
+    return ResNet50(classes)
+
+
+def main() -> int:
+    try:
+        import jax
+        import jax.numpy as jnp
+        import optax
+    except ImportError:
+        print("jax/flax are not installed: skipping the jax throughput benchmark")
+        return 0
+    from aiperf_core.builders import resnet50
+    from backends.jax import JaxBackend
+    from backends.jax.training import make_train_step
+
+    backend = JaxBackend()
+    graph = resnet50((SIZE, SIZE, 3), CLASSES)
+    lowered = backend.lower(graph)
+    step = make_train_step(graph, "fp32", MOMENTUM, 0.0)
+    params = jax.tree_util.tree_map(jnp.array, lowered.params)
+    state = lowered.state
+    velocity = jax.tree_util.tree_map(jnp.zeros_like, params)
+    lr = jnp.float32(LR)
+    key = jax.random.PRNGKey(0)
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((BATCH, SIZE, SIZE, 3)).astype(np.float32))
+    labels = jnp.asarray(rng.integers(0, CLASSES, BATCH).astype(np.int32))
+
+    net = hand_written_resnet50(CLASSES)
+    variables = net.init(jax.random.PRNGKey(0), x[:1], train=False)
+    h_params, h_stats = variables["params"], variables["batch_stats"]
+    tx = optax.sgd(LR, momentum=MOMENTUM)
+    h_opt = tx.init(h_params)
+
+    def h_loss(p, stats, xb, yb):
+        logits, updates = net.apply({"params": p, "batch_stats": stats}, xb, train=True, mutable=["batch_stats"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+        return loss, updates["batch_stats"]
+
+    def h_step(p, stats, opt, xb, yb):
+        (loss, stats), grads = jax.value_and_grad(h_loss, has_aux=True)(p, stats, xb, yb)
+        updates, opt = tx.update(grads, opt, p)
+        return optax.apply_updates(p, updates), stats, opt, loss
+
+    h_step = jax.jit(h_step, donate_argnums=(0, 2))
+    carry = {"low": (params, state, velocity), "hand": (h_params, h_stats, h_opt)}
+
+    def lowered_step():
+        p, s, v = carry["low"]
+        p, s, v, total = step(p, s, v, x, labels, lr, key)
+        total.block_until_ready()
+        carry["low"] = (p, s, v)
+
+    def hand_step():
+        p, s, o = carry["hand"]
+        p, s, o, loss = h_step(p, s, o, x, labels)
+        loss.block_until_ready()
+        carry["hand"] = (p, s, o)
+
+    def timed(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    compile_low = timed(lowered_step)
+    compile_hand = timed(hand_step)
+    for _ in range(WARMUP):
+        lowered_step()
+        hand_step()
+    low_times, hand_times, ratios = [], [], []
+    for i in range(STEPS):
+        if i % 2:
+            h, lo = timed(hand_step), timed(lowered_step)
+        else:
+            lo, h = timed(lowered_step), timed(hand_step)
+        low_times.append(lo)
+        hand_times.append(h)
+        ratios.append(h / lo)
+
+    device = jax.local_devices()[0]
+    print(f"jax {jax.__version__} on {device.platform} ({jax.device_count()} device(s)); ResNet-50 {SIZE}x{SIZE}, "
+          f"batch {BATCH}, fp32; first step (compile) {compile_low:.1f} s lowered, {compile_hand:.1f} s hand-written; "
+          f"{STEPS} timed step pairs after {WARMUP} warm-up steps (medians)")
+    report("jax resnet50 train, IR-lowered", BATCH / statistics.median(low_times), "images/s", None,
+           lower_is_better=False)
+    report("jax resnet50 train, hand-written flax", BATCH / statistics.median(hand_times), "images/s", None,
+           lower_is_better=False)
+    report("jax lowered / hand-written flax", statistics.median(ratios), "ratio", 0.97, lower_is_better=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
