@@ -20,7 +20,7 @@ import numpy as np
 
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.ir import Graph
-from aiperf_core.weights import Weights
+from aiperf_core.weights import Weights, init_weights, validate_weights
 
 PRECISIONS = ("fp32", "fp16", "bf16")  # fp16 and bf16 mean mixed precision with fp32 master weights
 
@@ -163,6 +163,28 @@ class Backend(abc.ABC):
         return None
 
     # -- helpers shared by every backend ------------------------------------
+    @staticmethod
+    def import_availability(module: str, extra: str) -> Availability:
+        """Available if `module` imports; otherwise the import error and the install hint."""
+        import importlib
+
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # ImportError, or a broken install raising anything else
+            detail = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            return Availability(False, f"{module} is not installed: {detail} (pip install 'aiperf[{extra}]')")
+        return Availability(True)
+
+    def starting_weights(self, graph: Graph, weights: Weights | None, precision: str) -> Weights:
+        """What lower() starts from: checked weights, or init_weights(seed=0) so every backend starts alike."""
+        if not isinstance(graph, Graph):
+            raise TypeError(f"graph must be an aiperf_core.ir.Graph, got {type(graph).__name__}")
+        self.check_precision(precision)
+        if weights is None:
+            weights = init_weights(graph, seed=0)
+        validate_weights(graph, weights)
+        return weights
+
     def check_precision(self, precision: str) -> None:
         if precision not in PRECISIONS:
             raise BackendError(f"unknown precision '{precision}' (choose from {', '.join(PRECISIONS)})")

@@ -24,7 +24,7 @@ from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, E
                                  NativeCounter, TrainConfig,
                                  check_dataset, check_input, check_labels, check_train_config)
 from aiperf_core.ir import Graph
-from aiperf_core.weights import Weights, init_weights, validate_weights
+from aiperf_core.weights import Weights, init_weights
 
 _PRECISION_CACHE: dict[str, tuple[str, ...]] = {}
 
@@ -57,13 +57,7 @@ class JaxBackend(Backend):
     # -- discovery ----------------------------------------------------------
     @classmethod
     def availability(cls) -> Availability:
-        try:
-            import jax  # noqa: F401
-            import jax.numpy  # noqa: F401
-        except Exception as exc:  # ImportError, or a broken install raising anything else
-            detail = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            return Availability(False, f"jax is not installed: {detail} (pip install 'aiperf[jax]')")
-        return Availability(True)
+        return cls.import_availability("jax", "jax")
 
     def framework_version(self) -> str:
         import jax
@@ -93,12 +87,7 @@ class JaxBackend(Backend):
     def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> Any:
         from backends.jax.lowering import lower_graph
 
-        if not isinstance(graph, Graph):
-            raise TypeError(f"graph must be an aiperf_core.ir.Graph, got {type(graph).__name__}")
-        self.check_precision(precision)
-        if weights is None:
-            weights = init_weights(graph, seed=0)  # every backend starts from the same weights
-        validate_weights(graph, weights)
+        weights = self.starting_weights(graph, weights, precision)
         return lower_graph(graph, weights, precision)
 
     def export_weights(self, model: Any) -> Weights:

@@ -32,7 +32,7 @@ from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, E
                                  NativeCounter, TrainConfig,
                                  check_dataset, check_input, check_labels, check_train_config)
 from aiperf_core.ir import Graph
-from aiperf_core.weights import Weights, init_weights, validate_weights
+from aiperf_core.weights import Weights, init_weights
 
 _PRECISION_CACHE: dict[str, tuple[str, ...]] = {}
 
@@ -103,12 +103,8 @@ class TensorFlowBackend(Backend):
     # -- discovery ----------------------------------------------------------
     @classmethod
     def availability(cls) -> Availability:
-        try:
-            _tf()
-        except Exception as exc:  # ImportError, or a broken install raising anything else
-            detail = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            return Availability(False, f"tensorflow is not installed: {detail} (pip install 'aiperf[tensorflow]')")
-        return Availability(True)
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # as _tf(): the probe imports TF first
+        return cls.import_availability("tensorflow", "tensorflow")
 
     def framework_version(self) -> str:
         return _tf().__version__
@@ -134,12 +130,7 @@ class TensorFlowBackend(Backend):
 
     # -- models -------------------------------------------------------------
     def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> Any:
-        if not isinstance(graph, Graph):
-            raise TypeError(f"graph must be an aiperf_core.ir.Graph, got {type(graph).__name__}")
-        self.check_precision(precision)
-        if weights is None:
-            weights = init_weights(graph, seed=0)  # every backend starts from the same weights
-        validate_weights(graph, weights)
+        weights = self.starting_weights(graph, weights, precision)
         tf = _tf()
         from backends.tensorflow.lowering import lower_graph
 

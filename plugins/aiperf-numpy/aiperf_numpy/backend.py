@@ -16,7 +16,7 @@ import numpy as np
 from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, TrainConfig, accuracy,
                                  batches, check_dataset, check_train_config, cross_entropy)
 from aiperf_core.ir import Graph
-from aiperf_core.weights import Weights, init_weights, validate_weights
+from aiperf_core.weights import Weights, validate_weights
 from aiperf_numpy.executor import TRAINABLE_PARAMS, forward, loss_and_grads
 
 PREDICT_BATCH = 256
@@ -47,10 +47,7 @@ class NumpyBackend(Backend):
         return [f"cpu ({platform.machine() or 'unknown'})"]
 
     def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> NumpyModel:
-        self.check_precision(precision)
-        if weights is None:
-            weights = init_weights(graph, seed=0)
-        validate_weights(graph, weights)
+        weights = self.starting_weights(graph, weights, precision)
         return NumpyModel(graph, _copy(weights), precision)
 
     def export_weights(self, model: NumpyModel) -> Weights:
