@@ -130,9 +130,19 @@ class Backend(abc.ABC):
     def devices(self) -> list[str]:
         """Local devices this backend would train on, e.g. ['cpu'] or ['cuda:0', 'cuda:1']."""
 
+    _precisions_found: dict[tuple[str, str], tuple[str, ...]] = {}  # (backend, device) -> precisions
+
     def precisions(self) -> tuple[str, ...]:
-        """Precisions the local devices support; lower() rejects the others loudly."""
-        return ("fp32",)
+        """Precisions the first local device supports, probed once per process; lower() rejects the others."""
+        key = (self.name, self.devices()[0])
+        if key not in Backend._precisions_found:
+            mixed = tuple(p for p in ("bf16", "fp16") if self.runs_precision(key[1], p))
+            Backend._precisions_found[key] = ("fp32",) + mixed
+        return Backend._precisions_found[key]
+
+    def runs_precision(self, device: str, precision: str) -> bool:
+        """Whether `device` runs mixed `precision` natively (a short probe is fine). fp32 always runs."""
+        return False
 
     # -- models -------------------------------------------------------------
     @abc.abstractmethod

@@ -27,7 +27,7 @@ def test_import_without_using_jax():
     assert out.stdout.strip() == "False"
 
 
-pytest.importorskip("jax")
+import jax  # noqa: E402,F401  (`make test` installs jax: missing it is a failure, never a skip)
 
 from aiperf_core.backend import BackendError, Dataset, Schedule, TrainConfig  # noqa: E402
 from aiperf_core.builders import resnet_small  # noqa: E402

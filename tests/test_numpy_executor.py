@@ -16,7 +16,6 @@ from aiperf_core.builders import resnet_small
 from aiperf_core.errors import GraphError
 from aiperf_core.ir import Graph, Node
 
-aiperf_numpy = pytest.importorskip("aiperf_numpy")
 from aiperf_numpy import Trace, backward, forward, loss_and_grads, run  # noqa: E402
 
 TRAINABLE = ("kernel", "bias", "gamma", "beta")

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-onnx = pytest.importorskip("onnx")
-ort = pytest.importorskip("onnxruntime")
+import onnx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
 
 from numpy.lib.stride_tricks import sliding_window_view  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402

@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-dist = pytest.importorskip("torch.distributed")
-if not (dist.is_available() and dist.is_gloo_available()):  # pragma: no cover
-    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+import torch  # noqa: E402  (`make test` installs torch: missing it is a failure, never a skip)
+import torch.distributed as dist  # noqa: E402
+
+assert dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo is not available"
 
 from aiperf_core.backend import Dataset, Schedule, TrainConfig  # noqa: E402
 from aiperf_core.builders import resnet_small  # noqa: E402

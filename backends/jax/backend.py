@@ -26,7 +26,6 @@ from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, E
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, init_weights
 
-_PRECISION_CACHE: dict[str, tuple[str, ...]] = {}
 
 
 def _probe_bf16() -> bool:
@@ -69,14 +68,10 @@ class JaxBackend(Backend):
 
         return [f"{d.platform}:{d.id}" for d in jax.local_devices()]
 
-    def precisions(self) -> tuple[str, ...]:
-        import jax
-
-        platform = jax.local_devices()[0].platform
-        if platform not in _PRECISION_CACHE:
-            extra = ("bf16",) if platform in ("gpu", "cuda", "rocm", "tpu") and _probe_bf16() else ()
-            _PRECISION_CACHE[platform] = ("fp32",) + extra
-        return _PRECISION_CACHE[platform]
+    def runs_precision(self, device: str, precision: str) -> bool:
+        # XLA on CPU turns bf16 convolutions back into fp32, so bf16 is offered on accelerators only.
+        platform = device.partition(":")[0]
+        return precision == "bf16" and platform in ("gpu", "cuda", "rocm", "tpu") and _probe_bf16()
 
     def native_counter(self) -> NativeCounter | None:
         from backends.jax.counter import XlaCostCounter

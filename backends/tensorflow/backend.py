@@ -34,7 +34,6 @@ from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, E
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, init_weights
 
-_PRECISION_CACHE: dict[str, tuple[str, ...]] = {}
 
 
 def _tf():
@@ -117,11 +116,8 @@ class TensorFlowBackend(Backend):
         cpus = tf.config.list_logical_devices("CPU")
         return ["cpu"] if len(cpus) <= 1 else [f"cpu:{i}" for i in range(len(cpus))]
 
-    def precisions(self) -> tuple[str, ...]:
-        device = self.devices()[0]
-        if device not in _PRECISION_CACHE:
-            _PRECISION_CACHE[device] = ("fp32",) + tuple(p for p in ("bf16", "fp16") if _probe_precision(device, p))
-        return _PRECISION_CACHE[device]
+    def runs_precision(self, device: str, precision: str) -> bool:
+        return _probe_precision(device, precision)
 
     def native_counter(self) -> NativeCounter | None:
         from backends.tensorflow.counter import TFProfilerCounter

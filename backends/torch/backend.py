@@ -28,7 +28,6 @@ from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, E
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights
 
-_PRECISION_CACHE: dict[str, tuple[str, ...]] = {}
 _THREADS_SET = False
 
 
@@ -116,11 +115,8 @@ class TorchBackend(Backend):
             return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
         return ["cpu"]
 
-    def precisions(self) -> tuple[str, ...]:
-        device = self.devices()[0]
-        if device not in _PRECISION_CACHE:
-            _PRECISION_CACHE[device] = ("fp32",) + tuple(p for p in ("bf16", "fp16") if _probe_precision(device, p))
-        return _PRECISION_CACHE[device]
+    def runs_precision(self, device: str, precision: str) -> bool:
+        return _probe_precision(device, precision)
 
     def native_counter(self) -> NativeCounter | None:
         from backends.torch.counter import TorchFlopCounter
