@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
 # What `make test` exercises: test tools, ONNX, search, and every backend the kit runs on.
-EXTRAS ?= dev,torch,tensorflow,jax
+EXTRAS ?= dev,torch,tensorflow,jax,mindspore
 PLUGINS := plugins/aiperf-numpy
 comma  := ,
 STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))

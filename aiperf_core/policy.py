@@ -1,0 +1,212 @@
+"""The benchmark's rules and training policy: paper Table 4, each item fixed or customizable.
+
+One place holds every default. A run may change any item through the `[policy]` table of its
+config file; changing a *fixed* item is allowed for experiments, but the run is then unofficial
+and its summary names every fixed item that was changed (aiperf_core.scoring reads
+`Policy.overridden_fixed()`). Values are never clamped or "fixed up": a bad value is an error
+that names the item.
+
+Learning-rate scaling with batch size (the "linear scaling rule", Goyal et al. 2017):
+    lr = learning_rate * batch_size / reference_batch_size
+so the default 0.1 holds at the paper's default batch of 448 and scales in proportion; the rate
+then decays linearly to `final_lr_fraction` of itself over the trial's epochs.
+
+Early-stopping patience grows with the round, because later rounds start from better-trained
+parents whose validation loss moves more slowly:
+    patience(round) = min(patience_min + round - 1, patience_max)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+from aiperf_core.errors import AiperfError
+
+PRECISION_RANK = {"fp8": 0, "fp16": 1, "bf16": 1, "fp32": 2}
+
+
+class PolicyError(AiperfError):
+    pass
+
+
+def _choice(*allowed: Any) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        return None if value in allowed else f"must be one of {', '.join(map(str, allowed))}"
+    return check
+
+
+def _int_range(low: int, high: int | None = None) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, int) or isinstance(value, bool):
+            return "must be an integer"
+        if value < low or (high is not None and value > high):
+            return f"must be in [{low}, {high}]" if high is not None else f"must be at least {low}"
+        return None
+    return check
+
+
+def _number_range(low: float, high: float, low_open: bool = False) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return "must be a number"
+        if value > high or value < low or (low_open and value == low):
+            return f"must be in {'(' if low_open else '['}{low}, {high}]"
+        return None
+    return check
+
+
+def _int_pair(low: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if (not isinstance(value, (list, tuple)) or len(value) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+            return "must be a pair of integers [low, high]"
+        if value[0] < low or value[0] > value[1]:
+            return f"must satisfy {low} <= low <= high"
+        return None
+    return check
+
+
+def _int_list(low: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if (not isinstance(value, (list, tuple)) or not value
+                or not all(isinstance(v, int) and not isinstance(v, bool) and v >= low for v in value)):
+            return f"must be a non-empty list of integers >= {low}"
+        return None
+    return check
+
+
+def _odd_kernels(value: Any) -> str | None:
+    problem = _int_list(1)(value)
+    if problem is None and any(k % 2 == 0 for k in value):
+        return "must hold odd kernel sizes only"
+    return problem
+
+
+@dataclass(frozen=True)
+class PolicyItem:
+    name: str
+    default: Any
+    fixed: bool
+    doc: str
+    check: Callable[[Any], str | None]
+
+
+ITEMS: tuple[PolicyItem, ...] = (
+    # Paper Table 4, fixed rows.
+    PolicyItem("server_arrangement", "primary-replica", True, "a primary dispatches, replicas train",
+               _choice("primary-replica")),
+    PolicyItem("nas_method", "network-morphism", True, "NAS by function-preserving network morphism",
+               _choice("network-morphism")),
+    PolicyItem("hpo_method", "bayesian", True, "HPO by Bayesian optimisation (scikit-optimize)",
+               _choice("bayesian")),
+    PolicyItem("dataset", "imagenet", True, "the scored dataset", _choice("imagenet", "digits", "synthetic")),
+    PolicyItem("initial_architecture", "resnet50", True, "the search starts from ResNet-50",
+               _choice("resnet50", "resnet_small")),
+    PolicyItem("min_precision", "fp16", True, "no training precision below this", _choice("fp16")),
+    PolicyItem("max_error", 0.30, True, "a valid run reaches at most this validation error",
+               _number_range(0.0, 1.0, low_open=True)),
+    PolicyItem("hpo_start_round", 4, True, "HPO proposes from this round on; earlier rounds are warm-up",
+               _int_range(1)),
+    PolicyItem("max_epochs", 60, True, "no trial trains more epochs than this", _int_range(1, 60)),
+    # Paper Table 4, default (customizable) rows.
+    PolicyItem("initial_weights", "he", False, "initialisation of the initial network (He et al.)",
+               _choice("he")),
+    PolicyItem("batch_size", 448, False, "batch size of rounds before HPO starts", _int_range(1)),
+    PolicyItem("optimizer", "sgd-momentum", False, "gradient descent with momentum", _choice("sgd-momentum")),
+    PolicyItem("momentum", 0.9, False, "SGD momentum", _number_range(0.0, 1.0)),
+    PolicyItem("learning_rate", 0.1, False, "learning rate at the reference batch size",
+               _number_range(0.0, 10.0, low_open=True)),
+    PolicyItem("reference_batch_size", 448, False, "batch size at which learning_rate applies unscaled",
+               _int_range(1)),
+    PolicyItem("final_lr_fraction", 0.0, False, "linear decay ends at this fraction of the rate",
+               _number_range(0.0, 1.0)),
+    PolicyItem("loss", "categorical-cross-entropy", False, "training loss", _choice("categorical-cross-entropy")),
+    PolicyItem("label_smoothing", 0.0, False, "label smoothing of the cross-entropy", _number_range(0.0, 0.5)),
+    PolicyItem("parallelism", "synchronous-all-reduce", False, "data parallelism inside a replica",
+               _choice("synchronous-all-reduce")),
+    PolicyItem("data_workers", 48, False, "parallel data transformation workers per replica", _int_range(1)),
+    PolicyItem("precision", "fp32", False, "training precision (fp32, bf16 or fp16)",
+               _choice("fp32", "bf16", "fp16")),
+    # Search settings the paper leaves open.
+    PolicyItem("warmup_epochs", [15, 30, 45], False, "epochs of each warm-up round (rounds before HPO)",
+               _int_list(1)),
+    PolicyItem("patience_min", 3, False, "early-stopping patience in round 1", _int_range(1)),
+    PolicyItem("patience_max", 10, False, "early-stopping patience ceiling", _int_range(1)),
+    PolicyItem("hpo_batch_size_bounds", [16, 512], False, "HPO search range of the batch size", _int_pair(1)),
+    PolicyItem("hpo_kernel_sizes", [3, 5, 7], False, "HPO choices of a morph-added conv's kernel size",
+               _odd_kernels),
+    PolicyItem("nas_candidates", 8, False, "morph candidates generated and scored per round", _int_range(1)),
+    PolicyItem("nas_acquisition", "ucb", False, "acquisition function of the architecture GP",
+               _choice("ucb", "ei")),
+    PolicyItem("nas_kappa", 2.576, False, "UCB exploration weight", _number_range(0.0, 100.0)),
+    PolicyItem("image_size", 224, False, "training and validation resolution (square)", _int_range(32)),
+)
+BY_NAME: dict[str, PolicyItem] = {item.name: item for item in ITEMS}
+
+
+class Policy(Mapping[str, Any]):
+    """Every item's value, defaults filled in; read-only."""
+
+    def __init__(self, values: Mapping[str, Any] | None = None, source: str = "policy"):
+        values = dict(values or {})
+        for name, value in values.items():
+            item = BY_NAME.get(name)
+            if item is None:
+                raise PolicyError(f"{source}.{name}: unknown setting (known: {', '.join(sorted(BY_NAME))})")
+            problem = item.check(value)
+            if problem:
+                raise PolicyError(f"{source}.{name}: {value!r} {problem}")
+        self._values = {item.name: values.get(item.name, item.default) for item in ITEMS}
+        self._values = {k: list(v) if isinstance(v, tuple) else v for k, v in self._values.items()}
+        if self._values["patience_min"] > self._values["patience_max"]:
+            raise PolicyError(f"{source}.patience_min: {self._values['patience_min']} is above "
+                              f"patience_max {self._values['patience_max']}")
+        if max(self._values["warmup_epochs"]) > self._values["max_epochs"]:
+            raise PolicyError(f"{source}.warmup_epochs: {self._values['warmup_epochs']} exceeds "
+                              f"max_epochs {self._values['max_epochs']}")
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def overridden_fixed(self) -> list[str]:
+        """Fixed items whose value differs from the paper's: each one makes a run unofficial."""
+        return [item.name for item in ITEMS if item.fixed and self._values[item.name] != _plain(item.default)]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self._values)
+
+    def learning_rate_for(self, batch_size: int) -> float:
+        return self["learning_rate"] * batch_size / self["reference_batch_size"]
+
+    def patience_for(self, round_number: int) -> int:
+        return min(self["patience_min"] + round_number - 1, self["patience_max"])
+
+    def epochs_for(self, round_number: int) -> int:
+        """Warm-up rounds train their listed epochs; later rounds up to max_epochs."""
+        warmup = self["warmup_epochs"]
+        if round_number < self["hpo_start_round"] and round_number <= len(warmup):
+            return warmup[round_number - 1]
+        return self["max_epochs"]
+
+    def is_warmup(self, round_number: int) -> bool:
+        return round_number < self["hpo_start_round"]
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def precision_allowed(precision: str, minimum: str = "fp16") -> bool:
+    return PRECISION_RANK.get(precision, -1) >= PRECISION_RANK[minimum]
+
+
+def describe() -> list[dict[str, Any]]:
+    """The table documented in docs/rules.md and shown by the report."""
+    return [{"name": i.name, "default": i.default, "fixed": i.fixed, "doc": i.doc} for i in ITEMS]
