@@ -24,3 +24,25 @@ def report(name: str, value: float, unit: str, goal: float | None = None, lower_
     print(f"{name:<48} {value:10.3f} {unit}{goal_text}{status}")
     print("BENCH " + json.dumps(row))
     return row
+
+
+def training_ops_per_image(graph) -> int:
+    """Analytic FP+BP operations of one training image (the paper's convention, as scored)."""
+    from opcount import count
+    totals = count(graph)
+    return totals.fp + totals.bp
+
+
+def report_peak_fraction(framework: str, images_per_s: float, ops_per_image: int, matmul, n: int = 2048) -> dict:
+    """Achieved analytic OPS of a training run as a fraction of the framework's own dense-GEMM peak.
+
+    `matmul` runs one n x n fp32 matrix product to completion (synchronised) in the framework.
+    The peak is the best of several products, at 2 n^3 operations each, so the fraction says how
+    much of what the framework can do on this machine the lowered network turns into counted work.
+    """
+    matmul()  # compile / warm up
+    peak = 2 * n ** 3 / best_of(matmul, repeat=5)
+    achieved = images_per_s * ops_per_image
+    report(f"{framework} dense GEMM peak ({n}x{n} fp32)", peak / 1e9, "GOPS", None, lower_is_better=False)
+    report(f"{framework} resnet50 train, achieved analytic OPS", achieved / 1e9, "GOPS", None, lower_is_better=False)
+    return report(f"{framework} achieved / GEMM peak", achieved / peak, "fraction", None, lower_is_better=False)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np  # noqa: E402
 
-from _common import report  # noqa: E402
+from _common import report, report_peak_fraction, training_ops_per_image  # noqa: E402
 
 BATCH = 16
 SIZE = 128
@@ -172,6 +172,10 @@ def main() -> int:
     report("jax resnet50 train, hand-written flax", BATCH / statistics.median(hand_times), "images/s", None,
            lower_is_better=False)
     report("jax lowered / hand-written flax", statistics.median(ratios), "ratio", 0.97, lower_is_better=False)
+    a = jnp.asarray(np.random.default_rng(1).standard_normal((2048, 2048), dtype=np.float32))
+    matmul = jax.jit(jnp.matmul)
+    report_peak_fraction("jax", BATCH / statistics.median(low_times), training_ops_per_image(graph),
+                         lambda: matmul(a, a).block_until_ready())
     return 0
 
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from _common import report  # noqa: E402
+from _common import report, report_peak_fraction, training_ops_per_image  # noqa: E402
 
 BATCH = 16
 SIZE = 128
@@ -131,6 +131,10 @@ def main() -> int:
     report("tensorflow resnet50 train, hand-written Keras", BATCH / statistics.median(hand_times), "images/s", None,
            lower_is_better=False)
     report("tensorflow lowered / hand-written Keras", statistics.median(ratios), "ratio", 0.97, lower_is_better=False)
+    a = tf.constant(rng.standard_normal((2048, 2048)).astype(np.float32))
+    matmul = tf.function(lambda m: tf.reduce_sum(tf.linalg.matmul(m, m)))  # the sum forces the whole product
+    report_peak_fraction("tensorflow", BATCH / statistics.median(low_times), training_ops_per_image(graph),
+                         lambda: float(matmul(a)))
     return 0
 
 

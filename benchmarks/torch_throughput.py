@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np  # noqa: E402
 
-from _common import report  # noqa: E402
+from _common import report, report_peak_fraction, training_ops_per_image  # noqa: E402
 
 BATCH = 16
 SIZE = 128
@@ -177,6 +177,9 @@ def main() -> int:
     report(f"torch resnet50 train, hand-written ({other})", BATCH / probe[other], "images/s", None,
            lower_is_better=False)
     report(f"torch lowered / hand-written ({best})", statistics.median(ratios), "ratio", 0.97, lower_is_better=False)
+    a, b = torch.randn(2048, 2048, device=device), torch.randn(2048, 2048, device=device)
+    report_peak_fraction("torch", BATCH / statistics.median(low_times), training_ops_per_image(graph),
+                         lambda: timed(lambda: torch.mm(a, b)))
     return 0
 
 
