@@ -137,8 +137,8 @@ class EventLog:
         """Open for appending: cut off a line torn by a crash and continue the chain."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         good_bytes = 0
-        for line, end in _complete_lines(self.path):
-            self._seq = json.loads(line)["seq"] + 1
+        for line, record, end in _complete_lines(self.path):
+            self._seq = record["seq"] + 1
             self._prev = sha256_bytes(line)
             good_bytes = end
         self._file = open(self.path, "ab")
@@ -173,8 +173,9 @@ class EventLog:
         self.close()
 
 
-def _complete_lines(path: Path) -> Iterator[tuple[bytes, int]]:
-    """(line without newline, byte offset after it) for every newline-terminated, parseable line.
+def _complete_lines(path: Path) -> Iterator[tuple[bytes, dict[str, Any], int]]:
+    """(line without newline, its record, byte offset after it) for every newline-terminated,
+    parseable line.
     Stops at the first torn or unparseable line: nothing after it can be trusted to chain."""
     try:
         data = path.read_bytes()
@@ -187,16 +188,16 @@ def _complete_lines(path: Path) -> Iterator[tuple[bytes, int]]:
             return
         line = data[offset:end]
         try:
-            json.loads(line)
+            record = json.loads(line)
         except ValueError:
             return
         offset = end + 1
-        yield line, offset
+        yield line, record, offset
 
 
 def read_events(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Every complete event of a log, in order; a missing log reads as empty."""
-    return [json.loads(line) for line, _ in _complete_lines(Path(path))]
+    return [record for _, record, _ in _complete_lines(Path(path))]
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,6 @@ def verify_chain(path: str | os.PathLike) -> list[ChainProblem]:
 def chain_head(path: str | os.PathLike) -> str:
     """SHA-256 of a log's last complete line: recorded elsewhere, it pins the log's whole content."""
     head = GENESIS
-    for line, _ in _complete_lines(Path(path)):
+    for line, _, _ in _complete_lines(Path(path)):
         head = sha256_bytes(line)
     return head

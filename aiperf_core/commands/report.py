@@ -1,0 +1,23 @@
+"""aiperf report RUN_DIR: report.html (plots, self-contained) and summary.json in the run directory."""
+
+from __future__ import annotations
+
+import json
+
+HELP = "write report.html (score, error, trial timeline and utilisation plots) and summary.json for a run"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+
+
+def run(args) -> int:
+    from aiperf_core.report import write_report
+
+    html_path, summary_path = write_report(args.run_dir)
+    summary = json.loads(summary_path.read_text())
+    label = "official" if summary["valid"] else "unofficial"
+    print(f"score {summary['score']}, regulated {summary['regulated']} ({label})")
+    print(f"wrote {html_path}")
+    print(f"wrote {summary_path}")
+    return 0

@@ -1,0 +1,134 @@
+"""The report of a run: report.html (self-contained, inline SVG plots) and summary.json.
+
+    write_report(run_dir) -> (html_path, summary_path)
+
+Both are recomputed from the run directory alone (event logs, trial graphs, monitor samples,
+run.json) and written atomically, so a report of a run still going can be rewritten at any time.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+from aiperf_core.atomic import write_text_atomic
+from aiperf_core.monitor import read_monitor
+from aiperf_core.report.page import render_page
+from aiperf_core.rundir import RunDir
+from aiperf_core.scoring.ledger import RunLedger
+from aiperf_core.scoring.score import ScoreResult, score_ledger
+
+SUMMARY_SCHEMA_VERSION = 1
+UTILISATION_BUCKETS = 240  # points per utilisation line, whatever the run's length
+
+
+def write_report(run_dir: str | os.PathLike) -> tuple[Path, Path]:
+    run = RunDir(run_dir)
+    ledger = RunLedger(run)
+    ledger.refresh()
+    result = score_ledger(ledger)
+    host_records, utilisation = read_monitors(run, ledger, result)
+    summary = build_summary(ledger, result, node_descriptions(ledger, host_records))
+    html_path, summary_path = run.root / "report.html", run.root / "summary.json"
+    write_text_atomic(summary_path, json.dumps(summary, indent=1) + "\n")
+    write_text_atomic(html_path, render_page(summary, result, ledger, utilisation))
+    return html_path, summary_path
+
+
+def node_descriptions(ledger: RunLedger, host_records: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per replica: host, devices and software from its latest replica_start, and the hardware its
+    monitor saw (CPU count, memory, accelerator names)."""
+    nodes = []
+    for replica, state in sorted(ledger.replicas.items()):
+        start = state.starts[-1] if state.starts else {}
+        host_record = host_records.get(replica, {})
+        nodes.append({
+            "replica": replica, "host": start.get("host", host_record.get("host")),
+            "devices": start.get("devices"), "backend": start.get("backend"),
+            "framework_version": start.get("framework_version"), "attempts": len(state.starts),
+            "cpus": host_record.get("cpus"), "memory_total": host_record.get("memory_total"),
+            "accelerators": [a.get("name") for a in host_record.get("accelerators") or []],
+            "nvml": host_record.get("nvml"),
+        })
+    return nodes
+
+
+def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, Any]]) -> dict[str, Any]:
+    run = ledger.info.run
+    accelerators: dict[str, int] = {}
+    for node in nodes:
+        for name in node["accelerators"]:
+            accelerators[name] = accelerators.get(name, 0) + 1
+    return {
+        "schema_version": SUMMARY_SCHEMA_VERSION,
+        "generated": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **result.to_dict(),
+        "machine": {
+            "replicas": len(nodes), "replicas_configured": run.get("replicas"),
+            "devices_per_replica": run.get("devices_per_replica"), "executor": run.get("executor"),
+            "hosts": sorted({str(n["host"]) for n in nodes if n["host"] is not None}),
+            "accelerators": accelerators, "nodes": nodes,
+        },
+        "software": {
+            "backend": run.get("backend"),
+            "framework_versions": ledger.framework_versions(),
+            "aiperf": _aiperf_version(),
+            "report_python": platform.python_version(),
+        },
+        "configuration": run,
+    }
+
+
+def _aiperf_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("aiperf")
+    except PackageNotFoundError:
+        return None
+
+
+def read_monitors(run: RunDir, ledger: RunLedger, result: ScoreResult
+                  ) -> tuple[dict[int, dict[str, Any]], dict[str, list[tuple[float, float]]]]:
+    """One pass over every replica's monitor.jsonl: its first 'host' record, and the mean
+    utilisation over all replicas in time buckets (label -> [(hours, percent)]).
+
+    Buckets keep the plot the same size for a 10-minute run on a laptop and a 12-hour run on
+    4096 nodes; a bucket averages every sample of every node that falls in it. Files are read one
+    at a time: a 12-hour run on 4096 nodes holds millions of samples."""
+    start = ledger.info.start_time
+    span = max(result.end_time - start, 1.0)
+    width = max(span / UTILISATION_BUCKETS, 30.0)
+    sums: dict[str, dict[int, list[float]]] = {k: {} for k in ("CPU", "memory", "accelerator", "accelerator memory")}
+
+    def add(label: str, bucket: int, value) -> None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            cell = sums[label].setdefault(bucket, [0.0, 0])
+            cell[0] += value
+            cell[1] += 1
+
+    host_records: dict[int, dict[str, Any]] = {}
+    for replica in ledger.replicas:
+        for record in read_monitor(run.monitor_log(replica)):
+            if record.get("kind") == "host":
+                host_records.setdefault(replica, record)
+            if record.get("kind") != "sample" or not isinstance(record.get("time"), (int, float)):
+                continue
+            offset = record["time"] - start
+            if offset < 0 or offset > span:
+                continue
+            bucket = int(offset // width)
+            add("CPU", bucket, record.get("cpu_percent"))
+            add("memory", bucket, record.get("memory_percent"))
+            for device in record.get("accelerators") or []:
+                add("accelerator", bucket, device.get("utilization"))
+                used, total = device.get("memory_used"), device.get("memory_total")
+                if isinstance(used, (int, float)) and isinstance(total, (int, float)) and total > 0:
+                    add("accelerator memory", bucket, 100.0 * used / total)
+    utilisation = {label: [((b + 0.5) * width / 3600, s / n) for b, (s, n) in sorted(cells.items())]
+                   for label, cells in sums.items() if cells}
+    return host_records, utilisation

@@ -1,0 +1,172 @@
+"""report.html: one self-contained page (inline CSS and SVG, no script, nothing fetched)."""
+
+from __future__ import annotations
+
+import json
+from html import escape
+from typing import Any
+
+from aiperf_core.report.svg import Bar, Series, line_chart, timeline_chart
+from aiperf_core.scoring.ledger import RunLedger
+from aiperf_core.scoring.rules import MAX_ERROR
+from aiperf_core.scoring.score import ScoreResult
+from aiperf_core.scoring.units import format_ops, ops_prefix
+
+TIMELINE_ROWS = 64  # replicas drawn in the timeline; a 4096-row chart is unreadable and huge
+TABLE_ROWS = 64  # replicas listed in the node table
+STATUS_COLORS = {"ok": "#2ca02c", "early_stopped": "#1f77b4", "failed": "#d62728", "interrupted": "#ff7f0e",
+                 "running": "#999999"}
+
+_CSS = """
+body { font: 14px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 980px; color: #222; }
+h1 { font-size: 1.6em; margin-bottom: 0.2em; }
+h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: 0.6em 0; }
+td, th { padding: 2px 10px 2px 0; text-align: left; vertical-align: top; }
+.big { font-size: 1.4em; font-weight: 600; }
+.official { color: #1a7f37; font-weight: 600; }
+.unofficial { color: #b3261e; font-weight: 600; }
+.chart { display: block; margin: 0.8em 0; font-size: 11px; max-width: 100%; height: auto; }
+.chart .chart-title { font-size: 13px; font-weight: 600; }
+.chart .grid { stroke: #e4e4e4; }
+.chart .frame { fill: none; stroke: #888; }
+pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 12px; }
+"""
+
+
+def render_page(summary: dict[str, Any], result: ScoreResult, ledger: RunLedger,
+                utilisation: dict[str, list[tuple[float, float]]]) -> str:
+    run_id = summary.get("run_id") or ledger.run_dir.root.name
+    label = "official" if result.valid else "unofficial"
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        f"<title>aiperf report: {escape(str(run_id))}</title>",
+        f"<style>{_CSS}</style></head><body>",
+        f"<h1>aiperf run {escape(str(run_id))}</h1>",
+        f'<p class="big">Score {escape(format_ops(result.score_ops))} &middot; regulated score '
+        f'{escape(format_ops(result.regulated_ops))} &middot; <span class="{label}">{label}</span></p>',
+        _facts_table(summary, result),
+        _validity(result),
+        "<h2>Score over time</h2>",
+        _score_charts(result),
+        "<h2>Trials per replica</h2>",
+        _timeline(result, ledger),
+        "<h2>Utilisation</h2>",
+        _utilisation_chart(utilisation),
+        "<h2>Machine and software</h2>",
+        _machine(summary),
+        "<h2>Configuration (run.json)</h2>",
+        f"<pre>{escape(json.dumps(summary.get('configuration'), indent=1, sort_keys=True))}</pre>",
+        f"<p>Generated {escape(str(summary.get('generated')))} from the run directory by "
+        f"<code>aiperf report</code>; the figures are recomputed by <code>aiperf score</code>.</p>",
+        "</body></html>",
+    ]
+    return "\n".join(parts) + "\n"
+
+
+def _row(name: str, value: str) -> str:
+    return f"<tr><th>{escape(name)}</th><td>{value}</td></tr>"
+
+
+def _facts_table(summary: dict[str, Any], result: ScoreResult) -> str:
+    accuracy = ("none recorded" if result.best_accuracy is None else
+                f"{result.best_accuracy:.2%} (error {result.best_error:.2%})")
+    statuses = ", ".join(f"{escape(k)} {v}" for k, v in result.trials_by_status.items()) or "none"
+    software = summary.get("software", {})
+    versions = "; ".join(f"{escape(backend)} {escape(', '.join(found))}"
+                         for backend, found in software.get("framework_versions", {}).items())
+    rows = [
+        _row("score (OPS at the end)", f"{escape(format_ops(result.score_ops))} ({result.score_ops:.6g} OPS)"),
+        _row("regulated score", f"{escape(format_ops(result.regulated_ops))} ({result.regulated_ops:.6g} OPS)"),
+        _row("best validation accuracy", accuracy),
+        _row("time scored", f"{result.elapsed_s / 3600:.3f} h of {(result.deadline - result.start_time) / 3600:.3f} h "
+                            f"budget{'' if result.ended else ' (run not ended)'}"),
+        _row("operations counted", f"{result.total_ops:.4g} over {result.epochs_counted} epochs "
+                                   f"({result.epochs_after_deadline} finished after the deadline)"),
+        _row("trials", f"{result.trials} ({statuses})"),
+        _row("backend", escape(str(software.get("backend"))) + (f" &mdash; {versions}" if versions else "")),
+        _row("replicas", str(summary.get("machine", {}).get("replicas"))),
+    ]
+    return "<table>" + "".join(rows) + "</table>"
+
+
+def _validity(result: ScoreResult) -> str:
+    if result.valid:
+        out = '<p class="official">Official: every rule of the benchmark is met.</p>'
+    else:
+        items = "".join(f"<li>{escape(r)}</li>" for r in result.reasons)
+        out = f'<p class="unofficial">Unofficial, because:</p><ul>{items}</ul>'
+    if result.notes:
+        out += "<p>Notes on the logs:</p><ul>" + "".join(f"<li>{escape(n)}</li>" for n in result.notes) + "</ul>"
+    return out
+
+
+def _score_charts(result: ScoreResult) -> str:
+    hours = [t / 3600 for t, _, _, _ in result.samples]
+    top = max([s[1] for s in result.samples] + [s[2] for s in result.samples] + [0.0])
+    divisor, prefix = ops_prefix(top)
+    unit = f"{prefix}OPS"
+    score = Series("score (OPS)", [(h, s[1] / divisor) for h, s in zip(hours, result.samples)])
+    reg = Series("regulated score", [(h, s[2] / divisor) for h, s in zip(hours, result.samples)], color="#9467bd")
+    error_points = [(h, 100 * s[3]) for h, s in zip(hours, result.samples) if s[3] is not None]
+    limit = [(hours[0], 100 * MAX_ERROR), (hours[-1], 100 * MAX_ERROR)] if hours else []
+    return "".join([
+        line_chart("Score: OPS(t), sampled every 0.1 h", [score], "hours since start", unit),
+        line_chart("Regulated score: -ln(error) x OPS(t)", [reg], "hours since start", unit),
+        line_chart("Best validation error so far", [Series("best error", error_points, step=True),
+                                                    Series(f"limit {MAX_ERROR:.0%}", limit, color="#999999")],
+                   "hours since start", "error (%)", y_max=100.0),
+    ])
+
+
+def _timeline(result: ScoreResult, ledger: RunLedger) -> str:
+    start = result.start_time
+    by_replica: dict[int, list[Bar]] = {replica: [] for replica in sorted(ledger.replicas)}
+    for trial in ledger.trials.values():
+        status = trial.status or "running"
+        end = trial.ended if trial.ended is not None else max(result.end_time, trial.last_epoch_time or trial.started)
+        accuracy = "-" if trial.best_accuracy is None else f"{trial.best_accuracy:.2%}"
+        tooltip = f"{trial.id}: {status}, {trial.epochs} epochs, best accuracy {accuracy}"
+        by_replica.setdefault(trial.replica, []).append(
+            Bar((trial.started - start) / 3600, (end - start) / 3600, STATUS_COLORS.get(status, "#555555"), tooltip))
+    replicas = sorted(by_replica)
+    shown = replicas[:TIMELINE_ROWS]
+    rows = [(f"replica {r}", by_replica[r]) for r in shown]
+    x_max = max([(result.deadline - start) / 3600] + [b.end for _, bars in rows for b in bars])
+    legend = [(name, color) for name, color in STATUS_COLORS.items()]
+    deadline = (result.deadline - start) / 3600
+    chart = timeline_chart("Trials of each replica over time (colour: outcome)", rows, x_max, "hours since start",
+                           legend, marker=(deadline, "deadline"))
+    note = (f"<p>Showing the first {len(shown)} of {len(replicas)} replicas.</p>" if len(replicas) > len(shown)
+            else "")
+    return chart + note
+
+
+def _utilisation_chart(utilisation: dict[str, list[tuple[float, float]]]) -> str:
+    series = [Series(f"{label} %", points) for label, points in utilisation.items()]
+    chart = line_chart("Mean utilisation over all replicas (monitor samples)", series, "hours since start",
+                       "percent", y_max=100.0)
+    if "accelerator" not in utilisation:
+        chart += "<p>No accelerator samples: NVML was not available on the replica nodes.</p>"
+    return chart
+
+
+def _machine(summary: dict[str, Any]) -> str:
+    machine = summary.get("machine", {})
+    accelerators = ", ".join(f"{n} x {escape(str(name))}" for name, n in machine.get("accelerators", {}).items())
+    head = ("<table>" + _row("hosts", escape(", ".join(machine.get("hosts", [])[:16]) +
+                                             (" ..." if len(machine.get("hosts", [])) > 16 else "")))
+            + _row("accelerators seen", accelerators or "none reported")
+            + _row("executor", escape(str(machine.get("executor"))))
+            + _row("aiperf", escape(str(summary.get("software", {}).get("aiperf")))) + "</table>")
+    nodes = machine.get("nodes", [])
+    rows = "".join(
+        f"<tr><td>{n['replica']}</td><td>{escape(str(n['host']))}</td><td>{escape(str(n['devices']))}</td>"
+        f"<td>{escape(str(n['backend']))} {escape(str(n['framework_version']))}</td><td>{n['attempts']}</td>"
+        f"<td>{escape(str(n['cpus']))}</td></tr>" for n in nodes[:TABLE_ROWS])
+    table = ("<table><tr><th>replica</th><th>host</th><th>devices</th><th>framework</th><th>starts</th>"
+             f"<th>CPUs</th></tr>{rows}</table>")
+    more = (f"<p>First {TABLE_ROWS} of {len(nodes)} replicas; all are in summary.json.</p>"
+            if len(nodes) > TABLE_ROWS else "")
+    return head + table + more

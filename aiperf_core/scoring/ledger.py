@@ -1,0 +1,485 @@
+"""What a run's event logs say, read incrementally: trials, epochs, replicas, the run's end.
+
+Scoring, verification, the live display and the report all read the logs through `RunLedger`.
+`refresh()` parses only the bytes appended to each log since the last call, so the live display
+can call it every few seconds during a 4096-replica run. Per-image operation counts come from the
+trial graphs through `per_image_ops`, cached by the graph's SHA-256: the hash pins the content,
+so one count serves every trial (and every run) with the same graph.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from aiperf_core.errors import AiperfError
+from aiperf_core.rundir import RunDir, RunDirError, sha256_bytes
+
+# graph sha256 -> (FP, BP) per image, paper convention. Content-addressed, so it is safe to share
+# across runs and calls: re-scoring a run (or scoring it after the live display) costs reading and
+# hashing its graphs, not loading and counting them again.
+_PER_IMAGE: dict[str, tuple[int, int]] = {}
+
+
+def per_image_ops(graph_path: Path, expected_sha256: str) -> tuple[tuple[int, int] | None, str | None]:
+    """((FP, BP) per image, None) for the graph pinned by `expected_sha256`, or (None, problem).
+
+    The file is always read, and its content must hash to the pinned value: a graph changed after
+    its trial started is never counted, and whether a run's graph counts never depends on what
+    this process happened to count before. Only the counting is cached."""
+    try:
+        data = graph_path.read_bytes()
+    except FileNotFoundError:
+        return None, f"{_short(graph_path)}: missing"
+    except OSError as exc:
+        return None, f"{_short(graph_path)}: unreadable: {exc}"
+    if sha256_bytes(data) != expected_sha256:
+        return None, f"{_short(graph_path)}: content differs from trial_start.graph_sha256"
+    cached = _PER_IMAGE.get(expected_sha256)
+    if cached is not None:
+        return cached, None
+    from aiperf_core.ir import Graph
+    from opcount import count
+
+    try:
+        counted = count(Graph.from_json(data.decode("utf-8")))
+    except (AiperfError, UnicodeDecodeError) as exc:
+        return None, f"{_short(graph_path)}: not a valid graph: {exc}"
+    value = (counted.fp, counted.bp)
+    _PER_IMAGE[expected_sha256] = value
+    return value, None
+
+
+def count_graphs(jobs: list[tuple[Path, str]]) -> list[tuple[tuple[int, int] | None, str | None]]:
+    """per_image_ops for each (graph path, pinned sha256), caching what counts. Many graphs are
+    spread over worker processes: loading and counting a ResNet-50-size graph takes milliseconds,
+    and a big run of distinct morphs has tens of thousands. AIPERF_SCORE_WORKERS caps the workers
+    (1: none)."""
+    workers = min(_score_workers(), len(jobs) // PARALLEL_GRAPHS_PER_WORKER)
+    results = None
+    if workers >= 2:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures.process import BrokenProcessPool
+
+        try:
+            # spawn, not fork: the caller (the primary) may have threads, and fork copies their locks.
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+                results = list(pool.map(per_image_ops, [p for p, _ in jobs], [s for _, s in jobs],
+                                        chunksize=max(1, len(jobs) // (workers * 8))))
+        except (OSError, BrokenProcessPool):  # no processes to be had here: count in this one
+            results = None
+    if results is None:
+        return [per_image_ops(path, sha) for path, sha in jobs]
+    for (_, sha), (value, _) in zip(jobs, results):
+        if value is not None:
+            _PER_IMAGE[sha] = value
+    return results
+
+
+PARALLEL_GRAPHS_PER_WORKER = 64  # fewer graphs than this per worker do not repay starting it
+
+
+def _score_workers() -> int:
+    configured = os.environ.get("AIPERF_SCORE_WORKERS", "").strip()
+    if configured:
+        try:
+            return max(int(configured), 1)
+        except ValueError:
+            raise AiperfError(f"AIPERF_SCORE_WORKERS: {configured!r} is not an integer") from None
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _short(path: Path) -> str:
+    """trials/<trial>/graph.json: how problems name a file, independent of where the run dir sits."""
+    return "/".join(path.parts[-3:])
+
+
+@contextmanager
+def gc_paused():
+    """Reading a big run creates millions of small objects and no reference cycles; the cyclic
+    collector would rescan the growing heap over and over for nothing (it nearly doubles the time
+    of scoring a 4096-replica run)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """The clock of a run, from run.json."""
+
+    run: dict[str, Any]
+    start_time: float
+    deadline: float
+    budget_s: float
+
+
+def _number(run: dict, key: str, where: Path) -> float | None:
+    value = run.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RunDirError(f"{where}: {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def read_run_info(run_dir: RunDir) -> RunInfo:
+    run = run_dir.read_run()
+    where = run_dir.run_file
+    start = _number(run, "start_time", where)
+    if start is None:
+        raise RunDirError(f"{where}: start_time missing")
+    budget = _number(run, "time_budget_s", where)
+    deadline = _number(run, "deadline", where)
+    if deadline is None and budget is None:
+        raise RunDirError(f"{where}: deadline and time_budget_s both missing")
+    if deadline is None:
+        deadline = start + budget
+    if budget is None:
+        budget = deadline - start
+    if deadline <= start:
+        raise RunDirError(f"{where}: deadline {deadline} is not after start_time {start}")
+    return RunInfo(run, start, deadline, budget)
+
+
+class LogRewritten(Exception):
+    """A log shrank: it was replaced, not appended to. Whatever was read from it is stale."""
+
+
+class LogTail:
+    """Incremental reader of one append-only JSON-lines log.
+
+    Like rundir.read_events, it stops at the first torn or unparseable line; it re-reads from that
+    line on the next call, so a line completed later (or cut off and rewritten by the writer's
+    EventLog.open()) is read then."""
+
+    def __init__(self, path: Path, name: str):
+        self.path = path
+        self.name = name  # relative to the run directory, for messages
+        self.offset = 0  # bytes consumed: every line before it parsed
+        self.lines = 0  # lines consumed
+        self.damaged_line: int | None = None  # a complete line that is not a JSON object
+
+    def read(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(1-based line number, event) for every complete line appended since the last call."""
+        try:
+            size = os.stat(self.path).st_size
+        except FileNotFoundError:
+            size = 0
+        if size < self.offset:
+            raise LogRewritten(str(self.path))
+        if size == self.offset:
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read(size - self.offset)
+        last = data.rfind(b"\n")
+        if last < 0:
+            return
+        # Fast path: all complete lines as one JSON array, parsed in one call (a JSON line holds no
+        # raw newline, so joining with commas is exact). Any damaged line: go line by line.
+        try:
+            events = json.loads(b"[" + data[:last].replace(b"\n", b",") + b"]")
+        except ValueError:
+            events = None
+        if events is not None and all(type(event) is dict for event in events):
+            first = self.lines + 1
+            self.lines += len(events)
+            self.offset += last + 1
+            yield from enumerate(events, start=first)
+            return
+        start = 0
+        loads = json.loads
+        while True:
+            end = data.find(b"\n", start)
+            if end < 0:
+                break
+            try:
+                event = loads(data[start:end])
+            except ValueError:
+                event = None
+            if not isinstance(event, dict):
+                # A whole line (newline-terminated) that does not parse is damage, not a crash
+                # mid-write: nothing after it can be trusted, and the run cannot be scored whole.
+                self.damaged_line = self.lines + 1
+                break
+            self.lines += 1
+            self.offset += end + 1 - start
+            start = end + 1
+            yield self.lines, event
+
+
+class Trial:
+    """One trial as its replica's log tells it."""
+
+    __slots__ = ("id", "replica", "round", "parent", "graph_sha256", "precision", "started", "ended",
+                 "status", "reason", "epochs", "last_epoch", "last_epoch_time", "best_accuracy", "per_image", "problem")
+
+    def __init__(self, trial_id: str, replica: int, event: dict[str, Any]):
+        hyper = event.get("hyper") if isinstance(event.get("hyper"), dict) else {}
+        self.id = trial_id
+        self.replica = replica
+        self.round = event.get("round")
+        self.parent = event.get("parent")
+        self.graph_sha256 = event.get("graph_sha256")
+        self.precision = hyper.get("precision")
+        self.started = event["time"]
+        self.ended: float | None = None
+        self.status: str | None = None  # None while running
+        self.reason: str | None = None
+        self.epochs = 0  # epoch_end events counted
+        self.last_epoch = -1  # the highest epoch number logged
+        self.last_epoch_time: float | None = None
+        self.best_accuracy: float | None = None
+        self.per_image: tuple[int, int] | None = None  # (FP, BP) once the graph is resolved
+        self.problem: str | None = None  # why per_image is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"trial": self.id, "replica": self.replica, "round": self.round, "parent": self.parent,
+                "started": self.started, "ended": self.ended, "status": self.status, "epochs": self.epochs,
+                "best_accuracy": self.best_accuracy, "precision": self.precision}
+
+
+class ReplicaState:
+    """What the live display and the report show per replica."""
+
+    __slots__ = ("replica", "starts", "stop", "trials_done", "running", "last_time")
+
+    def __init__(self, replica: int):
+        self.replica = replica
+        self.starts: list[dict[str, Any]] = []  # every replica_start (one per attempt)
+        self.stop: dict[str, Any] | None = None
+        self.trials_done = 0
+        self.running: Trial | None = None
+        self.last_time: float | None = None
+
+
+# An epoch as scoring needs it: (time, trial, train_images, val_images, val_accuracy or None).
+Epoch = tuple
+
+
+class RunLedger:
+    """The accumulated content of every event log of one run directory."""
+
+    def __init__(self, run_dir: str | os.PathLike | RunDir):
+        self.run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+        self.info = read_run_info(self.run_dir)
+        self.generation = -1
+        self._reset()
+
+    def _reset(self) -> None:
+        # Counts the times the ledger started again from scratch: holders of derived totals
+        # (the live display) compare it to know their totals are stale.
+        self.generation += 1
+        self._tails: dict[int | None, LogTail] = {}  # None is the primary log
+        self.trials: dict[str, Trial] = {}
+        self.epochs: list[Epoch] = []
+        self.replicas: dict[int, ReplicaState] = {}
+        self.primary_events: list[dict[str, Any]] = []
+        self.run_end: dict[str, Any] | None = None
+        self.problems: list[str] = []  # log content that scoring could not use, one line each
+        self._resolved: dict[str, tuple[int, int]] = {}  # graph sha256 -> (FP, BP), checked in this run
+        self._waiting: dict[str, list[Trial]] = {}  # graph sha256 -> trials whose graph did not resolve
+        self._new_trials: list[Trial] = []  # started in this refresh; resolved at its end
+
+    def refresh(self) -> bool:
+        """Read what every log gained since the last call. True if anything new was read.
+        A log that shrank (replaced, not appended to) makes the ledger start again from scratch."""
+        with gc_paused():
+            try:
+                return self._refresh()
+            except LogRewritten:
+                self._reset()
+                return self._refresh()
+
+    def _refresh(self) -> bool:
+        grew = self._read_primary()
+        for replica in self.run_dir.replica_ids():
+            tail = self._tails.get(replica)
+            if tail is None:
+                tail = self._tails[replica] = LogTail(self.run_dir.replica_log(replica),
+                                                      f"replicas/{replica}/events.jsonl")
+                self.replicas[replica] = ReplicaState(replica)
+            state = self.replicas[replica]
+            for line, event in tail.read():
+                grew = True
+                self._replica_event(state, event, tail.name, line)
+        self._resolve_new_trials()
+        return grew
+
+    def _read_primary(self) -> bool:
+        tail = self._tails.get(None)
+        if tail is None:
+            tail = self._tails[None] = LogTail(self.run_dir.primary_log, "primary/events.jsonl")
+        grew = False
+        for line, event in tail.read():
+            grew = True
+            _require_time(event, tail.name, line)
+            self.primary_events.append(event)
+            if event.get("event") == "run_end":
+                self.run_end = event
+        return grew
+
+    def _replica_event(self, state: ReplicaState, event: dict[str, Any], log: str, line: int) -> None:
+        kind = event.get("event")
+        time = event.get("time")
+        if type(time) not in (float, int):
+            _require_time(event, log, line)
+        state.last_time = time
+        if kind == "epoch_end":
+            self._epoch_end(state, event, log, line, time)
+        elif kind == "trial_start":
+            trial_id = _require_str(event, "trial", log, line)
+            if trial_id in self.trials:
+                self.problems.append(f"{_where(log, line)}: trial {trial_id} started twice; the first counts")
+                return
+            trial = self.trials[trial_id] = Trial(trial_id, state.replica, event)
+            state.running = trial
+            self._new_trials.append(trial)
+        elif kind == "trial_end":
+            trial = self.trials.get(_require_str(event, "trial", log, line))
+            if trial is None:
+                self.problems.append(f"{_where(log, line)}: trial_end of {event['trial']}, which never started")
+                return
+            trial.ended = time
+            trial.status = event.get("status")
+            trial.reason = event.get("reason")
+            state.trials_done += 1
+            if state.running is trial:
+                state.running = None
+        elif kind == "replica_start":
+            state.starts.append(event)
+            # A restarted replica first closes its interrupted trial; until then it is not running.
+            state.running = None
+        elif kind == "replica_stop":
+            state.stop = event
+            state.running = None
+
+    def _epoch_end(self, state: ReplicaState, event: dict, log: str, line: int, time: float) -> None:
+        # The hot path of scoring (one call per epoch of every replica): plain type() checks inline,
+        # the helpers only to raise with a message.
+        trial_id = event.get("trial")
+        if type(trial_id) is not str:
+            _require_str(event, "trial", log, line)
+        trial = self.trials.get(trial_id)
+        if trial is None:
+            self.problems.append(f"{_where(log, line)}: epoch_end of {trial_id}, which never started: not counted")
+            return
+        epoch = event.get("epoch")
+        if type(epoch) is not int:
+            raise RunDirError(f"{_where(log, line)}: epoch_end.epoch must be an integer, got {epoch!r}")
+        if epoch <= trial.last_epoch:  # a trial's epochs are numbered 0, 1, 2... in the order they end
+            self.problems.append(f"{_where(log, line)}: epoch {epoch} of {trial_id} logged after epoch "
+                                 f"{trial.last_epoch}: counted once")
+            return
+        train_images = event.get("train_images")
+        if type(train_images) is not int or train_images < 0:
+            _require_count(event, "train_images", log, line)
+        val_images = event.get("val_images")
+        if type(val_images) is not int or val_images < 0:
+            _require_count(event, "val_images", log, line)
+        accuracy = event.get("val_accuracy")
+        if accuracy is not None:
+            if type(accuracy) not in (float, int) or not 0.0 <= accuracy <= 1.0:
+                raise RunDirError(f"{_where(log, line)}: val_accuracy must be in [0, 1], got {accuracy!r}")
+            if trial.best_accuracy is None or accuracy > trial.best_accuracy:
+                trial.best_accuracy = accuracy
+        trial.last_epoch = epoch
+        trial.epochs += 1
+        trial.last_epoch_time = time
+        self.epochs.append((time, trial, train_images, val_images, accuracy))
+
+    def _resolve_new_trials(self) -> None:
+        """Find the per-image ops of the trials read in this refresh, one graph hash at a time.
+
+        Each pinned graph is read once per ledger: trials that share it share its file's check. A
+        graph file that fails (missing, changed) leaves its trials waiting: a later trial with the
+        same pinned hash and an intact file resolves them all. Graphs this process has never
+        counted are counted first, in parallel when there are many (a run of distinct morphs)."""
+        by_sha: dict[str, list[Trial]] = {}
+        for trial in self._new_trials:
+            sha = trial.graph_sha256
+            if not isinstance(sha, str):
+                trial.problem = f"trial_start of {trial.id} records no graph_sha256"
+            elif sha in self._resolved:
+                trial.per_image = self._resolved[sha]
+            else:
+                by_sha.setdefault(sha, []).append(trial)
+        self._new_trials = []
+        uncounted = [(self._graph_path(trials[0]), sha) for sha, trials in by_sha.items() if sha not in _PER_IMAGE]
+        checked = dict(zip((sha for _, sha in uncounted), count_graphs(uncounted)))
+        for sha, trials in by_sha.items():
+            value = None
+            for i, trial in enumerate(trials):
+                value, problem = checked[sha] if i == 0 and sha in checked else per_image_ops(
+                    self._graph_path(trial), sha)
+                if value is not None:
+                    break
+                trial.problem = problem
+            waiting = self._waiting.pop(sha, []) + trials
+            if value is None:
+                self._waiting[sha] = waiting
+                continue
+            self._resolved[sha] = value
+            for trial in waiting:
+                trial.per_image, trial.problem = value, None
+
+    def _graph_path(self, trial: Trial) -> Path:
+        return self.run_dir.trial_dir(trial.id) / "graph.json"
+
+    def damaged_logs(self) -> list[str]:
+        """One line per log with a damaged line; the rest of that log is not read."""
+        return [f"{tail.name}: line {tail.damaged_line} is not a JSON object: it and the lines after it "
+                "are not read" for tail in self._tails.values() if tail.damaged_line is not None]
+
+    def unresolved_trials(self) -> list[Trial]:
+        """Trials with epochs whose operations cannot be counted (their graph is missing or changed)."""
+        return [t for t in self.trials.values() if t.per_image is None and t.epochs]
+
+    def framework_versions(self) -> dict[str, list[str]]:
+        """backend name -> the framework versions its replicas reported (replica_start)."""
+        found: dict[str, set[str]] = {}
+        for state in self.replicas.values():
+            for start in state.starts:
+                found.setdefault(str(start.get("backend")), set()).add(str(start.get("framework_version")))
+        return {backend: sorted(versions) for backend, versions in sorted(found.items())}
+
+
+def _where(log: str, line: int) -> str:
+    return f"{log}: line {line}"
+
+
+def _require_time(event: dict, log: str, line: int) -> float:
+    value = event.get("time")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RunDirError(f"{_where(log, line)}: time must be a number, got {value!r}")
+    return value
+
+
+def _require_str(event: dict, key: str, log: str, line: int) -> str:
+    value = event.get(key)
+    if not isinstance(value, str):
+        raise RunDirError(f"{_where(log, line)}: {event.get('event')}.{key} must be a string, got {value!r}")
+    return value
+
+
+def _require_count(event: dict, key: str, log: str, line: int) -> int:
+    value = event.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RunDirError(f"{_where(log, line)}: {event.get('event')}.{key} must be a non-negative integer, "
+                          f"got {value!r}")
+    return value

@@ -1,0 +1,136 @@
+"""Live progress of a running benchmark, for the display `aiperf run` refreshes every few seconds.
+
+`snapshot(run_dir, now)` keeps one ledger per run directory between calls: each call parses only
+the bytes the logs gained, and adds only the new epochs' operations to a running total, so its
+cost follows what happened since the last call, not the size of the run. Figures are the same
+definitions as the score (aiperf_core.scoring.score); `score_run` remains the authority.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time as _time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiperf_core.scoring.ledger import RunLedger
+from aiperf_core.scoring.score import epoch_ops, regulated, scored_error
+
+
+@dataclass(frozen=True)
+class ReplicaProgress:
+    replica: int
+    host: str | None
+    attempts: int  # replica_start events: 1, or more after restarts
+    trials_done: int
+    running: str | None  # the trial it trains now
+    running_epochs: int  # epochs that trial has finished
+    stopped: bool  # replica_stop logged
+    last_event_time: float | None
+
+
+@dataclass(frozen=True)
+class Progress:
+    now: float
+    elapsed_s: float  # since the run's clock started
+    budget_s: float
+    remaining_s: float  # to the deadline, never negative
+    ended: bool  # the primary logged run_end
+    trials_done: int
+    trials_running: int
+    epochs_counted: int
+    ops_per_s: float  # OPS(now), as the score defines it
+    regulated_ops: float
+    best_accuracy: float | None
+    best_error: float | None
+    replicas: tuple[ReplicaProgress, ...]
+
+    @property
+    def fraction(self) -> float:
+        """Share of the budget used, in [0, 1]."""
+        return min(max(self.elapsed_s / self.budget_s, 0.0), 1.0) if self.budget_s > 0 else 1.0
+
+
+class _LiveRun:
+    """A run's ledger plus the running totals over the epochs it has already added up."""
+
+    def __init__(self, run_dir: Path):
+        self.ledger = RunLedger(run_dir)
+        self._restart()
+
+    def _restart(self) -> None:
+        self.epochs_seen = 0  # ledger.epochs[:epochs_seen] are in the totals or in `pending`
+        self.ops_done = 0
+        self.epochs_done = 0
+        self.best_error: float | None = None
+        self.best_accuracy: float | None = None
+        self.pending: list[tuple[float, int, float | None, float | None]] = []  # finished after `now`
+        self.now = -math.inf
+
+    def update(self, now: float) -> None:
+        generation = self.ledger.generation
+        self.ledger.refresh()
+        if self.ledger.generation != generation or now < self.now:
+            self._restart()  # a log was replaced, or the clock went back: add up again
+        self.now = now
+        deadline = self.ledger.info.deadline
+        for time, trial, train_images, val_images, accuracy in self.ledger.epochs[self.epochs_seen:]:
+            # An epoch of a trial whose graph has not resolved is left out here; score_run counts it
+            # if another trial resolves the same graph later.
+            if time > deadline or trial.per_image is None:
+                continue
+            error = None if accuracy is None else scored_error(accuracy, val_images)
+            self.pending.append((time, epoch_ops(trial.per_image, train_images, val_images), error, accuracy))
+        self.epochs_seen = len(self.ledger.epochs)
+        limit = min(now, deadline)
+        still_pending = []
+        for time, ops, error, accuracy in self.pending:
+            if time > limit:
+                still_pending.append((time, ops, error, accuracy))
+                continue
+            self.ops_done += ops
+            self.epochs_done += 1
+            if error is not None and (self.best_error is None or error < self.best_error):
+                self.best_error, self.best_accuracy = error, accuracy
+        self.pending = still_pending
+
+
+_LIVE: dict[Path, _LiveRun] = {}
+
+
+def snapshot(run_dir: str | os.PathLike, now: float | None = None) -> Progress:
+    """The run's progress at `now` (default: the current time)."""
+    now = _time.time() if now is None else now
+    key = Path(run_dir).resolve()
+    live = _LIVE.get(key)
+    if live is None:
+        live = _LIVE[key] = _LiveRun(key)
+    live.update(now)
+    ledger = live.ledger
+    info = ledger.info
+    end = min(now, info.deadline)
+    if ledger.run_end is not None:
+        end = min(end, ledger.run_end["time"])
+    ops_per_s = live.ops_done / (end - info.start_time) if end > info.start_time else 0.0
+
+    replicas = []
+    for replica, state in sorted(ledger.replicas.items()):
+        running = state.running
+        replicas.append(ReplicaProgress(
+            replica=replica, host=state.starts[-1].get("host") if state.starts else None,
+            attempts=len(state.starts), trials_done=state.trials_done,
+            running=running.id if running else None, running_epochs=running.epochs if running else 0,
+            stopped=state.stop is not None, last_event_time=state.last_time))
+    return Progress(
+        now=now, elapsed_s=now - info.start_time, budget_s=info.budget_s,
+        remaining_s=max(info.deadline - now, 0.0), ended=ledger.run_end is not None,
+        trials_done=sum(r.trials_done for r in replicas),
+        trials_running=sum(r.running is not None for r in replicas), epochs_counted=live.epochs_done,
+        ops_per_s=ops_per_s, regulated_ops=regulated(ops_per_s, live.best_error),
+        best_accuracy=live.best_accuracy, best_error=live.best_error, replicas=tuple(replicas))
+
+
+def forget(run_dir: str | os.PathLike) -> None:
+    """Drop the cached state of a run (when its display closes)."""
+    _LIVE.pop(Path(run_dir).resolve(), None)

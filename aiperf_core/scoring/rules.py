@@ -1,0 +1,77 @@
+"""The rules of a scored run (paper section 4.5, Table 4): what makes a run official.
+
+A run is valid only if it trained on ImageNet, started from ResNet-50, searched by network
+morphism and Bayesian optimisation, trained every trial at FP16 or above, reached a validation
+error of at most 30%, and changed no fixed setting. Anything else is labelled unofficial, with
+every reason listed. The limits are Table 4's own values (the fixed items' defaults), never the
+run's configuration: a run cannot pass by loosening its own rules.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from aiperf_core.policy import BY_NAME, ITEMS, Policy, PolicyError, precision_allowed
+from aiperf_core.rundir import RunDirError
+
+OFFICIAL_DATASET = BY_NAME["dataset"].default
+OFFICIAL_MODEL = BY_NAME["initial_architecture"].default
+MIN_PRECISION = BY_NAME["min_precision"].default
+MAX_ERROR = BY_NAME["max_error"].default
+
+
+def run_policy(run: dict[str, Any]) -> Policy:
+    """The policy recorded in run.json; a malformed one is an error naming the item."""
+    values = run.get("policy", {})
+    if not isinstance(values, dict):
+        raise RunDirError(f"run.json: policy must be an object, got {type(values).__name__}")
+    try:
+        return Policy(values, source="run.json: policy")
+    except PolicyError as exc:
+        raise RunDirError(str(exc)) from None
+
+
+def validity_reasons(run: dict[str, Any], trials: Iterable[Any], best_error: float | None) -> list[str]:
+    """Every reason the run is unofficial; empty for a valid run. `trials` have .id and .precision."""
+    reasons: list[str] = []
+    covered: set[str] = set()  # fixed items a fact-based reason already names
+
+    dataset = run.get("dataset")
+    name = dataset.get("name") if isinstance(dataset, dict) else None
+    if name != OFFICIAL_DATASET:
+        reasons.append("run.json records no dataset name (ImageNet required)" if name is None else
+                       f"dataset is {name!r}, not ImageNet ({OFFICIAL_DATASET!r})")
+        covered.add("dataset")
+    model = run.get("model")
+    if model != OFFICIAL_MODEL:
+        reasons.append("run.json records no initial model (ResNet-50 required)" if model is None else
+                       f"initial architecture is {model!r}, not ResNet-50 ({OFFICIAL_MODEL!r})")
+        covered.add("initial_architecture")
+
+    low: dict[str, list[str]] = {}
+    for trial in trials:
+        if not precision_allowed(str(trial.precision), MIN_PRECISION):
+            low.setdefault(str(trial.precision), []).append(trial.id)
+    for precision, ids in sorted(low.items()):
+        what = "no precision recorded" if precision == "None" else f"precision {precision} is below the minimum"
+        reasons.append(f"{what} ({MIN_PRECISION} or above required): {len(ids)} trial(s), "
+                       f"e.g. {', '.join(sorted(ids)[:3])}")
+
+    if best_error is None:
+        reasons.append("no validation accuracy was recorded by the end of the run")
+    elif best_error > MAX_ERROR:
+        reasons.append(f"best validation error {best_error:.2%} is above the maximum {MAX_ERROR:.0%}")
+
+    policy = run_policy(run)
+    overridden = set(policy.overridden_fixed())
+    recorded = run.get("policy_overridden_fixed") or []
+    if not isinstance(recorded, list):
+        raise RunDirError("run.json: policy_overridden_fixed must be a list")
+    overridden.update(str(item) for item in recorded)
+    for item in ITEMS:  # Table 4's order
+        if item.name in overridden and item.name not in covered:
+            reasons.append(f"fixed setting {item.name} changed to {policy[item.name]!r} "
+                           f"(Table 4: {item.default!r})")
+    for name in sorted(overridden - set(BY_NAME)):
+        reasons.append(f"fixed setting {name} changed (recorded in run.json)")
+    return reasons
