@@ -76,10 +76,13 @@ def _int_list(low: int) -> Callable[[Any], str | None]:
     return check
 
 
+MAX_MORPH_KERNEL = 7  # aiperf_core.morph.MAX_KERNEL, the largest kernel a morph can make
+
+
 def _odd_kernels(value: Any) -> str | None:
     problem = _int_list(1)(value)
-    if problem is None and any(k % 2 == 0 for k in value):
-        return "must hold odd kernel sizes only"
+    if problem is None and any(k % 2 == 0 or k > MAX_MORPH_KERNEL for k in value):
+        return f"must hold odd kernel sizes from 1 to {MAX_MORPH_KERNEL} only"
     return problem
 
 
@@ -140,6 +143,10 @@ ITEMS: tuple[PolicyItem, ...] = (
     PolicyItem("nas_acquisition", "ucb", False, "acquisition function of the architecture GP",
                _choice("ucb", "ei")),
     PolicyItem("nas_kappa", 2.576, False, "UCB exploration weight", _number_range(0.0, 100.0)),
+    PolicyItem("nas_parents", 3, False, "best trials of the shared history whose children compete each round",
+               _int_range(1)),
+    PolicyItem("nas_active_set", 64, False, "most history trials the architecture GP is fitted on",
+               _int_range(2)),
     PolicyItem("image_size", 224, False, "training and validation resolution (square)", _int_range(32)),
 )
 BY_NAME: dict[str, PolicyItem] = {item.name: item for item in ITEMS}
