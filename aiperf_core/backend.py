@@ -72,11 +72,15 @@ class EpochReport:
     loss: float
     val_loss: float
     val_accuracy: float
+    skipped_images: int = 0  # training and validation images that could not be decoded (streamed data)
 
 
 @dataclass(frozen=True)
 class Dataset:
-    """In-memory arrays: images NHWC float32, labels int64 class indices."""
+    """In-memory arrays: images NHWC float32, labels int64 class indices.
+
+    train() also accepts an aiperf_core.data.stream.StreamingDataset (images decoded and augmented
+    while training, e.g. ImageNet); a backend tells the two apart with is_streaming(data)."""
 
     x_train: np.ndarray
     y_train: np.ndarray
@@ -167,7 +171,10 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def train(self, model: Any, data: Dataset, config: TrainConfig, on_epoch: EpochCallback | None = None) -> list[EpochReport]:
-        """Train one trial: SGD with momentum, config.schedule per epoch, data parallel over devices()."""
+        """Train one trial: SGD with momentum, config.schedule per epoch, data parallel over devices().
+        `data` is a Dataset or a StreamingDataset; EpochReport.train_images counts the images that
+        were trained on (a streamed image that does not decode is skipped and counted in
+        skipped_images)."""
 
     def native_counter(self) -> NativeCounter | None:
         return None
@@ -269,7 +276,16 @@ def check_train_config(config: TrainConfig) -> None:
         raise BackendError(f"label_smoothing must be in [0, 1], got {config.label_smoothing}")
 
 
+def is_streaming(data) -> bool:
+    """Whether `data` is a StreamingDataset rather than in-memory arrays (no import of aiperf_core.data
+    needed: a streaming dataset is recognised by its epoch plan)."""
+    return not isinstance(data, Dataset) and hasattr(data, "plan") and hasattr(data, "iterate")
+
+
 def check_dataset(graph: Graph, data: Dataset) -> None:
+    if is_streaming(data):
+        _check_streaming(graph, data)
+        return
     for xs, ys, what in ((data.x_train, data.y_train, "training"), (data.x_val, data.y_val, "validation")):
         if len(xs) != len(ys):
             raise BackendError(f"{what} set has {len(xs)} images but {len(ys)} labels")
@@ -278,6 +294,18 @@ def check_dataset(graph: Graph, data: Dataset) -> None:
             check_labels(graph, np.asarray(ys), len(ys))
     if len(data.x_train) == 0:
         raise BackendError("the training set is empty")
+
+
+def _check_streaming(graph: Graph, data) -> None:
+    want = tuple(graph.input_shape)
+    if tuple(data.image_shape) != want:
+        raise GraphError(f"dataset '{data.name}' gives images of shape {list(data.image_shape)}, "
+                         f"the graph expects {list(want)}", graph.input_id)
+    if len(graph.output_shape) != 1 or graph.output_shape[0] != data.classes:
+        raise GraphError(f"dataset '{data.name}' has {data.classes} classes, the graph outputs "
+                         f"{list(graph.output_shape)}", graph.output_id)
+    if data.train_images == 0:
+        raise BackendError(f"dataset '{data.name}': split 'train' is empty")
 
 
 def describe(backend_cls: type[Backend]) -> Mapping[str, Any]:

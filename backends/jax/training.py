@@ -19,7 +19,8 @@ from typing import Callable
 
 import numpy as np
 
-from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig, batches
+from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig, is_streaming
+from aiperf_core.data.stream import train_batches, val_batches
 
 PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
 PREDICT_BATCH = 256
@@ -151,7 +152,8 @@ def evaluate(model, params, state, x: np.ndarray, labels: np.ndarray, label_smoo
 
 def run_epochs(model, data: Dataset, config: TrainConfig, mesh=None,
                on_epoch: Callable[[EpochReport], bool | None] | None = None) -> list[EpochReport]:
-    """The epoch loop; the trained parameters and BN statistics are stored back into `model`."""
+    """The epoch loop; the trained parameters and BN statistics are stored back into `model`.
+    `data` is in-memory arrays or a StreamingDataset (aiperf_core.data.stream)."""
     import jax
     import jax.numpy as jnp
 
@@ -167,9 +169,9 @@ def run_epochs(model, data: Dataset, config: TrainConfig, mesh=None,
     params = replicate(mesh, jax.tree_util.tree_map(jnp.array, model.params))  # copies: donation is safe
     state = replicate(mesh, model.state)
     velocity = replicate(mesh, jax.tree_util.tree_map(jnp.zeros_like, model.params))
-    x_train = np.ascontiguousarray(data.x_train, dtype=np.float32)
-    y_train = np.asarray(data.y_train, dtype=np.int32)
-    n = len(y_train)
+    if not is_streaming(data):  # convert once, not per batch
+        data = Dataset(np.ascontiguousarray(data.x_train, dtype=np.float32), np.asarray(data.y_train, np.int32),
+                       data.x_val, data.y_val, data.classes)
     rng_key = jax.random.PRNGKey(config.seed)
     reports: list[EpochReport] = []
     step_index = 0
@@ -177,21 +179,33 @@ def run_epochs(model, data: Dataset, config: TrainConfig, mesh=None,
         for epoch in range(config.epochs):
             lr = jnp.float32(config.schedule.rate(epoch, config.epochs))
             pending = []
-            images = 0
-            for idx in batches(n, config.batch_size, np.random.default_rng(config.seed + epoch)):
-                xb, yb = place_batch(mesh, x_train[idx], y_train[idx])
+            images = skipped = 0
+            # Streamed batches come from the shared threaded pipeline, which decodes the next batches
+            # while the (asynchronously dispatched) step runs.
+            for batch in train_batches(data, epoch, config.seed, config.batch_size):
+                skipped += batch.skipped
+                if not len(batch.y):
+                    continue
+                xb, yb = place_batch(mesh, np.asarray(batch.x, np.float32), np.asarray(batch.y, np.int32))
                 params, state, velocity, total = step(params, state, velocity, xb, yb, lr,
                                                       jax.random.fold_in(rng_key, step_index))
                 pending.append(total)
                 step_index += 1
-                images += len(idx)
+                images += len(batch.y)
             loss_sum = float(np.sum([np.float64(t) for t in pending]))
-            val_loss, correct = evaluate(model, params, state, data.x_val, data.y_val, config.label_smoothing)
-            val_total = len(data.y_val)
+            val_loss, correct, val_total = 0.0, 0, 0
+            for batch in val_batches(data, PREDICT_BATCH):
+                skipped += batch.skipped
+                if len(batch.y):
+                    part_loss, part_correct = evaluate(model, params, state, batch.x, batch.y,
+                                                       config.label_smoothing)
+                    val_loss, correct = val_loss + part_loss, correct + part_correct
+                    val_total += len(batch.y)
             report = EpochReport(epoch=epoch, train_images=images, val_images=val_total,
                                  loss=loss_sum / max(images, 1),
                                  val_loss=val_loss / val_total if val_total else 0.0,
-                                 val_accuracy=correct / val_total if val_total else 0.0)
+                                 val_accuracy=correct / val_total if val_total else 0.0,
+                                 skipped_images=skipped)
             reports.append(report)
             if on_epoch is not None and on_epoch(report):
                 break

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig, batches
+from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig, batches, is_streaming
 from backends.tensorflow.lowering import make_variable, use_xla
 
 PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
@@ -115,9 +115,11 @@ class Trainer:
         n = np.float32(len(y))
         if self.strategy is None:
             return self._step(x, y, np.float32(lr), n)
-        parts = np.array_split(np.arange(len(y)), self.world)
-        xs = [tf.constant(x[p]) for p in parts]
-        ys = [tf.constant(y[p]) for p in parts]
+        # Contiguous shards as slices, which work on NumPy arrays and on tensors from tf.data alike.
+        sizes = [len(p) for p in np.array_split(np.arange(len(y)), self.world)]
+        bounds = np.cumsum([0] + sizes)
+        xs = [tf.convert_to_tensor(x[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        ys = [tf.convert_to_tensor(y[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
         xd = self.strategy.experimental_distribute_values_from_function(lambda ctx: xs[ctx.replica_id_in_sync_group])
         yd = self.strategy.experimental_distribute_values_from_function(lambda ctx: ys[ctx.replica_id_in_sync_group])
         return self._step(xd, yd, tf.constant(lr, tf.float32), tf.constant(n))
@@ -150,6 +152,8 @@ def run_epochs(trainer: Trainer, data: Dataset, config: TrainConfig,
     mode. The report's loss is the mean training loss over the epoch's images (as each step saw
     it), and val_loss the same cross-entropy (label smoothing included) on the validation images."""
     tf.random.set_seed(config.seed)  # dropout masks: a run is reproducible
+    if is_streaming(data):
+        return _stream_epochs(trainer, data, config, on_epoch)
     x_train = np.ascontiguousarray(data.x_train, dtype=np.float32)
     y_train = np.asarray(data.y_train, dtype=np.int64)
     n = len(y_train)
@@ -168,6 +172,132 @@ def run_epochs(trainer: Trainer, data: Dataset, config: TrainConfig,
         report = EpochReport(epoch=epoch, train_images=images, val_images=val_n, loss=loss_sum / max(images, 1),
                              val_loss=val_loss / val_n if val_n else 0.0,
                              val_accuracy=correct / val_n if val_n else 0.0)
+        reports.append(report)
+        if on_epoch is not None and on_epoch(report):
+            break
+    return reports
+
+
+# ---------------------------------------------------------------------------
+# Streamed data (aiperf_core.data.stream.StreamingDataset) through tf.data
+# ---------------------------------------------------------------------------
+
+MEAN = tf.constant([0.485 * 255, 0.456 * 255, 0.406 * 255], tf.float32)  # as aiperf_core.data.preprocess
+STD = tf.constant([0.229 * 255, 0.224 * 255, 0.225 * 255], tf.float32)
+CROP_AREA = (0.08, 1.0)
+CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)
+VAL_CROP_FRACTION = 0.875
+
+
+def _crop_window(shape, seed):
+    """A random-resized-crop window (offset, size) for an image of `shape`, stateless in `seed`."""
+    begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+        shape, bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]), seed=seed, min_object_covered=0.0,
+        aspect_ratio_range=CROP_RATIO, area_range=CROP_AREA, max_attempts=10, use_image_if_no_bounding_boxes=True)
+    return begin, size
+
+
+def _train_image(encoded, seed, size: int):
+    """Decode (only the crop, for JPEGs), random-resized crop, flip, normalise."""
+
+    def jpeg():
+        begin, crop = _crop_window(tf.io.extract_jpeg_shape(encoded), seed)
+        return tf.image.decode_and_crop_jpeg(encoded, tf.stack([begin[0], begin[1], crop[0], crop[1]]), channels=3)
+
+    def other():  # PNG, GIF, BMP: decode everything, then crop
+        image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+        begin, crop = _crop_window(tf.shape(image), seed)
+        return tf.slice(image, begin, crop)
+
+    image = tf.cond(tf.io.is_jpeg(encoded), jpeg, other)
+    image = tf.image.resize(image, [size, size], method="bilinear", antialias=True)
+    image = tf.image.stateless_random_flip_left_right(image, seed)
+    return (image - MEAN) / STD
+
+
+def _val_image(encoded, size: int):
+    """Decode, resize the shorter side to size / 0.875, central crop, normalise."""
+    image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+    hw = tf.cast(tf.shape(image)[:2], tf.float32)
+    short = float(max(round(size / VAL_CROP_FRACTION), size))
+    new = tf.maximum(tf.cast(tf.round(hw * short / tf.reduce_min(hw)), tf.int32), size)
+    image = tf.image.resize(image, new, method="bilinear", antialias=True)
+    top, left = (new[0] - size) // 2, (new[1] - size) // 2
+    image = tf.image.crop_to_bounding_box(image, top, left, size, size)
+    return (image - MEAN) / STD
+
+
+def tf_input(data, split: str, epoch: int, seed: int, batch_size: int) -> tf.data.Dataset:
+    """One epoch of a split as a tf.data pipeline: read (natively for ImageFolder files; for TFRecord
+    shards by offset through the source, which checks the CRCs), decode and augment with
+    data.workers parallel calls, drop what fails to decode, batch, prefetch. Augmentation is
+    stateless, seeded by (seed, epoch, image index), so it does not depend on thread timing."""
+    from aiperf_core.data.stream import TRAIN
+
+    source = data.source
+    plan = data.plan(split, epoch, seed, batch_size)
+    order = np.concatenate(plan).astype(np.int64) if plan else np.zeros(0, np.int64)
+    labels = source.labels(split)[order]
+    parallel = max(data.workers, 1)
+    if source.layout == "imagefolder":
+        files = np.asarray(source.files(split))[order]
+        ds = tf.data.Dataset.from_tensor_slices((files, order, labels))
+        ds = ds.map(lambda f, i, y: (tf.io.read_file(f), i, y), num_parallel_calls=parallel)
+    else:
+        def fetch(i):
+            return source.encoded(split, int(i))  # raises on a bad checksum: the record is dropped
+
+        ds = tf.data.Dataset.from_tensor_slices((order, labels))
+        ds = ds.map(lambda i, y: (tf.py_function(fetch, [i], tf.string), i, y), num_parallel_calls=parallel)
+    size = data.image_size
+    epoch_seed = (seed * 1_000_003 + epoch) & 0x7FFFFFFF
+    if split == TRAIN:
+        def transform(encoded, i, y):
+            stateless = tf.stack([tf.constant(epoch_seed, tf.int64), i])
+            return _train_image(encoded, stateless, size), y
+    else:
+        def transform(encoded, i, y):
+            return _val_image(encoded, size), y
+    ds = ds.map(transform, num_parallel_calls=parallel)
+    # A corrupt image fails in read or decode; it is dropped here and counted by the caller.
+    ds = ds.ignore_errors().batch(batch_size).prefetch(max(data.prefetch, 1))
+    options = tf.data.Options()
+    options.deterministic = True
+    return ds.with_options(options)
+
+
+def stream_batches(data, split: str, epoch: int, seed: int, batch_size: int):
+    """(images, labels) batches of an epoch: tf.data for stored images, the shared threaded NumPy
+    pipeline for generated ones (synthetic data has nothing to decode)."""
+    if data.source.layout in ("imagefolder", "tfrecord"):
+        yield from tf_input(data, split, epoch, seed, batch_size)
+        return
+    for batch in data.iterate(split, epoch, seed, batch_size):
+        if len(batch.y):
+            yield batch.x, batch.y
+
+
+def _stream_epochs(trainer: Trainer, data, config: TrainConfig, on_epoch) -> list[EpochReport]:
+    """The epoch loop over streamed data. What did not decode is what did not arrive: the skipped
+    images are the split's count minus the images processed."""
+    from aiperf_core.data.stream import TRAIN, VAL
+
+    reports: list[EpochReport] = []
+    for epoch in range(config.epochs):
+        lr = config.schedule.rate(epoch, config.epochs)
+        pending, images = [], 0
+        for x, y in stream_batches(data, TRAIN, epoch, config.seed, config.batch_size):
+            pending.append(trainer.step(x, y, lr))
+            images += int(len(y))
+        loss_sum = float(sum(float(t) for t in pending))
+        val_loss, correct, val_n = 0.0, 0, 0
+        for x, y in stream_batches(data, VAL, 0, 0, PREDICT_BATCH):
+            part_loss, part_correct = trainer.evaluate(x, y)
+            val_loss, correct, val_n = val_loss + part_loss, correct + part_correct, val_n + int(len(y))
+        skipped = (data.train_images - images) + (data.val_images - val_n)
+        report = EpochReport(epoch=epoch, train_images=images, val_images=val_n, loss=loss_sum / max(images, 1),
+                             val_loss=val_loss / val_n if val_n else 0.0,
+                             val_accuracy=correct / val_n if val_n else 0.0, skipped_images=skipped)
         reports.append(report)
         if on_epoch is not None and on_epoch(report):
             break

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig
+from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig, is_streaming
 from aiperf_core.ir import Graph
 
 MASTER_ADDR = "127.0.0.1"
@@ -210,7 +210,9 @@ def _rank_main(rank: int, job: dict) -> None:
 
     try:
         model, ddp, device, config = _start_rank(rank, job)
-        data = Dataset(*(t.numpy() for t in job["data"]), classes=job["classes"])
+        # Streamed data travels as the StreamingDataset itself (paths and settings); each rank
+        # decodes only its own shard of every batch.
+        data = job["stream"] if "stream" in job else Dataset(*(t.numpy() for t in job["data"]), classes=job["classes"])
         reports_q, replies_q = job["reports"], job["replies"]
 
         def on_epoch(report: EpochReport) -> bool:
@@ -274,11 +276,15 @@ def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list
     world = len(devices)
     ctx = mp.get_context("spawn")
     reports_q, replies_q = ctx.Queue(), ctx.Queue()
-    shared = []
-    for array, dtype in ((data.x_train, np.float32), (data.y_train, np.int64), (data.x_val, np.float32),
-                         (data.y_val, np.int64)):
-        shared.append(torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).share_memory_())
-    job = make_job(model, config, devices, data=shared, classes=data.classes, reports=reports_q, replies=replies_q)
+    if is_streaming(data):
+        job = make_job(model, config, devices, stream=data, reports=reports_q, replies=replies_q)
+    else:
+        shared = []
+        for array, dtype in ((data.x_train, np.float32), (data.y_train, np.int64), (data.x_val, np.float32),
+                             (data.y_val, np.int64)):
+            shared.append(torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).share_memory_())
+        job = make_job(model, config, devices, data=shared, classes=data.classes, reports=reports_q,
+                       replies=replies_q)
     processes = mp.start_processes(_rank_main, args=(job,), nprocs=world, join=False, start_method="spawn")
     reports: list[EpochReport] = []
     weights = None

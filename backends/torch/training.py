@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig, batches
+from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig, batches, is_streaming
 
 PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -147,12 +147,14 @@ def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int =
     device = torch.device(device)
     stepper = stepper or Stepper(model, device, config)
     base = getattr(model, "module", model)
-    x_train = torch.from_numpy(np.ascontiguousarray(data.x_train, dtype=np.float32))
-    y_train = torch.from_numpy(np.asarray(data.y_train, dtype=np.int64))
     # Dropout draws from a generator seeded by config.seed and the rank: a run is reproducible.
     seed = int(np.random.SeedSequence([config.seed, rank]).generate_state(1)[0])
     generator = torch.Generator(device=device).manual_seed(seed)
     with base.dropout_masks(generator):
+        if is_streaming(data):
+            return _stream_epochs(model, base, stepper, data, config, device, rank, world, all_reduce, on_epoch)
+        x_train = torch.from_numpy(np.ascontiguousarray(data.x_train, dtype=np.float32))
+        y_train = torch.from_numpy(np.asarray(data.y_train, dtype=np.int64))
         return _epochs(model, base, stepper, x_train, y_train, data, config, device, rank, world, all_reduce,
                        on_epoch)
 
@@ -188,6 +190,109 @@ def _epochs(model, base, stepper, x_train, y_train, data, config, device, rank, 
             val_loss=val_loss / val_total if val_total else 0.0,
             val_accuracy=float(round(correct)) / val_total if val_total else 0.0,
         )
+        reports.append(report)
+        if on_epoch is not None and on_epoch(report):
+            break
+    return reports
+
+
+# ---------------------------------------------------------------------------
+# Streamed data (aiperf_core.data.stream.StreamingDataset) through a torch DataLoader
+# ---------------------------------------------------------------------------
+
+
+class ShardBatches(torch.utils.data.Dataset):
+    """Item (epoch, k): this rank's shard of global batch k of the epoch, decoded and augmented, as
+    (images, labels, skipped, global batch size). Each DataLoader worker decodes whole shards."""
+
+    def __init__(self, data, split: str, seed: int, batch_size: int, rank: int, world: int):
+        self.data, self.split, self.seed, self.batch_size = data, split, seed, batch_size
+        self.rank, self.world = rank, world
+        self._plan: tuple[int, list] | None = None  # (epoch, global batches), per worker
+
+    def plan(self, epoch: int) -> list:
+        if self._plan is None or self._plan[0] != epoch:
+            self._plan = (epoch, self.data.plan(self.split, epoch, self.seed, self.batch_size))
+        return self._plan[1]
+
+    def __len__(self) -> int:
+        return -(-self.data.source.count(self.split) // self.batch_size)
+
+    def __getitem__(self, key):
+        from aiperf_core.data.stream import shard
+
+        epoch, k = key
+        indices = self.plan(epoch)[k]
+        x, y, skipped, _ = self.data.load(self.split, shard(indices, self.rank, self.world), epoch, self.seed)
+        return torch.from_numpy(x), torch.from_numpy(y), skipped, len(indices)
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """Keys (epoch, k) of one epoch's batches; set_epoch before iterating, as with DistributedSampler."""
+
+    def __init__(self, batches: int):
+        self.batches, self.epoch = batches, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return ((self.epoch, k) for k in range(self.batches))
+
+    def __len__(self) -> int:
+        return self.batches
+
+
+def stream_loader(data, split: str, seed: int, batch_size: int, device, rank: int = 0, world: int = 1):
+    """A DataLoader over this rank's shards of the split's batches: data.workers worker processes
+    per replica (shared among its ranks), each decoding whole shards, data.prefetch batches ahead
+    per worker, pinned memory on CUDA. Workers persist across epochs (no re-fork per epoch)."""
+    items = ShardBatches(data, split, seed, batch_size, rank, world)
+    workers = -(-data.workers // world) if data.workers else 0
+    return torch.utils.data.DataLoader(
+        items, batch_size=None, sampler=EpochSampler(len(items)), num_workers=workers,
+        pin_memory=torch.device(device).type == "cuda", prefetch_factor=max(data.prefetch, 1) if workers else None,
+        persistent_workers=bool(workers))
+
+
+def _stream_epochs(model, base, stepper, data, config, device, rank, world, all_reduce, on_epoch):
+    """The epoch loop over streamed data. With several ranks, the number of images that decoded in
+    each global batch is summed over the ranks before the step, so the loss is still the global
+    batch's mean over the images it really holds."""
+    from aiperf_core.data.stream import TRAIN, VAL
+
+    train = stream_loader(data, TRAIN, config.seed, config.batch_size, device, rank, world)
+    val = stream_loader(data, VAL, 0, PREDICT_BATCH, device, rank, world)
+    reports: list[EpochReport] = []
+    for epoch in range(config.epochs):
+        stepper.set_lr(config.schedule.rate(epoch, config.epochs))
+        base.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        images = skipped = 0
+        train.sampler.set_epoch(epoch)
+        for x, y, shard_skipped, _ in train:
+            skipped += int(shard_skipped)
+            held = len(y) if all_reduce is None else int(round(all_reduce([float(len(y))])[0]))
+            if held == 0:  # every image of the global batch was corrupt
+                continue
+            xb, yb = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss_sum += stepper.step(xb, yb, held, world)
+            images += held
+        val_loss, correct, val_n = 0.0, 0, 0
+        for x, y, shard_skipped, _ in val:
+            skipped += int(shard_skipped)
+            if len(y):
+                part = evaluate(model, x.numpy(), y.numpy(), device, config.precision, config.label_smoothing)
+                val_loss, correct, val_n = val_loss + part[0], correct + part[1], val_n + part[2]
+        train_loss = float(loss_sum)
+        if all_reduce is not None:  # images is already global; the rest are this rank's sums
+            train_loss, val_loss, correct, val_n, skipped = all_reduce(
+                [train_loss, val_loss, float(correct), float(val_n), float(skipped)])
+        val_n = int(round(val_n))
+        report = EpochReport(
+            epoch=epoch, train_images=images, val_images=val_n, loss=train_loss / max(images, 1),
+            val_loss=val_loss / val_n if val_n else 0.0,
+            val_accuracy=float(round(correct)) / val_n if val_n else 0.0, skipped_images=int(round(skipped)))
         reports.append(report)
         if on_epoch is not None and on_epoch(report):
             break

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, TrainConfig, accuracy,
-                                 batches, check_dataset, check_train_config, cross_entropy)
+                                 check_dataset, check_train_config, cross_entropy)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, validate_weights
 from aiperf_numpy.executor import TRAINABLE_PARAMS, forward, loss_and_grads
@@ -69,6 +69,10 @@ class NumpyBackend(Backend):
 
     def train(self, model: NumpyModel, data: Dataset, config: TrainConfig,
               on_epoch: EpochCallback | None = None) -> list[EpochReport]:
+        """`data` is in-memory arrays or a StreamingDataset, read through the shared threaded
+        pipeline (its `workers` setting); a streamed image that does not decode is skipped and counted."""
+        from aiperf_core.data.stream import train_batches, val_batches
+
         self.check_precision(config.precision)
         check_train_config(config)
         check_dataset(model.graph, data)
@@ -77,11 +81,13 @@ class NumpyBackend(Backend):
         reports: list[EpochReport] = []
         for epoch in range(config.epochs):
             lr = config.schedule.rate(epoch, config.epochs)
-            rng = np.random.default_rng(config.seed + epoch)
-            seen, losses = 0, []
-            for index in batches(len(data.y_train), config.batch_size, rng):
+            seen, skipped, losses = 0, 0, []
+            for batch in train_batches(data, epoch, config.seed, config.batch_size):
+                skipped += batch.skipped
+                if not len(batch.y):
+                    continue
                 loss, grads, moving = loss_and_grads(
-                    model.graph, model.weights, data.x_train[index], data.y_train[index],
+                    model.graph, model.weights, batch.x, batch.y,
                     label_smoothing=config.label_smoothing, dtype=np.float32, seed=config.seed + seen)
                 for node_id, params in grads.items():
                     for name, g in params.items():
@@ -92,11 +98,19 @@ class NumpyBackend(Backend):
                 for node_id, stats in moving.items():
                     for name, value in stats.items():
                         model.weights[node_id][name] = value.astype(np.float32)
-                seen += len(index)
-                losses.append(loss * len(index))
-            probs = self.predict(model, data.x_val)
-            report = EpochReport(epoch, seen, len(data.y_val), float(np.sum(losses) / max(seen, 1)),
-                                 cross_entropy(probs, data.y_val), accuracy(probs, data.y_val))
+                seen += len(batch.y)
+                losses.append(loss * len(batch.y))
+            val_n, val_loss, correct = 0, 0.0, 0.0
+            for batch in val_batches(data, PREDICT_BATCH):
+                skipped += batch.skipped
+                if len(batch.y):
+                    probs = self.predict(model, batch.x)
+                    val_loss += cross_entropy(probs, batch.y) * len(batch.y)
+                    correct += accuracy(probs, batch.y) * len(batch.y)
+                    val_n += len(batch.y)
+            report = EpochReport(epoch, seen, val_n, float(np.sum(losses) / max(seen, 1)),
+                                 val_loss / val_n if val_n else 0.0, round(correct) / val_n if val_n else 0.0,
+                                 skipped_images=skipped)
             reports.append(report)
             if on_epoch is not None and on_epoch(report):
                 break

@@ -1,0 +1,280 @@
+"""Datasets: TFRecord framing and Example encoding, the two ImageNet layouts built from real packaged
+images (scikit-learn's digits and sample photos), preprocessing, sharding, bad data and the CLI."""
+
+import json
+import os
+import random
+import shutil
+
+import numpy as np
+import pytest
+
+from aiperf_core.backend import Dataset
+from aiperf_core.cli import main
+from aiperf_core.data import describe, load_dataset
+from aiperf_core.data import tfrecord
+from aiperf_core.data.crc32c import TABLE, crc32c, masked_crc32c
+from aiperf_core.data.imagenet import open_imagenet
+from aiperf_core.data.preprocess import CorruptImage, augmentation_rng, random_crop_box, train_image, val_image
+from aiperf_core.data.samples import digits_tree, photo_tree
+from aiperf_core.data.stream import shard
+from aiperf_core.data.tools import check, convert
+from aiperf_core.errors import AiperfError
+
+TRAIN_PER_CLASS, VAL_PER_CLASS, CLASSES = 8, 2, 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def index_cache(tmp_path_factory):
+    """TFRecord indexes go to a temporary cache, not the user's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AIPERF_DATA_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield
+
+
+@pytest.fixture(scope="module")
+def trees(tmp_path_factory):
+    """The digits as an ImageFolder tree and, converted, as TFRecord shards."""
+    root = tmp_path_factory.mktemp("trees")
+    folder = digits_tree(root / "folder", TRAIN_PER_CLASS, VAL_PER_CLASS)
+    convert(folder, root / "tfrecord", "tfrecord", workers=2, shard_size=30)
+    return folder, root / "tfrecord"
+
+
+def copy_tree(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def slow_crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = int(TABLE[(crc ^ byte) & 0xFF]) ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+# -- TFRecord ---------------------------------------------------------------------------------
+
+
+def test_crc32c_known_value_and_every_length_shape():
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value
+    assert crc32c(b"") == 0
+    rng = random.Random(0)
+    for n in (1, 2, 31, 32, 33, 64, 65, 1000, 4097, 70001):
+        data = rng.randbytes(n)
+        assert crc32c(data) == slow_crc32c(data), n
+
+
+def test_record_framing_round_trip_and_checksums(tmp_path):
+    path = tmp_path / "records"
+    payloads = [b"", b"a", os.urandom(5000)]
+    path.write_bytes(b"".join(tfrecord.frame(p) for p in payloads))
+    with open(path, "rb") as fh:
+        assert [data for _, data in tfrecord.scan(fh, "x")] == payloads
+    raw = bytearray(path.read_bytes())
+    raw[-10] ^= 0xFF  # inside the last record's data
+    path.write_bytes(bytes(raw))
+    with open(path, "rb") as fh, pytest.raises(tfrecord.CorruptRecord, match="bad data checksum"):
+        list(tfrecord.scan(fh, "x"))
+    head = tfrecord.frame(b"abc")
+    assert int.from_bytes(head[8:12], "little") == masked_crc32c(head[:8])
+
+
+def test_example_round_trip_and_negative_ints():
+    features = {"image/encoded": [b"\xff\xd8jpeg"], "image/class/label": [1, 1000, -2],
+                "image/class/synset": [b"n01440764"], "score": [0.5, -1.25]}
+    assert tfrecord.decode_example(tfrecord.encode_example(features)) == features
+
+
+# -- layouts ----------------------------------------------------------------------------------
+
+
+def test_both_layouts_describe_the_same_dataset(trees):
+    folder, shards = trees
+    a = describe({"name": "imagenet", "path": str(folder), "image_size": 32})
+    b = describe({"name": "imagenet", "path": str(shards), "image_size": 32})
+    assert a["layout"] == "imagefolder" and b["layout"] == "tfrecord"
+    for d in (a, b):
+        assert d["name"] == "imagenet" and d["classes"] == CLASSES
+        assert d["train_images"] == CLASSES * TRAIN_PER_CLASS and d["val_images"] == CLASSES * VAL_PER_CLASS
+    assert sorted(os.listdir(shards)) == ["train-00000-of-00003", "train-00001-of-00003", "train-00002-of-00003",
+                                          "validation-00000-of-00001"]
+
+
+def test_both_layouts_give_identical_batches(trees):
+    folder, shards = trees
+    a = load_dataset({"name": "imagenet", "path": str(folder), "image_size": 32}, workers=2)
+    b = load_dataset({"name": "imagenet", "path": str(shards), "image_size": 32}, workers=0)
+    for split in ("train", "val"):
+        for x, y in zip(a.iterate(split, 1, 5, 16), b.iterate(split, 1, 5, 16)):
+            np.testing.assert_array_equal(x.x, y.x)
+            np.testing.assert_array_equal(x.y, y.y)
+            assert x.x.shape[1:] == (32, 32, 3) and x.x.dtype == np.float32
+
+
+def test_tfrecord_labels_are_one_based_with_synsets_and_convert_back(trees, tmp_path):
+    folder, shards = trees
+    with open(shards / "train-00000-of-00003", "rb") as fh:
+        first = tfrecord.decode_example(next(tfrecord.scan(fh, "x"))[1])
+    assert first["image/class/label"] == [1] and first["image/class/synset"] == [b"0"]
+    back = convert(shards, tmp_path / "back", "imagefolder", workers=1)
+    assert back["train"]["written"] == CLASSES * TRAIN_PER_CLASS
+    assert sorted(os.listdir(tmp_path / "back" / "val" / "3")) == sorted(os.listdir(folder / "val" / "3"))
+
+
+def test_tfrecord_with_label_only_orders_classes_numerically(tmp_path):
+    images = [(int(label), tfrecord.encode_example({"image/encoded": [data], "image/class/label": [label]}))
+              for label, data in [(10, b"x"), (2, b"y"), (1, b"z")]]
+    for name in ("train-00000-of-00001", "validation-00000-of-00001"):
+        (tmp_path / name).write_bytes(b"".join(tfrecord.frame(e) for _, e in images))
+    source = open_imagenet(tmp_path)
+    assert source.class_names == ("1", "2", "10")
+    assert list(source.labels("train")) == [2, 1, 0]
+
+
+def test_missing_empty_and_mismatched_splits_are_named(trees, tmp_path):
+    folder, _ = trees
+    no_val = copy_tree(folder, tmp_path / "no_val")
+    shutil.rmtree(no_val / "val")
+    with pytest.raises(AiperfError, match="split 'val' is missing"):
+        describe({"name": "imagenet", "path": str(no_val)})
+    empty = tmp_path / "empty"
+    (empty / "train" / "a").mkdir(parents=True)
+    (empty / "val" / "a").mkdir(parents=True)
+    with pytest.raises(AiperfError, match="split 'train' is empty"):
+        describe({"name": "imagenet", "path": str(empty)})
+    odd = copy_tree(folder, tmp_path / "odd")
+    (odd / "val" / "3").rename(odd / "val" / "three")
+    with pytest.raises(AiperfError, match=r"only in train \(3\).*only in val \(three\)"):
+        describe({"name": "imagenet", "path": str(odd)})
+    with pytest.raises(AiperfError, match="no such dataset folder"):
+        describe({"name": "imagenet", "path": str(tmp_path / "nowhere")})
+    with pytest.raises(AiperfError, match="dataset.name"):
+        load_dataset({"name": "cifar"})
+
+
+def test_digits_stays_in_memory_and_synthetic_is_imagenet_shaped():
+    assert isinstance(load_dataset({"name": "digits"}), Dataset)
+    assert describe({"name": "digits"})["train_images"] + describe({"name": "digits"})["val_images"] == 1797
+    synthetic = load_dataset({"name": "synthetic", "train_images": 10, "val_images": 4})
+    assert synthetic.describe()["classes"] == 1000 and synthetic.image_shape == (224, 224, 3)
+    batch = next(synthetic.iterate("train", 0, 0, 4))
+    assert batch.x.shape == (4, 224, 224, 3) and batch.skipped == 0
+    assert describe({"name": "synthetic"})["train_images"] == 1_281_167
+
+
+# -- preprocessing ----------------------------------------------------------------------------
+
+
+def test_preprocessing_shapes_determinism_and_normalisation(tmp_path):
+    photos = photo_tree(tmp_path / "photos", 1, 1)
+    data = (photos / "train" / "china" / "china_00000.JPEG").read_bytes()
+    a = train_image(data, 64, augmentation_rng(0, 0, 7))
+    b = train_image(data, 64, augmentation_rng(0, 0, 7))
+    c = train_image(data, 64, augmentation_rng(0, 1, 7))
+    assert a.shape == (64, 64, 3) and a.dtype == np.float32
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+    v = val_image(data, 224)
+    assert v.shape == (224, 224, 3)
+    assert np.all(np.abs(v.reshape(-1, 3).mean(0)) < 2.5)  # normalised per channel
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        left, top, w, h = random_crop_box(500, 375, rng)
+        assert 0 <= left and left + w <= 500 and 0 <= top and top + h <= 375
+        assert 3 / 4 - 0.02 <= w / h <= 4 / 3 + 0.02 or (w, h) == (500, 375)
+
+
+def test_validation_crop_is_central(tmp_path):
+    from PIL import Image
+
+    pixels = np.zeros((100, 200, 3), np.uint8)
+    pixels[:, 100:] = 255  # left half black, right half white
+    path = tmp_path / "halves.png"
+    Image.fromarray(pixels).save(path)
+    out = val_image(path.read_bytes(), 32)
+    assert out[:, :15].max() < 0 and out[:, 17:].min() > 0  # the centre column splits the halves
+
+
+def test_corrupt_bytes_raise_corrupt_image():
+    with pytest.raises(CorruptImage, match="not a readable image"):
+        train_image(b"not an image", 32, augmentation_rng(0, 0, 0), "x.JPEG")
+
+
+# -- epochs and sharding ----------------------------------------------------------------------
+
+
+def test_epoch_covers_every_image_once_and_shards_partition_batches(trees):
+    folder, _ = trees
+    data = load_dataset({"name": "imagenet", "path": str(folder), "image_size": 16}, workers=0)
+    plan = data.plan("train", 2, 9, 24)
+    assert sorted(np.concatenate(plan).tolist()) == list(range(data.train_images))
+    assert [len(b) for b in plan] == [24, 24, 24, 8]
+    assert not np.array_equal(np.concatenate(plan), np.concatenate(data.plan("train", 3, 9, 24)))
+    for world in (2, 3):
+        seen = []
+        for batch in data.iterate("train", 2, 9, 24, rank=0, world=world):
+            assert batch.size in (24, 8)
+        for rank in range(world):
+            seen += [int(i) for b in plan for i in shard(b, rank, world)]
+        assert sorted(seen) == list(range(data.train_images))
+        ranks = [list(data.iterate("train", 2, 9, 24, rank=r, world=world)) for r in range(world)]
+        whole = list(data.iterate("train", 2, 9, 24))
+        for k, batch in enumerate(whole):
+            np.testing.assert_array_equal(np.concatenate([r[k].x for r in ranks]), batch.x)
+
+
+def test_corrupt_and_truncated_images_are_skipped_and_counted(trees, tmp_path):
+    folder, _ = trees
+    bad = copy_tree(folder, tmp_path / "bad")
+    (bad / "train" / "3" / "zz_garbage.JPEG").write_bytes(b"this is not a jpeg")
+    whole = (bad / "train" / "4" / "4_00000.JPEG").read_bytes()
+    (bad / "train" / "4" / "4_00000.JPEG").write_bytes(whole[:len(whole) // 2])
+    data = load_dataset({"name": "imagenet", "path": str(bad), "image_size": 32}, workers=2)
+    assert data.train_images == CLASSES * TRAIN_PER_CLASS + 1
+    batches = list(data.iterate("train", 0, 0, 16))
+    assert sum(b.skipped for b in batches) == 2
+    assert sum(len(b.y) for b in batches) == CLASSES * TRAIN_PER_CLASS - 1
+    assert sum(b.size for b in batches) == data.train_images
+    report = check(bad, workers=2)
+    assert len(report.splits["train"].corrupt) == 2 and not report.ok
+    assert any("zz_garbage.JPEG" in e for e in report.splits["train"].corrupt)
+
+
+def test_tfrecord_checksum_error_skips_that_image(trees, tmp_path):
+    _, shards = trees
+    bad = copy_tree(shards, tmp_path / "bad")
+    shard_path = bad / "train-00001-of-00003"
+    with open(shard_path, "rb") as fh:
+        offset, record = next(tfrecord.scan(fh, "x"))
+    raw = bytearray(shard_path.read_bytes())
+    raw[offset + len(record) // 2] ^= 0x55  # inside the first record's data
+    shard_path.write_bytes(bytes(raw))
+    data = load_dataset({"name": "imagenet", "path": str(bad), "image_size": 32}, workers=0)
+    batches = list(data.iterate("train", 0, 0, 32))
+    assert sum(b.skipped for b in batches) == 1
+    assert sum(len(b.y) for b in batches) == CLASSES * TRAIN_PER_CLASS - 1
+
+
+# -- the CLI ----------------------------------------------------------------------------------
+
+
+def test_cli_check_and_convert(trees, tmp_path, capsys):
+    folder, _ = trees
+    assert main(["data", "check", str(folder), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["splits"]["train"]["images"] == 80 and out["classes"] == CLASSES
+    bad = copy_tree(folder, tmp_path / "bad")
+    (bad / "val" / "2" / "broken.JPEG").write_bytes(b"\xff\xd8\xff\xe0 truncated")
+    (bad / "val" / "extra").mkdir()
+    (bad / "val" / "extra" / "x.JPEG").write_bytes((folder / "val" / "0" / "0_00000.JPEG").read_bytes())
+    assert main(["data", "check", str(bad), "--quiet"]) == 1
+    text = capsys.readouterr().out
+    assert "corrupt: " in text and "broken.JPEG" in text and "only in val (extra)" in text
+    assert main(["data", "convert", str(folder), str(tmp_path / "shards"), "--to", "tfrecord",
+                 "--shard-size", "50"]) == 0
+    captured = capsys.readouterr()
+    assert "train: 80 images written, 0 skipped" in captured.out and "100%" in captured.err
+    assert main(["data", "convert", str(folder), str(tmp_path / "shards"), "--to", "tfrecord"]) == 2
+    assert "refusing to overwrite" in capsys.readouterr().err
+    assert main(["data", "check", str(tmp_path / "missing")]) == 2
