@@ -1,0 +1,199 @@
+"""aiperf run: the primary. Starts the replicas, watches them, stops them at the time budget,
+then scores the run and writes its report. It never trains (docs/workflow.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from aiperf_core.commands.options import non_negative_int, positive_int
+from aiperf_core.errors import AiperfError
+
+HELP = "run the benchmark: start replicas (local processes or SLURM jobs), stop them at the time budget, score"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--backend", default=None, metavar="NAME", help="backend (default: $AIPERF_BACKEND, the config "
+                   "file, else tensorflow)")
+    p.add_argument("--executor", choices=("local", "slurm"), default=None,
+                   help="where replicas run: processes on this machine (default) or SLURM jobs")
+    p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                   help="number of replicas (local default: one, with every accelerator)")
+    p.add_argument("--devices-per-replica", type=positive_int, default=None, metavar="K",
+                   help="accelerators per replica (local default: all of them divided by --replicas)")
+    p.add_argument("--time-budget", default=None, metavar="DURATION", help="the run's length, e.g. 90m, 12h "
+                   "(default 1h)")
+    p.add_argument("--data", default=None, metavar="digits|synthetic|PATH",
+                   help="the dataset: an ImageNet folder (ImageFolder or TFRecord layout), or digits/synthetic "
+                   "for an unofficial run")
+    p.add_argument("--data-workers", type=positive_int, default=None, metavar="N",
+                   help="data transformation workers per replica (policy item data_workers)")
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="config file (default: $AIPERF_CONFIG, else ./aiperf.toml if present)")
+    p.add_argument("--run-dir", default=None, metavar="DIR",
+                   help="the run directory, on a shared filesystem for SLURM (default: runs/<run id>)")
+    p.add_argument("--seed", type=non_negative_int, default=None, metavar="S", help="the run's seed (default 0)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue a run that was interrupted or killed; its run.json fixes the configuration")
+    p.add_argument("--max-restarts", type=non_negative_int, default=None, metavar="N",
+                   help="restarts of a crashed replica before it is given up (default 3)")
+    p.add_argument("--heartbeat-timeout", default=None, metavar="DURATION",
+                   help="a running replica silent this long is lost and restarted (default 10m)")
+    p.add_argument("--stop-grace", default=None, metavar="DURATION",
+                   help="how long replicas may take to stop after the deadline before they are killed (default 30s)")
+    p.add_argument("--stop-after-trials", type=positive_int, default=None, metavar="N",
+                   help="each replica stops after N trials (bounded test runs)")
+    slurm = p.add_argument_group("SLURM executor")
+    slurm.add_argument("--slurm-partition", default=None, metavar="NAME")
+    slurm.add_argument("--slurm-account", default=None, metavar="NAME")
+    slurm.add_argument("--slurm-time-limit", default=None, metavar="DURATION",
+                       help="per replica job (default: the time budget plus 10 minutes)")
+    slurm.add_argument("--slurm-gpus-per-node", type=non_negative_int, default=None, metavar="N")
+    slurm.add_argument("--slurm-cpus-per-task", type=positive_int, default=None, metavar="N")
+    slurm.add_argument("--slurm-extra", default=None, metavar="ARGS",
+                       help="more sbatch options, passed as given, e.g. \"--qos=high --constraint=a100\"")
+
+
+def run(args: argparse.Namespace) -> int:
+    from aiperf_core.config_file import load_config
+    from aiperf_core.workflow.plan import merge_request
+
+    config = load_config(args.config)
+    flags = dict(vars(args))
+    flags["slurm_extra_args"] = flags.pop("slurm_extra", None)
+    request = merge_request(flags, config)
+    if args.resume:
+        prepared = _prepare_resume(args, config, request)
+    else:
+        prepared = _prepare_fresh(args, config, request)
+    return _run_primary(*prepared)
+
+
+def _prepare_fresh(args, config, request):
+    from aiperf_core.registry import resolve_backend_name
+    from aiperf_core.workflow import plan
+    from aiperf_core.workflow.duration import parse_duration
+
+    backend_name = resolve_backend_name(args.backend, config=config)
+    executor_kind = request.executor or "local"
+    _executor_class(executor_kind).preflight()  # cheap, so first
+    time_budget_s = parse_duration(request.time_budget or plan.DEFAULT_TIME_BUDGET)
+    name, path = plan.data_choice(request)
+    policy = plan.build_policy(request, name)
+    watch = plan.watch_settings(request)
+    with plan.BackendProbe(backend_name) as probe:
+        dataset = plan.describe_dataset(name, path, policy["image_size"])
+        devices = probe.devices()
+    replicas, devices_per_replica, environments = _layout(executor_kind, devices, request.replicas,
+                                                          request.devices_per_replica, watch)
+    record = plan.run_record(backend=backend_name, executor=executor_kind, replicas=replicas,
+                             devices_per_replica=devices_per_replica, seed=request.seed or 0,
+                             time_budget_s=time_budget_s, policy=policy, dataset=dataset,
+                             stop_after_trials=request.stop_after_trials, watch=watch)
+    root = Path(request.run_dir or Path("runs") / record["run_id"]).expanduser().resolve()
+    executor = _executor(executor_kind, root, record, watch, environments)
+    run_dir = plan.prepare_run_dir(root)
+    run_dir.write_run(record)
+    return run_dir, run_dir.read_run(), executor, watch, False
+
+
+def _prepare_resume(args, config, request):
+    from aiperf_core.rundir import RunDir
+    from aiperf_core.workflow import plan
+
+    run_dir = RunDir(Path(args.resume).expanduser().resolve())
+    if args.run_dir and Path(args.run_dir).expanduser().resolve() != run_dir.root:
+        raise AiperfError("--run-dir: give either --resume RUN_DIR or --run-dir, not two different folders")
+    run = plan.check_resumable(run_dir)
+    _executor_class(run["executor"]).preflight()
+    asked = plan.resumed_configuration(run, request, args.backend or config.get("backend"))
+    if plan.config_sha256(asked) != run["config_sha256"]:
+        raise AiperfError(f"--resume {run_dir.root}: the run was made with a different fixed configuration "
+                          f"({plan.first_difference(run, asked)})")
+    watch = plan.watch_settings(request, run.get("watch"))
+    devices = []
+    if run["executor"] == "local":
+        with plan.BackendProbe(run["backend"]) as probe:
+            devices = probe.devices()
+    _, _, environments = _layout(run["executor"], devices, run["replicas"], run["devices_per_replica"], watch)
+    executor = _executor(run["executor"], run_dir.root, run, watch, environments)
+    return run_dir, run, executor, watch, True
+
+
+def _layout(kind, devices, replicas, devices_per_replica, watch):
+    """(replicas, devices per replica, per-replica environment) for the executor."""
+    if kind == "slurm":  # each replica is one job on one node, with that node's GPUs
+        gpus = watch.slurm.get("gpus_per_node") or 0
+        if devices_per_replica not in (None, gpus or 1):
+            raise AiperfError(f"--devices-per-replica: a SLURM replica gets --slurm-gpus-per-node devices "
+                              f"({gpus}); set that instead")
+        return replicas or 1, gpus or 1, None
+    from aiperf_core.workflow.executors.local import plan_layout, replica_environment
+
+    accelerators = [d for d in devices if not d.startswith("cpu")]
+    layout = plan_layout(accelerators, replicas, devices_per_replica)
+    environments = [replica_environment(devices, layout.threads_per_replica) for devices in layout.devices]
+    return layout.replicas, layout.devices_per_replica, environments
+
+
+def _executor_class(kind):
+    if kind == "local":
+        from aiperf_core.workflow.executors.local import LocalExecutor
+
+        return LocalExecutor
+    from aiperf_core.workflow.executors.slurm import SlurmExecutor
+
+    return SlurmExecutor
+
+
+def _executor(kind, root, run, watch, environments):
+    executor_class = _executor_class(kind)
+    if kind == "local":
+        return executor_class(root, environments)
+    slurm = watch.slurm
+    return executor_class(root, run["run_id"], run["time_budget_s"], partition=slurm.get("partition"),
+                          account=slurm.get("account"), time_limit_s=slurm.get("time_limit_s"),
+                          gpus_per_node=slurm.get("gpus_per_node") or 0, cpus_per_task=slurm.get("cpus_per_task"),
+                          extra_args=slurm.get("extra_args"))
+
+
+def _run_primary(run_dir, run, executor, watch, resume: bool) -> int:
+    from aiperf_core.workflow.primary import Primary
+    from aiperf_core.workflow.progress import LiveDisplay
+
+    display = LiveDisplay(run_dir.root)
+    verb = "resuming" if resume else "starting"
+    display.note(f"{verb} run {run['run_id']} in {run_dir.root}: backend {run['backend']}, executor "
+                 f"{run['executor']}, {run['replicas']} replica(s) x {run['devices_per_replica']} device(s), "
+                 f"dataset {run['dataset'].get('name')}, budget {run['time_budget_s']:.0f} s")
+    primary = Primary(run_dir, run, executor, watch, resume=resume, notify=display.note, tick=display.tick)
+    try:
+        reason = primary.run_to_end()
+    finally:
+        display.close()
+    if reason == "interrupted":
+        print(f"interrupted; continue with: aiperf run --resume {run_dir.root}", file=sys.stderr)
+        return 130
+    _score_and_report(run_dir.root)
+    if reason == "all_replicas_failed":
+        print(f"every replica failed; see {run_dir.root}/replicas/<I>/replica.log and the replica_exit events "
+              "of primary/events.jsonl", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _score_and_report(root: Path) -> None:
+    """Score and report once the run has ended, with whatever of scoring and reporting is installed."""
+    try:
+        from aiperf_core.commands import score as score_command
+    except ImportError:
+        return
+    score_command.run(argparse.Namespace(run_dir=str(root), json=False, verify=False))
+    try:
+        from aiperf_core.report import write_report
+    except ImportError:
+        return
+    html_path, summary_path = write_report(root)
+    print(f"wrote {html_path}")
+    print(f"wrote {summary_path}")

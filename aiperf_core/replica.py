@@ -1,0 +1,467 @@
+"""One replica's trial loop: pick parents from the shared history, morph, choose by NAS, tune by
+HPO, train through the backend, record. Spec of every file and event: docs/run-directory.md;
+the search itself: docs/search.md.
+
+Round r of replica I is its trial number r - 1 (`r<I>-t<r-1>`); round 1 trains the initial
+architecture. While round r trains on the accelerators, a CPU thread already plans round r + 1
+(parents, candidates, NAS, HPO, the morphed weights), so the accelerators wait only for files
+to be written and the next model to be lowered. That plan cannot know round r's result: the plan
+of round r uses this replica's trials of rounds up to r - 2 and every other replica's finished
+trials. Only when that leaves nothing (round 2 of a lone replica) is the plan made after the
+previous trial ends, from everything finished. The rule depends on round numbers alone, so a run
+with one replica and a fixed seed repeats its architectures and hyperparameters exactly.
+
+Restart: a trial_start without trial_end in the replica's own log gets trial_end `interrupted`
+first (its logged epochs keep counting, once); the trial sequence continues after it, and the
+search state is rebuilt from the logs and trials/ (NAS and HPO keep no other state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from aiperf_core.atomic import write_bytes_atomic, write_text_atomic
+from aiperf_core.backend import Backend, Dataset, EpochReport, Schedule, TrainConfig, is_streaming
+from aiperf_core.errors import AiperfError
+from aiperf_core.ir import Graph
+from aiperf_core.monitor import DEFAULT_INTERVAL_S, Sampler
+from aiperf_core.policy import Policy
+from aiperf_core.rundir import EventLog, RunDir, read_events, sha256_bytes, sha256_file, trial_id
+from aiperf_core.search import curve, hpo, nas
+from aiperf_core.search.arch import encode
+from aiperf_core.search.history import SharedHistory, TrialRecord
+from aiperf_core.weights import Weights
+
+HEARTBEAT_INTERVAL_S = 5.0
+MAX_CONSECUTIVE_FAILURES = 3  # failed trials in a row before the replica gives up (stop reason "failures")
+STOP_FILE = "stop"  # RUN_DIR/primary/stop: the primary's request that every replica stop
+
+
+class ReplicaError(AiperfError):
+    pass
+
+
+class _UnusableParent(ReplicaError):
+    """A parent's files are missing, unreadable or not what its trial_end recorded."""
+
+    def __init__(self, trial: str, problem: str):
+        self.trial = trial
+        super().__init__(f"trials/{trial}: {problem}")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a replica reads from run.json."""
+
+    backend: str
+    model: str
+    dataset: dict
+    policy: Policy
+    seed: int
+    deadline: float
+    devices_per_replica: int
+    stop_after_trials: int | None
+    monitor_interval_s: float = DEFAULT_INTERVAL_S
+
+    @classmethod
+    def from_run(cls, run: Mapping[str, Any]) -> "RunSpec":
+        def need(key: str, kind, what: str):
+            value = run.get(key)
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise ReplicaError(f"run.json.{key}: {value!r} is not {what}")
+            return value
+
+        stop_after = run.get("stop_after_trials")
+        if stop_after is not None and (not isinstance(stop_after, int) or isinstance(stop_after, bool)
+                                       or stop_after < 0):
+            raise ReplicaError(f"run.json.stop_after_trials: {stop_after!r} is not a non-negative integer or null")
+        dataset = need("dataset", dict, "an object {name, path, classes, ...}")
+        interval = run.get("monitor_interval_s", DEFAULT_INTERVAL_S)
+        if not isinstance(interval, (int, float)) or isinstance(interval, bool) or not interval > 0:
+            raise ReplicaError(f"run.json.monitor_interval_s: {interval!r} is not a positive number of seconds")
+        return cls(backend=need("backend", str, "a backend name"), model=need("model", str, "a model name"),
+                   dataset=dict(dataset), policy=Policy(need("policy", dict, "an object"), "run.json.policy"),
+                   seed=need("seed", int, "an integer"), deadline=float(need("deadline", (int, float), "a Unix time")),
+                   devices_per_replica=need("devices_per_replica", int, "an integer"),
+                   stop_after_trials=stop_after, monitor_interval_s=float(interval))
+
+
+@dataclass
+class Plan:
+    """Everything one trial needs before it trains."""
+
+    round: int
+    parent: str | None
+    morph: dict | None
+    graph: Graph
+    weights: Weights
+    proposal: hpo.Proposal
+    nas: dict | None  # the NAS selection's figures, for trial.json
+
+
+def _seed(*entropy: int) -> int:
+    return int(np.random.SeedSequence([int(e) for e in entropy]).generate_state(1)[0])
+
+
+def _finite(value: float) -> float | None:
+    value = float(value)
+    return value if np.isfinite(value) else None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+class Replica:
+    """Replica `replica_id` of the run in `run_dir`. `backend` and `dataset` default to what run.json
+    names; tests pass their own."""
+
+    def __init__(self, run_dir: str | os.PathLike, replica_id: int, *, backend: Backend | None = None,
+                 dataset: Dataset | None = None):
+        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
+            raise ReplicaError(f"replica id must be a non-negative integer, got {replica_id!r}")
+        self.run_dir = RunDir(run_dir)
+        self.id = replica_id
+        self.spec = RunSpec.from_run(self.run_dir.read_run())
+        self.policy = self.spec.policy
+        self._backend = backend
+        self._dataset = dataset
+        self.history = SharedHistory(self.run_dir)
+        self._parent_graphs: dict[str, Graph] = {}
+        self._distances = nas.DistanceCache()
+        self._rejected: set[str] = set()  # trials whose files failed their checks
+        self._state: dict[str, Any] = {"state": "starting", "trial": None, "round": None, "epoch": None}
+        self._log: EventLog | None = None
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> str:
+        """Run trials until the deadline, a stop request or stop_after_trials; return the stop reason."""
+        backend = self._backend
+        if backend is None:
+            from aiperf_core.registry import load_backend
+            backend = load_backend(self.spec.backend)
+        self.backend = backend
+        if self._dataset is None:
+            from aiperf_core.data import load_dataset
+            self._dataset = load_dataset(self.spec.dataset, workers=self.policy["data_workers"])
+        past = read_events(self.run_dir.replica_log(self.id))
+        self._log = EventLog(self.run_dir.replica_log(self.id)).open()
+        stopping = threading.Event()
+        beat = threading.Thread(target=self._heartbeat, args=(stopping,), name=f"heartbeat-{self.id}", daemon=True)
+        planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"planner-{self.id}")
+        sampler = Sampler(self.run_dir, self.id, self.spec.monitor_interval_s).start()
+        try:
+            self._recover(past)
+            self._append("replica_start", pid=os.getpid(), host=socket.gethostname(), backend=self.spec.backend,
+                         framework_version=backend.framework_version(), devices=list(backend.devices()),
+                         attempt=1 + sum(e.get("event") == "replica_start" for e in past))
+            beat.start()
+            next_seq = sum(e.get("event") == "trial_start" for e in past)
+            reason = self._loop(next_seq, planner)
+            self._append("replica_stop", reason=reason)
+            return reason
+        finally:
+            stopping.set()
+            sampler.stop()
+            planner.shutdown(wait=True, cancel_futures=True)
+            if beat.is_alive():
+                beat.join()
+            self._log.close()
+
+    def _loop(self, seq: int, planner: ThreadPoolExecutor) -> str:
+        failures = 0
+        pending: Future | None = None
+        while True:
+            reason = self._stop_reason(seq)
+            if reason is not None:
+                return reason
+            round_number = seq + 1
+            plan = pending.result() if pending is not None else self._plan(round_number, latest=True)
+            pending = None
+
+            def plan_next(round_number=round_number):
+                nonlocal pending
+                if self._stop_reason(seq + 1) is None and self._usable(round_number + 1, latest=False):
+                    pending = planner.submit(self._plan, round_number + 1, False)
+
+            status = self._trial(seq, plan, on_start=plan_next)
+            failures = failures + 1 if status == "failed" else 0
+            if failures >= MAX_CONSECUTIVE_FAILURES:
+                return "failures"
+            seq += 1
+
+    def _stop_reason(self, seq: int) -> str | None:
+        if (self.run_dir.primary_dir / STOP_FILE).exists():
+            return "stopped"
+        if time.time() >= self.spec.deadline:
+            return "deadline"
+        if self.spec.stop_after_trials is not None and seq >= self.spec.stop_after_trials:
+            return "max_trials"
+        return None
+
+    # -- planning (runs on the planner thread, except for round 1 and round 2 of a lone replica) --
+    def _usable(self, round_number: int, latest: bool) -> list[TrialRecord]:
+        """The trials the plan of round_number may use: this replica's up to round_number - 2 and
+        every other replica's; with latest, everything finished when that leaves nothing."""
+        self.history.refresh()
+        usable = [r for r in self.history.records if (r.replica != self.id or r.round <= round_number - 2)
+                  and r.trial not in self._rejected]
+        if not usable and latest:
+            usable = [r for r in self.history.records if r.trial not in self._rejected]
+        return usable
+
+    def _plan(self, round_number: int, latest: bool) -> Plan:
+        seed = self.spec.seed
+        usable = self._usable(round_number, latest) if round_number > 1 else []
+        observations = [hpo.Observation(r.batch_size, r.kernel_size, r.target) for r in usable if r.replica == self.id]
+        proposal = hpo.propose(self.policy, round_number, observations, [seed, self.id])
+        while usable:
+            try:
+                return self._morph_plan(round_number, usable, proposal)
+            except _UnusableParent as exc:
+                # A damaged parent must not stall every later round: drop it and plan again.
+                print(f"replica {self.id}: {exc}; not used as a parent again", file=sys.stderr, flush=True)
+                self._rejected.add(exc.trial)
+                usable = [r for r in usable if r.trial != exc.trial]
+        graph = self.initial_graph()
+        from aiperf_core.weights import init_weights
+        return Plan(round_number, None, None, graph, init_weights(graph, _seed(seed, self.id, round_number)),
+                    proposal, None)
+
+    def initial_graph(self) -> Graph:
+        from aiperf_core.builders import build
+
+        data = self._dataset
+        shape = data.image_shape if is_streaming(data) else data.x_train.shape[1:]
+        return build(self.spec.model, tuple(shape), data.classes)
+
+    def _morph_plan(self, round_number: int, usable: list[TrialRecord], proposal: hpo.Proposal) -> Plan:
+        from aiperf_core import morph
+
+        parents = nas.best_trials(usable, self.policy["nas_parents"])
+        for trial in set(self._parent_graphs) - {p.trial for p in parents}:
+            del self._parent_graphs[trial]  # keep only the graphs of current parents in memory
+        wanted = self.policy["nas_candidates"]
+        candidates = []  # (parent record, parent graph, MorphResult without weights)
+        for k, parent in enumerate(parents):
+            graph = self._parent_graph(parent)
+            share = wanted // len(parents) + (1 if k < wanted % len(parents) else 0)
+            for result in morph.generate_candidates(graph, None, max(share, 1),
+                                                    _seed(self.spec.seed, self.id, round_number, k)):
+                candidates.append((parent, graph, result))
+        known = {r.signature for r in self.history.records}
+        fresh = [c for c in candidates if morph.signature_hash(c[2].graph) not in known] or candidates
+        if not fresh:
+            raise ReplicaError(f"round {round_number}: no morph of parents {[p.trial for p in parents]} is possible")
+        codes = [encode(c[2].graph) for c in fresh]
+        position = {id(r): k for k, r in enumerate(self.history.records)}
+        summaries = self.history.summaries()[[position[id(r)] for r in usable]]
+        selection = nas.select(usable, summaries, codes, self.policy, self._distances)
+        parent, parent_graph, chosen = fresh[selection.index]
+        record = dict(chosen.record)
+        if record["op"] == "deeper" and record["args"].get("kernel", 3) != proposal.kernel_size:
+            record["args"] = {**record["args"], "kernel": proposal.kernel_size}
+        child = morph.replay(parent_graph, self._parent_weights(parent, parent_graph), record)
+        return Plan(round_number, parent.trial, child.record, child.graph, child.weights, proposal,
+                    selection.describe())
+
+    def _parent_graph(self, parent: TrialRecord) -> Graph:
+        graph = self._parent_graphs.get(parent.trial)
+        if graph is None:
+            try:
+                raw = (self.run_dir.trial_dir(parent.trial) / "graph.json").read_bytes()
+            except OSError as exc:
+                raise _UnusableParent(parent.trial, f"graph.json: {_one_line(exc)}") from None
+            if sha256_bytes(raw) != parent.files.get("graph.json"):
+                raise _UnusableParent(parent.trial, "graph.json changed since its trial ended")
+            graph = Graph.from_json(raw.decode("utf-8"))  # it hashed as recorded: written by a replica
+            self._parent_graphs[parent.trial] = graph
+        return graph
+
+    def _parent_weights(self, parent: TrialRecord, graph: Graph) -> Weights:
+        from aiperf_core.weights import load_weights
+
+        path = self.run_dir.trial_dir(parent.trial) / "weights.npz"
+        try:
+            digest = sha256_file(path)
+        except OSError as exc:
+            raise _UnusableParent(parent.trial, f"weights.npz: {_one_line(exc)}") from None
+        if digest != parent.files.get("weights.npz"):
+            raise _UnusableParent(parent.trial, "weights.npz changed since its trial ended")
+        return load_weights(path, graph)
+
+    # -- one trial -----------------------------------------------------------------------------
+    def _trial(self, seq: int, plan: Plan, on_start) -> str:
+        policy, trial = self.policy, trial_id(self.id, seq)
+        folder = self.run_dir.trial_dir(trial)
+        graph_bytes = (plan.graph.to_json() + "\n").encode("utf-8")
+        write_bytes_atomic(folder / "graph.json", graph_bytes)
+        files = {"graph.json": sha256_bytes(graph_bytes)}
+        batch = plan.proposal.batch_size
+        hyper = {"batch_size": batch, "kernel_size": plan.proposal.kernel_size,
+                 "epochs": policy.epochs_for(plan.round), "learning_rate": policy.learning_rate_for(batch),
+                 "patience": policy.patience_for(plan.round), "label_smoothing": policy["label_smoothing"],
+                 "precision": policy["precision"]}
+        self._append("trial_start", trial=trial, round=plan.round, parent=plan.parent, morph=plan.morph,
+                     hyper=hyper, graph_sha256=files["graph.json"])
+        self._state.update(state="training", trial=trial, round=plan.round, epoch=None)
+        on_start()
+        watch = _EpochWatch(self, trial, hyper["patience"])
+        config = TrainConfig(epochs=hyper["epochs"], batch_size=batch,
+                             schedule=Schedule(hyper["learning_rate"], policy["final_lr_fraction"]),
+                             momentum=policy["momentum"], label_smoothing=hyper["label_smoothing"],
+                             precision=hyper["precision"], seed=_seed(self.spec.seed, self.id, plan.round, 1 << 20))
+        weights = None
+        try:
+            model = self.backend.lower(plan.graph, plan.weights, hyper["precision"])
+            plan.weights = None  # the backend holds them now; free the copy during training
+            watch.started = time.time()
+            self.backend.train(model, self._dataset, config, watch)
+            if watch.stop_reason == "diverged":
+                raise ReplicaError("training diverged: a loss is not finite")
+            weights = self.backend.export_weights(model)
+            status = "early_stopped" if watch.stop_reason else "ok"
+            reason = watch.stop_reason
+        except Exception as exc:  # a failed trial is recorded and the loop goes on
+            status, reason = "failed", _one_line(exc)
+            print(f"replica {self.id}: trial {trial} failed: {reason}", file=sys.stderr, flush=True)
+        self._state.update(state="recording", epoch=None)
+        accuracies = watch.accuracies
+        best = max((a for a in accuracies if a is not None), default=None)
+        predicted = None
+        if status != "failed" and policy.is_warmup(plan.round):
+            predicted = curve.predict_final_accuracy(accuracies, policy["max_epochs"])
+        target = None if status == "failed" else (predicted if predicted is not None else best)
+        if weights is not None:
+            from aiperf_core.weights import save_weights
+            save_weights(weights, folder / "weights.npz")
+            files["weights.npz"] = sha256_file(folder / "weights.npz")
+        from aiperf_core.morph import signature_hash
+        info = {"trial": trial, "replica": self.id, "round": plan.round, "parent": plan.parent, "morph": plan.morph,
+                "hyper": hyper, "hpo": plan.proposal.source, "nas": plan.nas, "status": status, "reason": reason,
+                "epochs": len(accuracies), "val_accuracy": accuracies, "val_loss": watch.losses,
+                "best_val_accuracy": best, "predicted_accuracy": predicted, "target": target,
+                "arch": encode(plan.graph).to_json(), "signature": signature_hash(plan.graph)}
+        files["trial.json"] = self._write_trial_json(folder, info)
+        self._append("trial_end", trial=trial, status=status, reason=reason, epochs=len(accuracies),
+                     best_val_accuracy=best, predicted_accuracy=predicted, files=files)
+        self._state.update(state="planning", trial=None)
+        return status
+
+    @staticmethod
+    def _write_trial_json(folder: Path, info: dict) -> str:
+        text = json.dumps(info, sort_keys=True, allow_nan=False) + "\n"
+        write_text_atomic(folder / "trial.json", text)
+        return sha256_bytes(text.encode("utf-8"))
+
+    # -- restart -------------------------------------------------------------------------------
+    def _recover(self, past: list[dict]) -> None:
+        """Close every trial a crash left open, with trial_end `interrupted`, before anything else."""
+        starts = {e["trial"]: e for e in past if e.get("event") == "trial_start"}
+        ended = {e.get("trial") for e in past if e.get("event") == "trial_end"}
+        for trial, start in starts.items():
+            if trial in ended:
+                continue
+            accuracies = [e.get("val_accuracy") for e in past
+                          if e.get("event") == "epoch_end" and e.get("trial") == trial]
+            best = max((a for a in accuracies if a is not None), default=None)
+            folder = self.run_dir.trial_dir(trial)
+            files = {}
+            if (folder / "graph.json").exists():
+                files["graph.json"] = sha256_file(folder / "graph.json")
+            reason = "the replica stopped mid-trial (crash or kill); restarted"
+            info = {"trial": trial, "replica": self.id, "round": start.get("round"), "parent": start.get("parent"),
+                    "morph": start.get("morph"), "hyper": start.get("hyper"), "status": "interrupted",
+                    "reason": reason, "epochs": len(accuracies), "val_accuracy": accuracies,
+                    "best_val_accuracy": best, "predicted_accuracy": None, "target": None}
+            files["trial.json"] = self._write_trial_json(folder, info)
+            self._append("trial_end", trial=trial, status="interrupted", reason=reason, epochs=len(accuracies),
+                         best_val_accuracy=best, predicted_accuracy=None, files=files)
+
+    # -- records -------------------------------------------------------------------------------
+    def _append(self, event: str, **fields: Any) -> dict:
+        return self._log.append(event, replica=self.id, **fields)
+
+    def _heartbeat(self, stopping: threading.Event) -> None:
+        while True:
+            try:
+                self.run_dir.write_heartbeat(self.id, **dict(self._state))
+            except OSError as exc:  # a full or flaky shared disk must not kill training; retry next beat
+                print(f"replica {self.id}: heartbeat not written: {exc}", file=sys.stderr, flush=True)
+            if stopping.wait(HEARTBEAT_INTERVAL_S):
+                return
+
+
+class _EpochWatch:
+    """The on_epoch callback: logs each epoch and says when to stop."""
+
+    def __init__(self, replica: Replica, trial: str, patience: int):
+        self.replica, self.trial, self.patience = replica, trial, patience
+        self.started = time.time()
+        self.accuracies: list[float | None] = []
+        self.losses: list[float | None] = []
+        self.best_loss = float("inf")
+        self.since_best = 0
+        self.stop_reason: str | None = None
+
+    def __call__(self, report: EpochReport) -> bool:
+        loss, val_loss, accuracy = _finite(report.loss), _finite(report.val_loss), _finite(report.val_accuracy)
+        event = self.replica._append("epoch_end", trial=self.trial, epoch=report.epoch, started=self.started,
+                                     train_images=int(report.train_images), val_images=int(report.val_images),
+                                     loss=loss, val_loss=val_loss, val_accuracy=accuracy,
+                                     skipped_images=int(getattr(report, "skipped_images", 0)))
+        self.started = event["time"]
+        self.accuracies.append(accuracy)
+        self.losses.append(val_loss)
+        self.replica._state.update(epoch=report.epoch)
+        if loss is None or val_loss is None:
+            self.stop_reason = "diverged"
+        elif (self.replica.run_dir.primary_dir / STOP_FILE).exists():
+            self.stop_reason = "stopped"
+        elif event["time"] >= self.replica.spec.deadline:
+            self.stop_reason = "deadline"
+        else:
+            if val_loss < self.best_loss:
+                self.best_loss, self.since_best = val_loss, 0
+            else:
+                self.since_best += 1
+            if self.since_best >= self.patience:
+                self.stop_reason = "patience"
+        return self.stop_reason is not None
+
+
+def run_replica(run_dir: str | os.PathLike, replica_id: int, *, backend: Backend | None = None,
+                dataset: Dataset | None = None) -> str:
+    """Run replica replica_id of the run in run_dir until it stops; return the stop reason
+    (deadline, stopped, max_trials or failures)."""
+    return Replica(run_dir, replica_id, backend=backend, dataset=dataset).run()
+
+
+def write_run_json(run_dir: str | os.PathLike, *, backend: str = "numpy", dataset: Mapping[str, Any] | None = None,
+                   policy: Mapping[str, Any] | None = None, seed: int = 0, time_budget_s: float = 3600.0,
+                   replicas: int = 1, devices_per_replica: int = 1, stop_after_trials: int | None = None,
+                   executor: str = "local") -> dict:
+    """Write run.json as `aiperf run` does (aiperf_core.workflow.plan.run_record), for tests and
+    benchmarks that run replicas without a primary. The model is policy["initial_architecture"];
+    the dataset defaults to digits at 32x32. Returns what was written."""
+    from aiperf_core.workflow.plan import RunRequest, run_record, watch_settings
+
+    dataset = dict(dataset or {"name": "digits", "path": None, "layout": "embedded", "classes": 10,
+                               "train_images": 1438, "val_images": 359, "image_size": 32})
+    run = run_record(backend=backend, executor=executor, replicas=replicas, devices_per_replica=devices_per_replica,
+                     seed=seed, time_budget_s=time_budget_s, policy=Policy(policy or {}, "policy").to_json(),
+                     dataset=dataset, stop_after_trials=stop_after_trials, watch=watch_settings(RunRequest()))
+    RunDir(run_dir).write_run(run)
+    return RunDir(run_dir).read_run()

@@ -1,0 +1,111 @@
+"""What the primary needs from an executor: start a replica, see whether it still runs, stop it.
+
+An executor knows nothing of the search. It runs one command per replica (`aiperf replica
+--run-dir DIR --replica-id I`), with the replica's stdout and stderr appended to
+replicas/<I>/replica.log, and reports how the process ended. Whether a replica *finished* or
+*crashed* is the primary's call, made from the replica's own event log.
+"""
+
+from __future__ import annotations
+
+import abc
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ReplicaCommand:
+    """One launch of one replica: the command, its extra environment and where its output goes."""
+
+    replica: int
+    attempt: int
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: Path | None = None
+
+
+@dataclass(frozen=True)
+class ProcessEnd:
+    """How a replica's process (or job) ended, as far as the executor can tell."""
+
+    success: bool  # exit code 0 / SLURM state COMPLETED
+    description: str  # "exit code 1", "killed by signal 9 (SIGKILL)", "SLURM state OUT_OF_MEMORY"
+    exit_code: int | None = None
+    signal: int | None = None
+
+
+class ReplicaHandle(abc.ABC):
+    """A launched replica."""
+
+    def __init__(self, command: ReplicaCommand, job: str):
+        self.command = command
+        self.job = job  # pid or SLURM job id, as the primary log records it
+
+    @property
+    def replica(self) -> int:
+        return self.command.replica
+
+    @property
+    def attempt(self) -> int:
+        return self.command.attempt
+
+    @abc.abstractmethod
+    def poll(self) -> ProcessEnd | None:
+        """None while the replica is queued or running; how it ended once it has."""
+
+    @abc.abstractmethod
+    def started(self) -> bool:
+        """Whether the replica's process runs (a queued SLURM job has not started yet)."""
+
+
+class Executor(abc.ABC):
+    name: str = ""
+    poll_interval_s: float = 1.0  # how often the primary asks poll()
+
+    @classmethod
+    def preflight(cls) -> None:
+        """Raise AiperfError, naming the option, when this executor cannot start anything here."""
+
+    def refresh(self, handles: list[ReplicaHandle]) -> None:
+        """Called once per poll round before poll() on each handle; batch queries go here."""
+
+    @abc.abstractmethod
+    def launch(self, command: ReplicaCommand) -> ReplicaHandle: ...
+
+    @abc.abstractmethod
+    def stop(self, handles: list[ReplicaHandle], grace_s: float) -> None:
+        """Ask the replicas to end (SIGTERM), and force them (SIGKILL, scancel) after grace_s."""
+
+    def adopt(self, command: ReplicaCommand, job: str) -> ReplicaHandle | None:
+        """A handle on a replica an earlier primary of this run launched (job as logged) if it still
+        runs and this executor can watch it from here; None otherwise (then end_leftover)."""
+        return None
+
+    @abc.abstractmethod
+    def end_leftover(self, replica: int, job: str) -> None:
+        """Make sure a replica launched by an earlier primary of this run (job as logged) no longer
+        runs, before --resume launches it again: two writers of one event log would corrupt it."""
+
+    def end_strays(self, keep: set[str]) -> None:
+        """On --resume, end every job of this run but `keep` (the adopted ones), logged or not: a
+        primary killed between submitting a job and logging it leaves one nobody knows of."""
+
+
+def describe_exit_code(code: int) -> ProcessEnd:
+    """A subprocess return code in words: negative codes are signals."""
+    if code == 0:
+        return ProcessEnd(True, "exit code 0", exit_code=0)
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown"
+        return ProcessEnd(False, f"killed by signal {-code} ({name})", signal=-code)
+    return ProcessEnd(False, f"exit code {code}", exit_code=code)
+
+
+def replica_argv(run_dir: Path, replica: int) -> list[str]:
+    """The command every executor runs: this Python, this aiperf, the same run directory."""
+    return [sys.executable, "-m", "aiperf_core", "replica", "--run-dir", str(run_dir), "--replica-id", str(replica)]

@@ -1,0 +1,169 @@
+"""The local executor: replica processes on this machine, the devices partitioned between them.
+
+Layout: with accelerators, the default is scale-up (one replica with every device); `--replicas N`
+splits them evenly (scale-out: `--replicas` equal to the device count gives one device each).
+Without accelerators one CPU replica runs by default. Each replica sees only its own devices
+(CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES) and gets cores // replicas threads
+(OMP_NUM_THREADS, unless the user set it) so that replicas do not oversubscribe the CPU.
+
+Replicas die with the primary (PR_SET_PDEATHSIG): a primary killed by SIGKILL leaves no replica
+writing to the run directory, so `--resume` can start them again without two writers per log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiperf_core.errors import AiperfError
+from aiperf_core.workflow.executors.base import (Executor, ProcessEnd, ReplicaCommand, ReplicaHandle,
+                                                 describe_exit_code)
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class LocalLayout:
+    replicas: int
+    devices_per_replica: int
+    devices: list[list[str]]  # per replica: backend device names, ['cpu'] for a CPU replica
+    threads_per_replica: int
+
+
+def plan_layout(accelerators: list[str], replicas: int | None, devices_per_replica: int | None,
+                cores: int | None = None) -> LocalLayout:
+    """Partition this machine's accelerators (backend device names, e.g. 'cuda:1') between replicas."""
+    cores = cores or os.cpu_count() or 1
+    if not accelerators:
+        if devices_per_replica not in (None, 1):
+            raise AiperfError(f"--devices-per-replica: {devices_per_replica} asked, but the backend sees no "
+                              "accelerator here; a CPU replica uses the CPU")
+        replicas = replicas or 1
+        if replicas > cores:
+            raise AiperfError(f"--replicas: {replicas} CPU replicas on {cores} cores would oversubscribe the CPU")
+        return LocalLayout(replicas, 1, [["cpu"]] * replicas, max(1, cores // replicas))
+    count = len(accelerators)
+    if replicas is None and devices_per_replica is None:
+        replicas, devices_per_replica = 1, count  # scale-up
+    elif devices_per_replica is None:
+        devices_per_replica = count // replicas
+        if devices_per_replica == 0:
+            raise AiperfError(f"--replicas: {replicas} replicas but only {count} accelerators here")
+    elif replicas is None:
+        replicas = count // devices_per_replica
+        if replicas == 0:
+            raise AiperfError(f"--devices-per-replica: {devices_per_replica} asked, only {count} accelerators here")
+    if replicas * devices_per_replica > count:
+        raise AiperfError(f"--replicas {replicas} x --devices-per-replica {devices_per_replica} needs "
+                          f"{replicas * devices_per_replica} accelerators, this machine has {count}")
+    devices = [accelerators[i * devices_per_replica:(i + 1) * devices_per_replica] for i in range(replicas)]
+    return LocalLayout(replicas, devices_per_replica, devices, max(1, cores // replicas))
+
+
+def replica_environment(devices: list[str], threads: int, parent: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables that confine one replica to its devices and its share of the cores."""
+    parent = dict(os.environ) if parent is None else parent
+    env = {name: str(threads) for name in THREAD_VARIABLES if name not in parent}
+    accelerators = [d for d in devices if not d.startswith("cpu")]
+    if not accelerators:
+        return env
+    by_variable: dict[str, list[str]] = {}
+    for device in accelerators:
+        kind, _, index = device.partition(":")
+        variable = "ASCEND_RT_VISIBLE_DEVICES" if kind in ("npu", "ascend") else "CUDA_VISIBLE_DEVICES"
+        visible = [v for v in parent.get(variable, "").split(",") if v.strip()]
+        # The backend numbers the devices it sees: if this process is already confined, map back.
+        physical = visible[int(index)] if visible and index.isdigit() and int(index) < len(visible) else index or "0"
+        by_variable.setdefault(variable, []).append(physical)
+    env.update({variable: ",".join(ids) for variable, ids in by_variable.items()})
+    return env
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """preexec_fn: the kernel SIGKILLs the replica when the primary dies, however it dies (Linux;
+    elsewhere a replica outlives a killed primary, and --resume ends it by its pid)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the primary died before prctl took effect
+        os._exit(1)
+
+
+class LocalHandle(ReplicaHandle):
+    def __init__(self, command: ReplicaCommand, process: subprocess.Popen):
+        super().__init__(command, str(process.pid))
+        self.process = process
+
+    def poll(self) -> ProcessEnd | None:
+        code = self.process.poll()
+        return None if code is None else describe_exit_code(code)
+
+    def started(self) -> bool:
+        return True
+
+
+class LocalExecutor(Executor):
+    name = "local"
+    poll_interval_s = 0.5
+
+    def __init__(self, run_dir: Path, environments: list[dict[str, str]]):
+        self.run_dir = Path(run_dir)
+        self.environments = environments  # per replica, from replica_environment()
+
+    def launch(self, command: ReplicaCommand) -> LocalHandle:
+        env = {**os.environ, **self.environments[command.replica], **command.env}
+        log_path = command.log_path or os.devnull
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        parent = os.getpid()
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(command.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                       env=env, start_new_session=True, preexec_fn=lambda: _die_with_parent(parent))
+        return LocalHandle(command, process)
+
+    def stop(self, handles: list[ReplicaHandle], grace_s: float) -> None:
+        running = [h for h in handles if isinstance(h, LocalHandle) and h.process.poll() is None]
+        for handle in running:
+            _signal_group(handle.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for handle in running:
+            try:
+                handle.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(handle.process.pid, signal.SIGKILL)
+                handle.process.wait()
+
+    def end_leftover(self, replica: int, job: str) -> None:
+        import psutil
+
+        try:
+            process = psutil.Process(int(job))
+            cmdline = process.cmdline()
+        except (ValueError, psutil.Error):
+            return  # gone already
+        # Only a replica of this very run: a recycled pid may belong to anything else.
+        if "replica" not in cmdline or str(self.run_dir) not in cmdline or str(replica) not in cmdline:
+            return
+        _signal_group(process.pid, signal.SIGKILL)
+        try:
+            process.wait(timeout=30)
+        except psutil.Error:
+            pass
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Signal the replica's process group (it leads its own session), so its helpers go too."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass

@@ -1,0 +1,317 @@
+"""From command-line flags and the config file to run.json: every check runs before anything starts.
+
+Precedence, strongest first: the flag, the config file, the default (the backend also honours
+$AIPERF_BACKEND between the flag and the file). On `--resume` the run's own run.json stands in
+for the defaults, and any fixed setting the user gives again must agree with it: the fixed
+configuration (CONFIG_KEYS) is hashed into run.json's `config_sha256`, and a resume whose
+configuration hashes differently is refused before anything starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping
+
+from aiperf_core.errors import AiperfError
+from aiperf_core.rundir import RunDir, RunDirError
+from aiperf_core.workflow.duration import parse_duration
+
+# What makes two runs the same run. Executor options (SLURM partition, restart limit, heartbeat
+# timeout) are not in it: they may change on --resume, for example to move to another partition.
+CONFIG_KEYS = ("backend", "executor", "model", "dataset", "policy", "replicas", "devices_per_replica", "seed",
+               "time_budget_s", "stop_after_trials")
+DEFAULT_TIME_BUDGET = "1h"
+DEFAULT_MAX_RESTARTS = 3
+DEFAULT_HEARTBEAT_TIMEOUT = "10m"
+DEFAULT_STOP_GRACE = "30s"
+SLURM_OPTIONS = ("partition", "account", "time_limit", "gpus_per_node", "cpus_per_task", "extra_args")
+
+
+def config_sha256(run: Mapping[str, Any]) -> str:
+    """SHA-256 of the fixed configuration as recorded in run.json (canonical JSON)."""
+    fixed = {key: run.get(key) for key in CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(fixed, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass
+class RunRequest:
+    """What the user asked for, flags already merged over the config file. None: not given."""
+
+    backend: str | None = None
+    executor: str | None = None
+    replicas: int | None = None
+    devices_per_replica: int | None = None
+    time_budget: str | None = None
+    data: str | None = None
+    data_workers: int | None = None
+    run_dir: str | None = None
+    seed: int | None = None
+    max_restarts: int | None = None
+    heartbeat_timeout: str | None = None
+    stop_grace: str | None = None
+    stop_after_trials: int | None = None
+    policy: dict[str, Any] = field(default_factory=dict)
+    slurm: dict[str, Any] = field(default_factory=dict)
+
+
+def merge_request(flags: Mapping[str, Any], config: Mapping[str, Any]) -> RunRequest:
+    """Flags (None when not given) over the config file's values."""
+    request = RunRequest(policy=dict(config.get("policy", {})), slurm=dict(config.get("slurm", {})))
+    for name in ("backend", "executor", "replicas", "devices_per_replica", "time_budget", "data", "run_dir", "seed",
+                 "max_restarts", "heartbeat_timeout", "stop_after_trials"):
+        value = flags.get(name)
+        setattr(request, name, value if value is not None else config.get(name))
+    request.data_workers = flags.get("data_workers")
+    request.stop_grace = flags.get("stop_grace")
+    for name in SLURM_OPTIONS:
+        if flags.get(f"slurm_{name}") is not None:
+            request.slurm[name] = flags[f"slurm_{name}"]
+    return request
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    """How the primary watches replicas; not part of the fixed configuration."""
+
+    max_restarts: int
+    heartbeat_timeout_s: float
+    stop_grace_s: float
+    slurm: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"max_restarts": self.max_restarts, "heartbeat_timeout_s": self.heartbeat_timeout_s,
+                "stop_grace_s": self.stop_grace_s, "slurm": self.slurm}
+
+
+def watch_settings(request: RunRequest, recorded: Mapping[str, Any] | None = None) -> WatchSettings:
+    """Watch settings: the request's, else those recorded in run.json (on --resume), else defaults."""
+    recorded = recorded or {}
+    max_restarts = request.max_restarts if request.max_restarts is not None else recorded.get(
+        "max_restarts", DEFAULT_MAX_RESTARTS)
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise AiperfError(f"--max-restarts: must be a whole number >= 0, got {max_restarts!r}")
+    timeout = (parse_duration(request.heartbeat_timeout, "--heartbeat-timeout") if request.heartbeat_timeout
+               else recorded.get("heartbeat_timeout_s") or parse_duration(DEFAULT_HEARTBEAT_TIMEOUT))
+    grace = (parse_duration(request.stop_grace, "--stop-grace") if request.stop_grace
+             else recorded.get("stop_grace_s") or parse_duration(DEFAULT_STOP_GRACE))
+    slurm = {**recorded.get("slurm", {}), **request.slurm}
+    if slurm.get("time_limit") is not None:
+        slurm["time_limit_s"] = parse_duration(slurm.pop("time_limit"), "--slurm-time-limit")
+    return WatchSettings(max_restarts, float(timeout), float(grace), slurm)
+
+
+def data_choice(request: RunRequest) -> tuple[str, str | None]:
+    """(dataset name, absolute path or None) from --data: digits, synthetic, or a folder (ImageNet)."""
+    data = request.data
+    if data is None:
+        named = request.policy.get("dataset")
+        if named in ("digits", "synthetic"):
+            return named, None
+        raise AiperfError("--data: give the ImageNet folder (--data PATH), or --data digits|synthetic "
+                          "for an unofficial run")
+    if data in ("digits", "synthetic"):
+        return data, None
+    path = Path(data).expanduser()
+    if not path.exists():
+        raise AiperfError(f"--data {data}: no such file or directory")
+    return "imagenet", str(path.resolve())
+
+
+def build_policy(request: RunRequest, dataset: str, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Policy values (checked): run.json's on resume, else defaults; the config's [policy] and the
+    flags over them. The image size defaults to the dataset's own (32 for digits, 224 for ImageNet)."""
+    from aiperf_core import data
+    from aiperf_core.policy import Policy
+
+    values = dict(base or {})
+    values.update(request.policy)
+    values["dataset"] = dataset
+    if request.data_workers is not None:
+        values["data_workers"] = request.data_workers
+    if "image_size" not in values:
+        values["image_size"] = data.DEFAULT_IMAGE_SIZE.get(dataset, 224)
+    return Policy(values, source="policy").to_json()
+
+
+def describe_dataset(name: str, path: str | None, image_size: int) -> dict[str, Any]:
+    """run.json's `dataset`: the data is opened and checked now, so a bad one fails before the start."""
+    from aiperf_core import data
+
+    spec = {"name": name, "path": path, "image_size": image_size}
+    try:
+        described = data.describe(spec)
+    except AiperfError as exc:
+        raise AiperfError(f"--data {path or name}: {exc}") from None
+    keep = ("name", "path", "layout", "classes", "train_images", "val_images", "image_size")
+    return {key: described.get(key, spec.get(key)) for key in keep}
+
+
+# Run in a child process: initialising a framework's devices can take GPU memory for as long as
+# the process lives (JAX preallocates most of it), and the primary lives as long as the run.
+_PROBE = """
+import json, sys
+from aiperf_core.errors import AiperfError
+from aiperf_core.registry import load_backend
+try:
+    print(json.dumps({"devices": list(load_backend(sys.argv[1]).devices())}))
+except AiperfError as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+class BackendProbe:
+    """The devices backend `name` sees on this machine, found by a child process that runs while
+    the primary does its other checks. An unknown or unavailable backend is an AiperfError naming
+    --backend."""
+
+    def __init__(self, name: str, timeout_s: float = 600):
+        import subprocess
+        import sys
+
+        self.name, self.timeout_s = name, timeout_s
+        self.process = subprocess.Popen([sys.executable, "-c", _PROBE, name], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def __enter__(self) -> "BackendProbe":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process.poll() is None:  # another check failed first: the answer is not needed
+            self.process.kill()
+            self.process.communicate()
+
+    def devices(self) -> list[str]:
+        import subprocess
+
+        try:
+            out, err = self.process.communicate(timeout=self.timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AiperfError(f"--backend {self.name}: loading it took more than {self.timeout_s:.0f} s") from None
+        try:
+            result = json.loads(out.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            last = (err.strip().splitlines() or [f"exit code {self.process.returncode}"])[-1]
+            raise AiperfError(f"--backend {self.name}: loading it failed: {last}") from None
+        if "error" in result:
+            raise AiperfError(f"--backend {self.name}: {result['error']}")
+        return result["devices"]
+
+
+def new_run_id(now: float) -> str:
+    return datetime.fromtimestamp(now, timezone.utc).strftime("%Y%m%d-%H%M%S-") + secrets.token_hex(3)
+
+
+def prepare_run_dir(path: Path) -> RunDir:
+    """Create the run directory (and check it is writable) for a fresh run; refuse one in use."""
+    run_dir = RunDir(path)
+    if run_dir.run_file.exists():
+        raise AiperfError(f"--run-dir {path}: already holds a run; continue it with --resume {path}")
+    try:
+        for folder in (run_dir.root, run_dir.primary_dir, run_dir.root / "replicas", run_dir.root / "trials"):
+            folder.mkdir(parents=True, exist_ok=True)
+        run_dir.executor_dir.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(run_dir.executor_dir, 0o700)
+        probe = run_dir.primary_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise AiperfError(f"--run-dir {path}: not writable: {exc.strerror or exc}") from None
+    return run_dir
+
+
+def check_resumable(run_dir: RunDir) -> dict[str, Any]:
+    """run.json of a run to resume, after checking that nobody edited its fixed configuration."""
+    try:
+        run = run_dir.read_run()
+    except RunDirError as exc:
+        raise AiperfError(f"--resume: {exc}") from None
+    if run.get("config_sha256") != config_sha256(run):
+        raise AiperfError(f"--resume {run_dir.root}: run.json's configuration does not match its config_sha256 "
+                          "(the file was edited)")
+    if not os.access(run_dir.root, os.W_OK):
+        raise AiperfError(f"--resume {run_dir.root}: not writable")
+    return run
+
+
+def first_difference(recorded: Mapping[str, Any], asked: Mapping[str, Any]) -> str | None:
+    """The first fixed setting that differs, as 'key: recorded -> asked' (policy items by name)."""
+    for key in CONFIG_KEYS:
+        a, b = recorded.get(key), asked.get(key)
+        if a == b:
+            continue
+        if isinstance(a, dict) and isinstance(b, dict):
+            for sub in sorted(set(a) | set(b)):
+                if a.get(sub) != b.get(sub):
+                    return f"{key}.{sub}: {a.get(sub)!r} in the run, {b.get(sub)!r} now"
+        return f"{key}: {a!r} in the run, {b!r} now"
+    return None
+
+
+def resumed_configuration(run: Mapping[str, Any], request: RunRequest, backend_given: str | None) -> dict[str, Any]:
+    """run.json's fixed configuration with whatever the user gave again laid over it; equal to
+    the recorded one (same hash) unless the user asked for something else."""
+    asked = {key: run.get(key) for key in CONFIG_KEYS}
+    if backend_given:
+        asked["backend"] = backend_given
+    for key in ("executor", "replicas", "devices_per_replica", "seed", "stop_after_trials"):
+        if getattr(request, key) is not None:
+            asked[key] = getattr(request, key)
+    if request.time_budget is not None:
+        asked["time_budget_s"] = parse_duration(request.time_budget)
+    dataset = dict(run.get("dataset") or {})
+    if request.data is not None:
+        name, path = data_choice(request)
+        if (name, path) != (dataset.get("name"), dataset.get("path")):
+            dataset = {**dataset, "name": name, "path": path}
+    asked["dataset"] = dataset
+    asked["policy"] = build_policy(request, dataset.get("name"), base=run.get("policy"))
+    asked["model"] = asked["policy"]["initial_architecture"]
+    return asked
+
+
+def run_record(*, backend: str, executor: str, replicas: int, devices_per_replica: int, seed: int,
+               time_budget_s: float, policy: dict[str, Any], dataset: dict[str, Any],
+               stop_after_trials: int | None, watch: WatchSettings, now: float | None = None) -> dict[str, Any]:
+    """run.json's content (schema_version is added by RunDir.write_run)."""
+    from aiperf_core.policy import Policy
+
+    now = time.time() if now is None else now
+    run = {
+        "run_id": new_run_id(now),
+        "created": datetime.fromtimestamp(now, timezone.utc).isoformat(timespec="seconds"),
+        "start_time": now,
+        "time_budget_s": time_budget_s,
+        "deadline": now + time_budget_s,
+        "backend": backend,
+        "executor": executor,
+        "replicas": replicas,
+        "devices_per_replica": devices_per_replica,
+        "seed": seed,
+        "model": policy["initial_architecture"],
+        "dataset": dataset,
+        "policy": policy,
+        "policy_overridden_fixed": Policy(policy).overridden_fixed(),
+        "stop_after_trials": stop_after_trials,
+        "watch": watch.to_json(),
+        "aiperf_version": _version(),
+    }
+    if stop_after_trials is None:
+        del run["stop_after_trials"]  # optional key: present only in a bounded (test) run
+    run["config_sha256"] = config_sha256(run)
+    return run
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("aiperf")
+    except PackageNotFoundError:
+        return "unknown"
