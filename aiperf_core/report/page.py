@@ -104,16 +104,26 @@ def _validity(result: ScoreResult) -> str:
 
 def _score_charts(result: ScoreResult) -> str:
     hours = [t / 3600 for t, _, _, _ in result.samples]
-    top = max([s[1] for s in result.samples] + [s[2] for s in result.samples] + [0.0])
+    top = max([s[1] for s in result.samples + result.curve] + [s[2] for s in result.samples + result.curve] + [0.0])
     divisor, prefix = ops_prefix(top)
     unit = f"{prefix}OPS"
-    score = Series("score (OPS)", [(h, s[1] / divisor) for h, s in zip(hours, result.samples)])
-    reg = Series("regulated score", [(h, s[2] / divisor) for h, s in zip(hours, result.samples)], color="#9467bd")
-    error_points = [(h, 100 * s[3]) for h, s in zip(hours, result.samples) if s[3] is not None]
-    limit = [(hours[0], 100 * MAX_ERROR), (hours[-1], 100 * MAX_ERROR)] if hours else []
+
+    def at_epochs(index: int, label: str) -> Series:
+        return Series(label, [(point[0] / 3600, point[index] / divisor) for point in result.curve],
+                      color="#bbbbbb")
+
+    score = Series("0.1 h samples", [(h, s[1] / divisor) for h, s in zip(hours, result.samples)], color="#1f77b4")
+    reg = Series("0.1 h samples", [(h, s[2] / divisor) for h, s in zip(hours, result.samples)],
+                 color="#9467bd")
+    # The best error only changes at epoch ends, so the epoch curve draws it exactly.
+    error_points = [(point[0] / 3600, 100 * point[3]) for point in sorted(result.curve + result.samples)
+                    if point[3] is not None]
+    limit = [(0.0, 100 * MAX_ERROR), (hours[-1], 100 * MAX_ERROR)] if hours else []
     return "".join([
-        line_chart("Score: OPS(t), sampled every 0.1 h", [score], "hours since start", unit),
-        line_chart("Regulated score: -ln(error) x OPS(t)", [reg], "hours since start", unit),
+        line_chart("Score: OPS(t), sampled every 0.1 h (grey: at each epoch's end)",
+                   [at_epochs(1, "each epoch"), score], "hours since start", unit),
+        line_chart("Regulated score: -ln(error) x OPS(t)",
+                   [at_epochs(2, "each epoch"), reg], "hours since start", unit),
         line_chart("Best validation error so far", [Series("best error", error_points, step=True),
                                                     Series(f"limit {MAX_ERROR:.0%}", limit, color="#999999")],
                    "hours since start", "error (%)", y_max=100.0),

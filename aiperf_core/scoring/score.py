@@ -28,6 +28,9 @@ from aiperf_core.scoring.units import format_ops
 SAMPLE_INTERVAL_S = 360.0  # 0.1 h, the paper's step
 
 
+CURVE_POINTS = 1000
+
+
 @dataclass
 class ScoreResult:
     run_id: str | None
@@ -49,6 +52,9 @@ class ScoreResult:
     valid: bool
     reasons: list[str]  # why the run is unofficial; empty when valid
     notes: list[str] = field(default_factory=list)  # log oddities that do not change the score
+    # OPS(t) at each counted epoch's end, thinned to at most CURVE_POINTS: the report's fine curve
+    # between the 0.1 h samples. Same tuples as `samples`; it never changes the score.
+    curve: list[tuple[float, float, float, float | None]] = field(default_factory=list)
 
     @property
     def elapsed_s(self) -> float:
@@ -164,6 +170,10 @@ def score_ledger(ledger: RunLedger, now: float | None = None) -> ScoreResult:
         error_by_t = best_errors[k - 1] if k else None
         ops_per_s = ops_by_t / (t - info.start_time)
         samples.append((t - info.start_time, ops_per_s, regulated(ops_per_s, error_by_t), error_by_t))
+    step = max(1, -(-len(times) // CURVE_POINTS))
+    curve = [(t - info.start_time, cumulative_ops[k] / (t - info.start_time),
+              regulated(cumulative_ops[k] / (t - info.start_time), best_errors[k]), best_errors[k])
+             for k, t in enumerate(times) if (k % step == 0 or k == len(times) - 1) and t > info.start_time]
     score = samples[-1][1] if samples else 0.0
     regulated_score = samples[-1][2] if samples else 0.0
 
@@ -192,7 +202,7 @@ def score_ledger(ledger: RunLedger, now: float | None = None) -> ScoreResult:
         best_accuracy=best_accuracy, best_error=best, samples=samples, total_ops=total,
         epochs_counted=len(counted), epochs_after_deadline=after_deadline, epochs_uncountable=uncountable,
         trials=len(trials), trials_by_status=dict(sorted(by_status.items())), valid=not reasons,
-        reasons=reasons, notes=list(ledger.problems))
+        reasons=reasons, notes=list(ledger.problems), curve=curve)
 
 
 def _fill_precision_from_trial_files(ledger: RunLedger, trials: list[Trial]) -> None:
