@@ -44,6 +44,7 @@ class ReplicaSlot:
     log_offset: int = 0  # events in the replica log when the latest attempt was launched
     launched_at: float = 0.0
     running_since: float | None = None  # when the executor first saw it run
+    last_life: float | None = None  # the latest sign of life of this attempt seen so far
     not_before: float = 0.0  # no launch before this time (after a failed launch)
 
 
@@ -152,6 +153,7 @@ class Primary:
             return
         slot.launched_at = self.clock()
         slot.running_since = None
+        slot.last_life = None
         self.log.append("replica_launch", replica=slot.replica, attempt=slot.attempt, job=slot.handle.job,
                         log_seq=slot.log_offset)
         self.notify(f"replica {slot.replica}: attempt {slot.attempt} launched ({self.executor.name} job {slot.handle.job})")
@@ -179,10 +181,15 @@ class Primary:
         """Seconds since the running replica last showed life; None while it is queued."""
         if slot.running_since is None:
             return None
+        # Heartbeats only move forward, so the silence since the last beat seen bounds the true one
+        # from above: while that is within the timeout the decision is the same, and the file (the
+        # primary's main cost per poll at thousands of replicas, docs/performance.md) is not read.
+        if slot.last_life is not None and now - slot.last_life <= self.watch.heartbeat_timeout_s:
+            return now - slot.last_life
         beat = self.run_dir.read_heartbeat(slot.replica) or {}
         beat_time = beat.get("time") if isinstance(beat.get("time"), (int, float)) else 0.0
-        last = max(slot.running_since, beat_time if beat_time >= slot.launched_at else 0.0)
-        return now - last
+        slot.last_life = max(slot.running_since, beat_time if beat_time >= slot.launched_at else 0.0)
+        return now - slot.last_life
 
     def _replica_events_since(self, slot: ReplicaSlot) -> list[dict[str, Any]]:
         return read_events(self.run_dir.replica_log(slot.replica))[slot.log_offset:]

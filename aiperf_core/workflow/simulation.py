@@ -1,0 +1,516 @@
+"""A scale simulation: the real primary, history and scoring driven by simulated replicas on a
+virtual clock, so that thousands of replicas and a 12-hour budget fit in minutes on one machine
+(docs/performance.md, issue #10).
+
+What is real: the Primary (aiperf_core.workflow.primary) and its executor protocol, every file of
+the run directory (run.json, the hash-chained event logs written through rundir.EventLog,
+heartbeats, graph.json, trial.json), SharedHistory reading it, and score_run scoring it.
+
+What is simulated: the replicas. A SimulatedReplica trains nothing. Its accelerators run at a
+fixed rate (`device_ops_per_s`), so an epoch takes its analytic operations divided by that rate
+in virtual time, and it writes exactly the events and files a real replica writes
+(docs/run-directory.md). Weights are not simulated: every trial's weights.npz is a hard link to
+one small stand-in file, whose real hash trial_end records. Graphs come from a small pool of real
+IR graphs (ResNet-50 and morphs of it), written once and hard-linked into each trial's folder,
+as a run full of repeated architectures would have them; scoring still reads and hashes every
+trial's graph.json.
+
+Time: a VirtualClock replaces the `time` module in the primary's and the run directory's module
+namespaces (virtual_time()); the primary's sleeps advance it instantly. On every poll round the
+SimulatedExecutor's refresh() moves each replica forward to the virtual now, writing the events
+that fall due. Replica-side costs that grow with the run are charged in virtual time before each
+trial: reading what is new in the shared history (measured on the growing run directory by a
+real SharedHistory, `HistoryProbe`) and NAS selection at the history's current size
+(`NasCostModel`, measured at a few sizes and interpolated). They are charged in series, as if
+the replica's planner thread did not overlap training (the real replica overlaps it from round 3
+on), so the weak-scaling efficiency this gives is a lower bound.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from aiperf_core.atomic import write_text_atomic
+from aiperf_core.ir import Graph
+from aiperf_core.policy import Policy
+from aiperf_core.rundir import EventLog, RunDir, read_events, sha256_bytes, sha256_file, trial_id
+from aiperf_core.workflow.executors.base import Executor, ProcessEnd, ReplicaCommand, ReplicaHandle
+from aiperf_core.workflow.plan import WatchSettings, run_record
+
+IMAGENET = {"name": "imagenet", "path": "/simulated/imagenet", "layout": "simulated", "classes": 1000,
+            "train_images": 1_281_167, "val_images": 50_000, "image_size": 224}
+HEARTBEAT_GAP_S = 60.0  # virtual seconds; epochs must end within the primary's heartbeat timeout minus this
+SIGTERM_END = ProcessEnd(False, "killed by signal 15 (SIGTERM)", signal=15)
+
+
+# --- the clock ----------------------------------------------------------------------------------
+class VirtualClock:
+    """Stands in for the `time` module: time() and monotonic() read the virtual now, sleep()
+    advances it at once. Everything else (perf_counter, strftime, ...) is the real module's."""
+
+    def __init__(self, start: float):
+        self.now = float(start)
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, float(seconds))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@contextlib.contextmanager
+def virtual_time(clock: VirtualClock) -> Iterator[VirtualClock]:
+    """Run the primary and the run directory's writers on `clock`. Only the `time` name of those
+    two modules is replaced (and put back after), so this process's own timing stays real."""
+    from aiperf_core import rundir
+    from aiperf_core.workflow import primary
+
+    modules = (primary, rundir)
+    saved = [module.time for module in modules]
+    for module in modules:
+        module.time = clock
+    try:
+        yield clock
+    finally:
+        for module, original in zip(modules, saved):
+            module.time = original
+
+
+# --- what a trial trains ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PoolGraph:
+    """One architecture of the pool, with everything a trial record needs computed once."""
+
+    path: Path  # written once, hard-linked into trial folders
+    sha256: str
+    fp: int  # analytic operations per image, paper convention (what scoring counts)
+    bp: int
+    arch: dict  # ArchCode.to_json(), what the NAS distance reads
+    signature: str
+
+    def epoch_ops(self, train_images: int, val_images: int) -> int:
+        return train_images * (self.fp + self.bp) + val_images * self.fp
+
+
+def write_graph_pool(graphs: Sequence[Graph], folder: Path) -> list[PoolGraph]:
+    """Write each graph once as a replica would write graph.json; count and encode it once."""
+    from aiperf_core.morph import signature_hash
+    from aiperf_core.search.arch import encode
+    from opcount import count
+
+    folder.mkdir(parents=True, exist_ok=True)
+    pool = []
+    for k, graph in enumerate(graphs):
+        data = (graph.to_json() + "\n").encode("utf-8")
+        path = folder / f"graph-{k}.json"
+        path.write_bytes(data)
+        totals = count(graph)
+        pool.append(PoolGraph(path, sha256_bytes(data), totals.fp, totals.bp, encode(graph).to_json(),
+                              signature_hash(graph)))
+    return pool
+
+
+def resnet50_family(size: int, seed: int = 0) -> list[Graph]:
+    """ResNet-50 and size - 1 descendants by random morph walks: the architectures of a run."""
+    from aiperf_core.builders import resnet50
+    from aiperf_core.morph import random_morph
+
+    rng = np.random.default_rng(seed)
+    family = [resnet50((224, 224, 3), 1000)]
+    while len(family) < size:
+        parent = family[int(rng.integers(len(family)))]
+        family.append(random_morph(parent, None, rng).graph)
+    return family
+
+
+def write_weights_stand_in(path: Path) -> str:
+    """A valid, empty .npz: trials carry a weights file with a real hash, but no weights."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        np.savez(f)
+    return sha256_file(path)
+
+
+# --- replica-side costs that grow with the run ----------------------------------------------------
+class NasCostModel:
+    """NAS selection time as a function of the history's size: measured at a few sizes,
+    interpolated linearly between them and extrapolated along the last segment."""
+
+    def __init__(self, sizes: Sequence[int], seconds: Sequence[float]):
+        self.sizes = list(sizes)
+        self.seconds = list(seconds)
+
+    @classmethod
+    def free(cls) -> "NasCostModel":
+        return cls([0], [0.0])
+
+    @classmethod
+    def measure(cls, architectures: Sequence[Graph], sizes: Sequence[int], repeat: int = 2, seed: int = 0,
+                policy: Policy | None = None) -> "NasCostModel":
+        """Time the real selection as benchmarks/nas_selection.py defines it (parents, encoding
+        the candidates, nas.select with a cold distance cache, as on a replica's first round after
+        a start) over histories drawn from `architectures`. Use many: the distances between
+        distinct architectures are what selection spends its time on."""
+        from aiperf_core.morph import generate_candidates
+        from aiperf_core.search import nas
+        from aiperf_core.search.arch import encode
+        from aiperf_core.search.history import SharedHistory, TrialRecord
+
+        policy = policy or Policy()
+        rng = np.random.default_rng(seed)
+        codes = [encode(graph) for graph in architectures]
+        children = [c.graph for c in generate_candidates(architectures[0], None, policy["nas_candidates"], seed)]
+        seconds = []
+        for size in sizes:
+            history = SharedHistory(None)
+            for k in range(size):
+                history.add(TrialRecord(trial_id(k % 4096, k // 4096), k % 4096, k // 4096 + 1,
+                                        float(rng.uniform(0.3, 0.9)), 0.0, 256, 3,
+                                        codes[int(rng.integers(len(codes)))], f"trial-{k}"))
+            best = float("inf")
+            for _ in range(repeat):
+                start = time.perf_counter()
+                nas.best_trials(history.records, policy["nas_parents"])
+                candidates = [encode(child) for child in children]
+                nas.select(history.records, history.summaries(), candidates, policy)
+                best = min(best, time.perf_counter() - start)
+            seconds.append(best)
+        return cls(sizes, seconds)
+
+    def __call__(self, size: int) -> float:
+        if len(self.sizes) == 1:
+            return self.seconds[0]
+        k = min(max(bisect.bisect_right(self.sizes, size) - 1, 0), len(self.sizes) - 2)
+        x0, x1, y0, y1 = self.sizes[k], self.sizes[k + 1], self.seconds[k], self.seconds[k + 1]
+        return max(0.0, y0 + (y1 - y0) * (size - x0) / (x1 - x0))
+
+
+class HistoryProbe:
+    """A real SharedHistory on the growing run directory, refreshed once per `interval_s` of
+    virtual time (about one trial): the wall time of its latest refresh is what a replica pays
+    to catch up with the history before planning a trial."""
+
+    def __init__(self, run_dir: RunDir, interval_s: float | None):
+        from aiperf_core.search.history import SharedHistory
+
+        self.history = SharedHistory(run_dir)
+        self.interval_s = interval_s
+        self.next_at = 0.0
+        self.last_refresh_s = 0.0
+        self.refreshes: list[tuple[float, int, float]] = []  # (virtual time, history trials, wall seconds)
+
+    def maybe_refresh(self, now: float) -> None:
+        if self.interval_s is None or now < self.next_at:
+            return
+        start = time.perf_counter()
+        self.history.refresh()
+        self.last_refresh_s = time.perf_counter() - start
+        self.refreshes.append((now, len(self.history.records), self.last_refresh_s))
+        self.next_at = now + self.interval_s
+
+
+# --- the simulated replica ----------------------------------------------------------------------
+@dataclass
+class ReplicaModel:
+    """How simulated replicas behave. Epoch time = the epoch's analytic ops / device_ops_per_s."""
+
+    device_ops_per_s: float
+    devices: int = 8
+    startup_s: float = 0.0  # from launch to replica_start (process start, framework import)
+    improving_epochs: int = 3  # validation loss improves this many epochs, then patience stops the trial
+    train_images: int = IMAGENET["train_images"]
+    val_images: int = IMAGENET["val_images"]
+
+
+class SimulatedReplica:
+    """One attempt of one replica: a generator of its events in virtual time (see _events)."""
+
+    def __init__(self, executor: "SimulatedExecutor", replica: int, attempt: int, launched: float):
+        self.executor = executor
+        self.run_dir = executor.run_dir
+        self.id = replica
+        self.attempt = attempt
+        self.launched = launched
+        self.end: ProcessEnd | None = None
+        self.last_beat = float("-inf")
+        self.log = EventLog(self.run_dir.replica_log(replica))
+        self._life = self._events()
+        self.next_time = next(self._life)
+
+    def advance(self, now: float) -> None:
+        """Write every event due by `now`."""
+        while self.end is None and self.next_time <= now:
+            try:
+                self.next_time = self._life.send(None)
+            except StopIteration:
+                self.end = ProcessEnd(True, "exit code 0", exit_code=0)
+                self.log.close()
+
+    def kill(self) -> None:
+        if self.end is None:
+            self.end = SIGTERM_END
+            self._life.close()
+            self.log.close()
+
+    def _append(self, event: str, at: float, **fields: Any) -> None:
+        self.log.append(event, time=at, replica=self.id, **fields)
+        # A real replica beats every 5 s; the primary only needs a beat within its timeout, and
+        # one per event at most HEARTBEAT_GAP_S apart keeps the simulation's own cost down.
+        now = self.executor.clock.now
+        if now - self.last_beat >= HEARTBEAT_GAP_S:
+            self.run_dir.write_heartbeat(self.id, state=event, trial=fields.get("trial"))  # on the virtual clock
+            self.last_beat = now
+
+    def _stop_reason(self, seq: int, now: float) -> str | None:
+        sim = self.executor
+        if sim.stop_path.exists():
+            return "stopped"
+        if now >= sim.deadline:
+            return "deadline"
+        if sim.stop_after_trials is not None and seq >= sim.stop_after_trials:
+            return "max_trials"
+        return None
+
+    def _events(self):
+        """Yields the virtual time of the next event; resumed at that time, writes it."""
+        sim, model, policy = self.executor, self.executor.model, self.executor.policy
+        t = self.launched + model.startup_s
+        yield t
+        # A restarted attempt continues the trial sequence, as a real replica does.
+        past_starts = sum(e.get("event") == "trial_start" for e in read_events(self.log.path))
+        self.log.open()
+        self._append("replica_start", t, pid=os.getpid(), host="simulated", backend=sim.backend,
+                     framework_version="simulated", devices=[f"sim:{d}" for d in range(model.devices)],
+                     attempt=self.attempt)
+        seq = past_starts
+        while True:
+            reason = self._stop_reason(seq, t)
+            if reason is not None:
+                self._append("replica_stop", t, reason=reason)
+                return
+            round_number = seq + 1
+            charge = sim.planning_charge(round_number)
+            t += charge
+            yield t
+            trial = trial_id(self.id, seq)
+            graph = sim.graph_for(seq)
+            folder = self.run_dir.trial_dir(trial)
+            folder.mkdir(parents=True, exist_ok=True)
+            os.link(graph.path, folder / "graph.json")
+            batch = 256
+            patience = policy.patience_for(round_number)
+            hyper = {"batch_size": batch, "kernel_size": 3, "epochs": policy.epochs_for(round_number),
+                     "learning_rate": policy.learning_rate_for(batch), "patience": patience,
+                     "label_smoothing": policy["label_smoothing"], "precision": policy["precision"]}
+            self._append("trial_start", t, trial=trial, round=round_number, parent=None, morph=None, hyper=hyper,
+                         graph_sha256=graph.sha256)
+            sim.trials_started += 1
+            epoch_s = graph.epoch_ops(model.train_images, model.val_images) / model.device_ops_per_s
+            planned = min(hyper["epochs"], model.improving_epochs + patience)
+            accuracies, losses, stop = [], [], None
+            for epoch in range(planned):
+                started = t
+                t += epoch_s
+                yield t
+                # Improves for improving_epochs up to 76% (the paper's ResNet-50 region), then
+                # stays flat, so that patience ends the trial.
+                accuracy = round(0.76 - 0.3 * (1 - min(epoch + 1, model.improving_epochs) / model.improving_epochs), 5)
+                val_loss = round(1.0 - accuracy, 5)
+                self._append("epoch_end", t, trial=trial, epoch=epoch, started=started,
+                             train_images=model.train_images, val_images=model.val_images, loss=val_loss,
+                             val_loss=val_loss, val_accuracy=accuracy, skipped_images=0)
+                accuracies.append(accuracy)
+                losses.append(val_loss)
+                if sim.stop_path.exists():
+                    stop = "stopped"
+                elif t >= sim.deadline:
+                    stop = "deadline"
+                if stop:
+                    break
+            if stop is None and len(accuracies) < hyper["epochs"]:
+                stop = "patience"
+            status = "early_stopped" if stop else "ok"
+            best = max(accuracies)
+            info = {"trial": trial, "replica": self.id, "round": round_number, "parent": None, "morph": None,
+                    "hyper": hyper, "hpo": "warmup" if policy.is_warmup(round_number) else "hpo", "nas": None,
+                    "status": status, "reason": stop, "epochs": len(accuracies), "val_accuracy": accuracies,
+                    "val_loss": losses, "best_val_accuracy": best, "predicted_accuracy": None, "target": best,
+                    "arch": graph.arch, "signature": graph.signature}
+            text = json.dumps(info, sort_keys=True, allow_nan=False) + "\n"
+            os.link(sim.weights_path, folder / "weights.npz")
+            write_text_atomic(folder / "trial.json", text)
+            files = {"graph.json": graph.sha256, "trial.json": sha256_bytes(text.encode("utf-8")),
+                     "weights.npz": sim.weights_sha256}
+            self._append("trial_end", t, trial=trial, status=status, reason=stop, epochs=len(accuracies),
+                         best_val_accuracy=best, predicted_accuracy=None, files=files)
+            sim.trials_ended += 1
+            seq += 1
+
+
+# --- the executor -------------------------------------------------------------------------------
+class SimulatedHandle(ReplicaHandle):
+    def __init__(self, command: ReplicaCommand, replica: SimulatedReplica):
+        super().__init__(command, f"sim-{command.replica}-{command.attempt}")
+        self.simulated = replica
+
+    def poll(self) -> ProcessEnd | None:
+        return self.simulated.end
+
+    def started(self) -> bool:
+        return True
+
+
+class SimulatedExecutor(Executor):
+    """The executor protocol over in-process simulated replicas. Its own work (advancing the
+    replicas, probing the history) is timed in `simulation_s`, so that what is left of the
+    primary's wall time is the primary's own."""
+
+    name = "simulated"
+
+    def __init__(self, run_dir: RunDir, run: dict, clock: VirtualClock, model: ReplicaModel,
+                 pool: Sequence[PoolGraph], weights_path: Path, *, poll_interval_s: float = 5.0,
+                 nas_cost: NasCostModel | None = None, probe_interval_s: float | None = None):
+        self.run_dir = run_dir
+        self.clock = clock
+        self.model = model
+        self.pool = list(pool)
+        self.policy = Policy(run["policy"])
+        self.backend = run["backend"]
+        self.deadline = float(run["deadline"])
+        self.stop_after_trials = run.get("stop_after_trials")
+        self.stop_path = run_dir.primary_dir / "stop"
+        self.poll_interval_s = poll_interval_s
+        self.weights_path = weights_path
+        self.weights_sha256 = sha256_file(weights_path)
+        self.nas_cost = nas_cost or NasCostModel.free()
+        self.probe = HistoryProbe(run_dir, probe_interval_s)
+        self.simulation_s = 0.0
+        self.trials_started = 0
+        self.trials_ended = 0
+        self.charged_s = 0.0  # virtual seconds charged for history reads and NAS, all replicas
+        self.replicas: list[SimulatedReplica] = []
+
+    def graph_for(self, seq: int) -> PoolGraph:
+        """Round 1 trains the pool's first graph (the initial architecture), later rounds its morphs
+        in turn. Every replica trains the same sequence, so that OPS(N) / N differs from OPS(1)
+        only by what the run's size costs, not by which architectures a replica happened to draw."""
+        if seq == 0 or len(self.pool) == 1:
+            return self.pool[0]
+        return self.pool[1 + (seq - 1) % (len(self.pool) - 1)]
+
+    def planning_charge(self, round_number: int) -> float:
+        """Virtual seconds a replica spends before a trial on work that grows with the run."""
+        if round_number == 1:
+            return 0.0  # the initial architecture: no history to read
+        charge = self.probe.last_refresh_s + self.nas_cost(self.trials_ended)
+        self.charged_s += charge
+        return charge
+
+    def launch(self, command: ReplicaCommand) -> SimulatedHandle:
+        start = time.perf_counter()
+        replica = SimulatedReplica(self, command.replica, command.attempt, self.clock.now)
+        self.replicas.append(replica)
+        self.simulation_s += time.perf_counter() - start
+        return SimulatedHandle(command, replica)
+
+    def refresh(self, handles: list[ReplicaHandle]) -> None:
+        start = time.perf_counter()
+        now = self.clock.now
+        self.probe.maybe_refresh(now)
+        for handle in handles:
+            handle.simulated.advance(now)
+        self.simulation_s += time.perf_counter() - start
+
+    def stop(self, handles: list[ReplicaHandle], grace_s: float) -> None:
+        start = time.perf_counter()
+        for handle in handles:
+            handle.simulated.kill()
+        self.simulation_s += time.perf_counter() - start
+
+    def end_leftover(self, replica: int, job: str) -> None:
+        """Simulated replicas live in this process: nothing is left over from an earlier primary."""
+
+
+# --- one simulated run --------------------------------------------------------------------------
+@dataclass
+class SimulationResult:
+    run_dir: RunDir
+    replicas: int
+    time_budget_s: float
+    end_reason: str
+    wall_s: float  # the whole primary run, simulation included
+    primary_s: float  # wall_s minus the simulated replicas' and the probe's work
+    trials_started: int
+    trials_ended: int
+    charged_s: float
+    probe_refreshes: list[tuple[float, int, float]] = field(default_factory=list)
+
+    @property
+    def primary_s_per_trial(self) -> float:
+        return self.primary_s / max(self.trials_started, 1)
+
+
+def simulate(root: Path, replicas: int, time_budget_s: float, model: ReplicaModel, pool: Sequence[PoolGraph],
+             weights_path: Path, *, start_time: float = 1.8e9, poll_interval_s: float = 5.0,
+             nas_cost: NasCostModel | None = None, probe_interval_s: float | None = None,
+             policy: dict | None = None, stop_after_trials: int | None = None,
+             watch: WatchSettings | None = None) -> SimulationResult:
+    """Run the real Primary over `replicas` simulated replicas for `time_budget_s` of virtual time
+    in a new run directory at `root` (on the same filesystem as the pool, for the hard links)."""
+    from aiperf_core.workflow.primary import Primary
+
+    run_dir = RunDir(root)
+    watch = watch or WatchSettings(max_restarts=3, heartbeat_timeout_s=600.0, stop_grace_s=30.0, slurm={})
+    policy_json = Policy(policy or {}).to_json()
+    run = run_record(backend="simulated", executor="simulated", replicas=replicas,
+                     devices_per_replica=model.devices, seed=0, time_budget_s=time_budget_s, policy=policy_json,
+                     dataset=dict(IMAGENET), stop_after_trials=stop_after_trials, watch=watch, now=start_time)
+    run_dir.write_run(run)
+    run_dir.primary_dir.mkdir(parents=True, exist_ok=True)
+    clock = VirtualClock(start_time)
+    executor = SimulatedExecutor(run_dir, run, clock, model, pool, weights_path, poll_interval_s=poll_interval_s,
+                                 nas_cost=nas_cost, probe_interval_s=probe_interval_s)
+    with virtual_time(clock):
+        primary = Primary(run_dir, run, executor, watch, clock=clock.time)
+        started = time.perf_counter()
+        reason = primary.run_to_end()
+        wall = time.perf_counter() - started
+    return SimulationResult(run_dir, replicas, time_budget_s, reason, wall, wall - executor.simulation_s,
+                            executor.trials_started, executor.trials_ended, executor.charged_s,
+                            executor.probe.refreshes)
+
+
+def expected_ops(pool_graph: PoolGraph, model: ReplicaModel) -> int:
+    """Analytic operations of one simulated epoch of `pool_graph` (what scoring must count)."""
+    return pool_graph.epoch_ops(model.train_images, model.val_images)
+
+
+def run_dir_bytes(run_dir: RunDir) -> int:
+    """Bytes a replica reads to load the whole history: every replica log and trial.json."""
+    total = 0
+    for replica in run_dir.replica_ids():
+        total += run_dir.replica_log(replica).stat().st_size
+    trials = run_dir.root / "trials"
+    if trials.is_dir():
+        for folder in trials.iterdir():
+            try:
+                total += (folder / "trial.json").stat().st_size
+            except FileNotFoundError:
+                pass
+    return total
+
