@@ -212,6 +212,19 @@ class Backend(abc.ABC):
             )
 
 
+def cpu_flags() -> set[str]:
+    """The host CPU's feature flags (/proc/cpuinfo on Linux; empty elsewhere): whether a CPU runs a
+    precision natively (avx512_bf16, amx_bf16, avx512_fp16...) decides what a backend declares."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def batches(n: int, batch_size: int, rng: np.random.Generator | None = None) -> Iterable[np.ndarray]:
     """Index batches over n items, shuffled when rng is given; the last batch may be short."""
     order = rng.permutation(n) if rng is not None else np.arange(n)

@@ -8,7 +8,7 @@ import pytest
 
 from conformance.pytest_support import conformance_cases, run_case
 
-BACKENDS = ("numpy", "torch", "tensorflow", "jax")
+BACKENDS = ("numpy", "torch", "tensorflow", "jax", "mindspore")
 
 
 @pytest.mark.parametrize("case", conformance_cases(BACKENDS), ids=str)

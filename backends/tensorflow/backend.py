@@ -30,7 +30,7 @@ import numpy as np
 
 from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, EpochCallback, EpochReport,
                                  NativeCounter, TrainConfig,
-                                 check_dataset, check_input, check_labels, check_train_config)
+                                 check_dataset, check_input, check_labels, check_train_config, cpu_flags)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, init_weights
 
@@ -50,17 +50,6 @@ def tf_device_name(device: str) -> str:
     return f"/device:{kind.upper()}:{index or 0}"
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _native(device: str, precision: str) -> bool:
     tf = _tf()
     if device.startswith("gpu"):
@@ -72,7 +61,7 @@ def _native(device: str, precision: str) -> bool:
         except Exception:
             return False
     if precision == "bf16":
-        return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+        return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
     return False
 
 

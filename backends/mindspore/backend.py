@@ -1,0 +1,198 @@
+"""MindSporeBackend: the aiperf Backend contract on MindSpore 2.
+
+mindspore is imported lazily, inside functions, so that `import backends.mindspore` and listing
+backends work where it is not installed; availability() then says why not.
+
+* devices: MindSpore picks its device target when it is imported: 'Ascend' where the Ascend
+  package and a device are present (['Ascend:0', ...], one entry per NPU), else 'GPU', else 'CPU'
+  (['cpu']; ['cpu:0', 'cpu:1', ...] when AIPERF_MINDSPORE_CPU_WORKERS asks for several
+  data-parallel CPU workers).
+* execution: PyNative (eager), node by node (lowering.py). On CPU the lowered ResNet-50 step in
+  PyNative kept pace with a hand-written one compiled by ``ms.jit`` (graph mode), whose compile
+  cost minutes per network, and the search trains a new network per candidate
+  (benchmarks/mindspore_throughput.py, docs/backends/mindspore.md).
+* precisions: fp32 everywhere; mixed fp16 (with dynamic loss scaling) and bf16 (float32 master
+  weights, batch norm and loss in float32) where the first device runs them natively and a small
+  probe trains finitely: on Ascend by the probe alone; on a CPU only where it has the instructions
+  (AVX512-FP16/AMX-FP16, AVX512-BF16/AMX-BF16) *and* MindSpore has the kernels. MindSpore 2.10's
+  CPU Conv2D has no bfloat16 kernel, so bf16 is never declared on a CPU, and fp16 only on CPUs
+  with native half-precision arithmetic; lower() and train() reject the others with a clear error.
+* train: SGD with momentum (nn.Momentum) in this process; with several devices, data parallel
+  with one process per device (distributed.py: HCCL on Ascend).
+* native counter: MindSpore's own ``flops_collection`` (graph mode), per conv/dense node
+  (counter.py).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, EpochCallback, EpochReport,
+                                 NativeCounter, TrainConfig, check_dataset, check_input, check_labels,
+                                 check_train_config, cpu_flags)
+from aiperf_core.ir import Graph
+from aiperf_core.weights import Weights
+
+# Native instructions a CPU needs before a mixed precision is offered on it (see the docstring).
+_CPU_FLAGS = {"fp16": ("avx512_fp16", "amx_fp16"), "bf16": ("avx512_bf16", "amx_bf16")}
+
+
+def _ms():
+    # MindSpore logs warnings for routine events (e.g. a missing Ascend plugin on a CPU machine);
+    # GLOG_v=3 keeps errors only, unless the user set it.
+    os.environ.setdefault("GLOG_v", "3")
+    import mindspore
+
+    import backends.mindspore.lowering  # noqa: F401  (settles MindSpore's NumPy bridge on first import)
+
+    return mindspore
+
+
+def _probe_precision(precision: str) -> bool:
+    """Whether a tiny conv/BN/dense net trains one step in mixed `precision` with finite values."""
+    try:
+        from aiperf_core.builders import resnet_small
+        from aiperf_core.weights import init_weights
+        from backends.mindspore.lowering import lower_graph
+        from backends.mindspore.training import gradient_function, targets
+
+        _ms()
+        from mindspore import Tensor
+
+        graph = resnet_small((8, 8, 3), 3)
+        model = lower_graph(graph, init_weights(graph, seed=0), precision)
+        model.set_train(True)
+        x = np.random.default_rng(0).standard_normal((2, 8, 8, 3)).astype(np.float32)
+        params = [p for _, _, p in model.trainable()]
+        (_, total), grads = gradient_function(model, params)(model.to_cell_layout(x), targets(np.array([0, 2]), 3, 0.0),
+                                                            None, Tensor(np.float32(1.0)))
+        return bool(np.isfinite(total.asnumpy())) and all(bool(np.all(np.isfinite(g.asnumpy()))) for g in grads)
+    except Exception:  # an unsupported dtype fails in many ways; it is just not declared
+        return False
+
+
+class MindSporeBackend(Backend):
+    name = "mindspore"
+
+    # -- discovery ----------------------------------------------------------
+    @classmethod
+    def availability(cls) -> Availability:
+        os.environ.setdefault("GLOG_v", "3")
+        return cls.import_availability("mindspore", "mindspore")
+
+    def framework_version(self) -> str:
+        return _ms().__version__
+
+    def devices(self) -> list[str]:
+        target = device_target()
+        if target == "CPU":
+            from backends.mindspore.distributed import cpu_workers
+
+            workers = cpu_workers()  # data-parallel CPU workers asked for (AIPERF_MINDSPORE_CPU_WORKERS)
+            return ["cpu"] if workers == 1 else [f"cpu:{i}" for i in range(workers)]
+        ms = _ms()
+        context = getattr(ms.device_context, target.lower())
+        return [f"{target}:{i}" for i in range(max(int(context.device_count()), 1))]
+
+    def runs_precision(self, device: str, precision: str) -> bool:
+        if device.startswith("cpu") and not set(_CPU_FLAGS[precision]) & cpu_flags():
+            return False
+        return _probe_precision(precision)
+
+    def native_counter(self) -> NativeCounter | None:
+        from backends.mindspore.counter import MindSporeFlopsCounter
+
+        return MindSporeFlopsCounter()
+
+    # -- models -------------------------------------------------------------
+    def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> Any:
+        weights = self.starting_weights(graph, weights, precision)
+        _ms()
+        from backends.mindspore.lowering import lower_graph
+
+        return lower_graph(graph, weights, precision)
+
+    def export_weights(self, model: Any) -> Weights:
+        return _check_model(model).export_canonical()
+
+    def import_weights(self, model: Any, weights: Weights) -> None:
+        model = _check_model(model)
+        from aiperf_core.weights import validate_weights
+
+        validate_weights(model.graph, weights)
+        model.load_canonical(weights)
+
+    def predict(self, model: Any, x: np.ndarray) -> np.ndarray:
+        from backends.mindspore.training import predict
+
+        model = _check_model(model)
+        return predict(model, check_input(model.graph, x))
+
+    def loss_and_grads(self, model: Any, x: np.ndarray, labels: np.ndarray,
+                       label_smoothing: float = 0.0) -> tuple[float, Weights]:
+        from mindspore import Tensor
+
+        from backends.mindspore.lowering import to_canonical
+        from backends.mindspore.training import gradient_function, preserved, targets
+
+        model = _check_model(model)
+        x = check_input(model.graph, x)
+        labels = check_labels(model.graph, labels, len(x))
+        if not 0.0 <= float(label_smoothing) <= 1.0:
+            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        trainable = model.trainable()
+        was_training = model.training
+        # Training mode (batch statistics), but the moving statistics are restored afterwards:
+        # computing gradients never changes the model.
+        with preserved(model):
+            model.set_train(True)
+            try:
+                # Dropout masks are the NumPy reference's for seed 0: deterministic, and comparable.
+                masks = model.masks_from(np.random.default_rng(0), len(x))
+                target = targets(labels, model.graph.output_shape[0], float(label_smoothing))
+                params = [p for _, _, p in trainable]
+                (_, total), grads = gradient_function(model, params)(model.to_cell_layout(x), target, masks,
+                                                                     Tensor(np.float32(1.0 / len(x))))
+            finally:
+                model.set_train(was_training)
+        out: Weights = {}
+        for (node_id, pname, _), grad in zip(trainable, grads):
+            out.setdefault(node_id, {})[pname] = to_canonical(pname, grad.asnumpy())
+        return float(total.asnumpy()) / len(x), out
+
+    def train(self, model: Any, data: Dataset, config: TrainConfig,
+              on_epoch: EpochCallback | None = None) -> list[EpochReport]:
+        from backends.mindspore.training import run_epochs
+
+        model = _check_model(model)
+        self.check_precision(config.precision)
+        check_train_config(config)
+        check_dataset(model.graph, data)
+        devices = self.devices()
+        with model.computing_in(config.precision):
+            if len(devices) > 1:
+                from backends.mindspore.distributed import train_data_parallel
+
+                return train_data_parallel(model, data, config, devices, on_epoch)
+            return run_epochs(model, data, config, on_epoch=on_epoch)
+
+
+def device_target() -> str:
+    """'Ascend', 'GPU' or 'CPU': the target MindSpore chose at import for this machine."""
+    return str(_ms().get_context("device_target"))
+
+
+# ---------------------------------------------------------------------------
+# Argument checks: errors name what is wrong instead of failing deep inside MindSpore
+# ---------------------------------------------------------------------------
+
+
+def _check_model(model):
+    from backends.mindspore.lowering import LoweredCell
+
+    if not isinstance(model, LoweredCell):
+        raise BackendError(f"not a model lowered by the mindspore backend: {type(model).__name__}")
+    return model

@@ -1,0 +1,402 @@
+"""Lowering the aiperf IR to a MindSpore nn.Cell that runs the graph node by node.
+
+Layout: the IR is NHWC with HWIO conv kernels and (in, out) dense kernels; MindSpore's CPU and
+Ascend convolutions are NCHW with OIHW kernels and nn.Dense keeps (out, in). Conversions happen
+at the boundaries only:
+
+* input NHWC -> NCHW (one transpose), output NCHW -> NHWC when the graph's output is an image;
+* ``flatten`` transposes to NHWC order before flattening, so a dense kernel that follows keeps its
+  canonical (H, W, C)-ordered rows;
+* kernels HWIO <-> OIHW and (in, out) <-> (out, in) when weights cross the interface. These are
+  pure transposes, so export returns exactly (bit for bit) what was imported.
+
+Per op:
+
+* conv2d: the ``ops.Conv2D`` primitive nn.Conv2d uses, ``pad_mode='pad'`` with the IR's explicit
+  (top, bottom, left, right) padding, so asymmetric padding needs no extra op;
+* max_pool: a -inf ``ops.pad`` when there is padding, then a 'valid' ``ops.MaxPool``;
+* batch_norm: the fused ``ops.BatchNorm`` primitive nn.BatchNorm2d uses, with
+  ``momentum = 1 - IR momentum`` (the IR's momentum is Keras-style, the primitive's is the weight
+  of the new batch statistic). Measured on MindSpore 2.10 CPU, it normalises with the biased batch
+  variance and feeds the unbiased (Bessel-corrected) one to the moving average, as the NumPy
+  reference does. Flat (N, C) inputs are viewed as (N, C, 1, 1). With a single value per channel
+  in training the primitive's Bessel factor divides by zero (NaN moving variance); that case is
+  computed as the reference does (output beta, factor taken as 1). With data parallelism
+  (distributed.py) the batch statistics are those of the global batch (``SyncedBatchNorm``);
+* dense: ``ops.MatMul(transpose_b=True)`` as nn.Dense;
+* dropout: identity in inference; in training inverted dropout with masks the caller passes in
+  (host-drawn NumPy masks: the reference's in loss_and_grads, a seeded stream in training);
+* softmax in float32; with ``logits=True`` the softmax's input is returned, so that the loss can
+  use a stable log-softmax.
+
+Mixed precision (fp16 / bf16): conv and dense run in the compute dtype on cast copies of the
+float32 master weights; batch norm (statistics included), the softmax and the loss stay float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+from typing import Any, Mapping
+
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor, nn, ops
+
+from aiperf_core.errors import GraphError
+from aiperf_core.ir import Graph, Node
+from aiperf_core.weights import Weights, validate_weights
+
+
+
+def _settle_numpy_bridge() -> None:
+    """MindSpore 2.10's extensions were built with a pybind11 that looks up NumPy 1.x's C API. Under
+    NumPy 2 the first Tensor op that takes a Python scalar (``tensor * 2.0``) does that lookup,
+    prints NumPy's 'compiled using NumPy 1.x' notice with a stack trace and raises SystemError;
+    every later op takes pybind11's fallback and works (checked on every op this backend uses).
+    So that no user operation is the first, it is done here, once, with the notice silenced."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        try:
+            Tensor(np.ones(1, np.float32)) * 2.0
+        except SystemError:
+            pass
+
+
+_settle_numpy_bridge()
+
+TRAINABLE = ("kernel", "bias", "gamma", "beta")
+STATE = ("moving_mean", "moving_variance")
+COMPUTE_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
+
+
+def _zeros(shape, name: str, trainable: bool = True) -> Parameter:
+    return Parameter(Tensor(np.zeros(shape, np.float32)), name=name, requires_grad=trainable)
+
+
+class _Linear(nn.Cell):
+    """A kernel (and optional bias) applied by `self.kernel_op`, in the compute dtype when one is set."""
+
+    def __init__(self, kernel_shape: tuple, units: int, use_bias: bool, kernel_op, compute_dtype=None):
+        super().__init__()
+        self.kernel = _zeros(kernel_shape, "kernel")
+        self.bias = _zeros((units,), "bias") if use_bias else None
+        self.kernel_op = kernel_op
+        self.bias_add = ops.BiasAdd()
+        self.compute_dtype = compute_dtype
+
+    def construct(self, x):
+        kernel = self.kernel
+        if self.compute_dtype is not None:
+            x, kernel = x.astype(self.compute_dtype), kernel.astype(self.compute_dtype)
+        y = self.kernel_op(x, kernel)
+        if self.bias is not None:
+            y = self.bias_add(y, self.bias.astype(y.dtype))
+        return y
+
+
+class Conv(_Linear):
+    """conv2d with explicit per-side padding; kernel (O, I, kh, kw), optional bias (O,)."""
+
+    def __init__(self, in_channels: int, attrs: Mapping[str, Any], compute_dtype=None):
+        kh, kw = attrs["kernel"]
+        filters = attrs["filters"]
+        conv = ops.Conv2D(out_channel=filters, kernel_size=(kh, kw), mode=1, pad_mode="pad",
+                          pad=tuple(attrs["padding"]), stride=tuple(attrs["strides"]))
+        super().__init__((filters, in_channels, kh, kw), filters, attrs["use_bias"], conv, compute_dtype)
+
+
+class Dense(_Linear):
+    """dense; kernel (out, in) as nn.Dense, optional bias (out,)."""
+
+    def __init__(self, in_features: int, attrs: Mapping[str, Any], compute_dtype=None):
+        super().__init__((attrs["units"], in_features), attrs["units"], attrs["use_bias"],
+                         ops.MatMul(transpose_b=True), compute_dtype)
+
+
+class BatchNorm(nn.Cell):
+    """batch_norm over every axis but channels (axis 1 here), statistics in float32."""
+
+    def __init__(self, channels: int, attrs: Mapping[str, Any]):
+        super().__init__()
+        self.gamma = _zeros((channels,), "gamma")
+        self.beta = _zeros((channels,), "beta")
+        self.moving_mean = _zeros((channels,), "moving_mean", trainable=False)
+        self.moving_variance = _zeros((channels,), "moving_variance", trainable=False)
+        self.epsilon = float(attrs["epsilon"])
+        self.momentum = float(attrs["momentum"])  # IR (Keras) convention: weight of the old value
+        self.bn_train = ops.BatchNorm(is_training=True, epsilon=self.epsilon, momentum=1.0 - self.momentum)
+        self.bn_infer = ops.BatchNorm(is_training=False, epsilon=self.epsilon)
+        self.sync = None  # an all-reduce (sum over ranks) while distributed.synchronise_batch_norm is on
+
+    def construct(self, x):
+        shape = x.shape
+        dtype = x.dtype
+        if len(shape) == 2:
+            x = x.reshape(shape[0], shape[1], 1, 1)
+        if dtype != ms.float32:
+            x = x.astype(ms.float32)
+        if not self.training:
+            y = self.bn_infer(x, self.gamma, self.beta, self.moving_mean, self.moving_variance)[0]
+        elif self.sync is not None:
+            from backends.mindspore.distributed import synced_batch_norm
+
+            y = synced_batch_norm(self, x)
+        elif x.size == x.shape[1]:
+            y = self._single_value(x)
+        else:
+            y = self.bn_train(x, self.gamma, self.beta, self.moving_mean, self.moving_variance)[0]
+        if len(shape) == 2:
+            y = y.reshape(shape)
+        return y if dtype == ms.float32 else y.astype(dtype)
+
+    def _single_value(self, x):
+        # mean = x and biased var = 0, so y = beta; the moving variance decays towards 0 (factor 1).
+        mean = x.reshape(-1)
+        self.update_moving(mean, ops.zeros_like(mean))
+        # + 0 * x keeps x in the graph with a zero gradient, as the reference's
+        return ops.broadcast_to(self.beta.reshape(1, -1, 1, 1), x.shape) + 0.0 * x
+
+    def update_moving(self, mean, unbiased_var) -> None:
+        m = self.momentum
+        ops.assign(self.moving_mean, m * self.moving_mean + (1.0 - m) * ops.stop_gradient(mean))
+        ops.assign(self.moving_variance, m * self.moving_variance + (1.0 - m) * ops.stop_gradient(unbiased_var))
+
+
+class MaxPool(nn.Cell):
+    def __init__(self, attrs: Mapping[str, Any]):
+        super().__init__()
+        pt, pb, pl, pr = attrs["padding"]
+        self.pad = (pl, pr, pt, pb) if any(attrs["padding"]) else None  # ops.pad: last axis first
+        self.pool = ops.MaxPool(kernel_size=tuple(attrs["kernel"]), strides=tuple(attrs["strides"]),
+                                pad_mode="VALID")
+
+    def construct(self, x):
+        if self.pad is not None:
+            x = ops.pad(x, self.pad, value=-math.inf)
+        return self.pool(x)
+
+
+def _add(xs):
+    dtype = xs[0].dtype
+    if any(x.dtype != dtype for x in xs):  # mixed precision can meet float32 and half branches
+        xs = [x.astype(ms.float32) for x in xs]
+    y = xs[0]
+    for other in xs[1:]:
+        y = y + other
+    return y
+
+
+def _concat(xs):
+    if any(x.dtype != xs[0].dtype for x in xs):
+        xs = [x.astype(ms.float32) for x in xs]
+    return ops.concat(xs, axis=1)
+
+
+def _flatten(xs):
+    x = xs[0]
+    if x.ndim == 4:  # NCHW -> NHWC order, so that dense kernels keep the canonical layout
+        x = x.transpose(0, 2, 3, 1)
+    return x.reshape(x.shape[0], -1)
+
+
+_FUNCTIONS = {
+    "relu": lambda xs: ops.relu(xs[0]),
+    "add": _add,
+    "concat": _concat,
+    "global_avg_pool": lambda xs: ops.mean(xs[0], axis=(2, 3)),
+    "flatten": _flatten,
+    "softmax": lambda xs: ops.softmax(xs[0].astype(ms.float32), axis=-1),
+}
+
+
+class LoweredCell(nn.Cell):
+    """An IR graph as a MindSpore cell (PyNative execution, node by node).
+
+    ``construct(x, logits=False, masks=None)`` takes an NCHW batch (or (N, C) for a flat input; the
+    backend transposes the NHWC input) and returns the graph's output, NCHW for an image. With
+    ``logits=True`` and a softmax output it returns the softmax's input. ``masks`` maps dropout
+    node ids to keep / (1 - rate) tensors in this cell's layout; training-mode dropout needs them.
+    """
+
+    def __init__(self, graph: Graph, precision: str = "fp32"):
+        super().__init__()
+        self.graph = graph
+        self.precision = precision
+        compute = None if precision == "fp32" else COMPUTE_DTYPES[precision]
+        self.layers = nn.CellList()
+        self.layer_of: dict[str, int] = {}  # node id -> index in self.layers
+        for node in graph.nodes:
+            cell = self._make_cell(graph, node, compute)
+            if cell is not None:
+                self.layer_of[node.id] = len(self.layers)
+                self.layers.append(cell)
+        self._build_plan()
+
+    @staticmethod
+    def _make_cell(graph: Graph, node: Node, compute_dtype):
+        a = node.attrs
+        in_shape = graph.shapes[node.inputs[0]] if node.inputs else None
+        if node.op == "conv2d":
+            return Conv(in_shape[-1], a, compute_dtype)
+        if node.op == "dense":
+            return Dense(in_shape[0], a, compute_dtype)
+        if node.op == "batch_norm":
+            return BatchNorm(in_shape[-1], a)
+        if node.op == "max_pool":
+            return MaxPool(a)
+        return None
+
+    def _build_plan(self) -> None:
+        g = self.graph
+        index = {n.id: i for i, n in enumerate(g.nodes)}
+        last_reader: dict[str, int] = {}
+        for i, node in enumerate(g.nodes):
+            for src in node.inputs:
+                last_reader[src] = i
+        plan = []
+        for i, node in enumerate(g.nodes):
+            if node.op == "input":
+                continue
+            inputs = tuple(index[s] for s in node.inputs)
+            free = tuple(index[s] for s in node.inputs if last_reader[s] == i)
+            layer = self.layer_of.get(node.id, -1)
+            rate = float(node.attrs["rate"]) if node.op == "dropout" else 0.0
+            plan.append((i, node.id, node.op, inputs, free, layer, rate))
+        self.plan = tuple(plan)
+        self.input_index = index[g.input_id]
+        self.output_index = index[g.output_id]
+        out_node = g[g.output_id]
+        self.logits_index = index[out_node.inputs[0]] if out_node.op == "softmax" else None
+        self.n_values = len(g.nodes)
+
+    @property
+    def has_logits(self) -> bool:
+        return self.logits_index is not None
+
+    def construct(self, x, logits=False, masks=None):
+        stop = self.logits_index if logits and self.logits_index is not None else self.output_index
+        values: list[Any] = [None] * self.n_values
+        values[self.input_index] = x
+        for i, node_id, op, inputs, free, layer, rate in self.plan:
+            if layer >= 0:
+                y = self.layers[layer](values[inputs[0]])
+            elif op == "dropout":
+                y = values[inputs[0]]
+                if self.training and rate > 0.0:
+                    if masks is None or node_id not in masks:
+                        raise GraphError("training-mode dropout needs a mask", node_id)
+                    y = y * masks[node_id].astype(y.dtype)
+            else:
+                y = _FUNCTIONS[op]([values[j] for j in inputs])
+            values[i] = y
+            if i == stop:
+                break
+            for j in free:
+                values[j] = None
+        out = values[stop]
+        return out if out.dtype == ms.float32 else out.astype(ms.float32)
+
+    def computing_in(self, precision: str):
+        """Context manager: conv and dense compute in `precision` inside the block (training at a
+        precision other than the lowering's), restored on exit."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def scope():
+            saved = self.precision
+            self._set_compute(precision)
+            try:
+                yield
+            finally:
+                self._set_compute(saved)
+
+        return scope()
+
+    def _set_compute(self, precision: str) -> None:
+        self.precision = precision
+        compute = None if precision == "fp32" else COMPUTE_DTYPES[precision]
+        for cell in self.layers:
+            if isinstance(cell, (Conv, Dense)):
+                cell.compute_dtype = compute
+
+    # -- layouts at the boundary -------------------------------------------------
+    def to_cell_layout(self, x: np.ndarray) -> Tensor:
+        """An NHWC NumPy batch as this cell's NCHW input."""
+        if x.ndim == 4:
+            x = x.transpose(0, 3, 1, 2)
+        return Tensor(np.ascontiguousarray(x, dtype=np.float32))
+
+    @staticmethod
+    def to_canonical_output(y: np.ndarray) -> np.ndarray:
+        if y.ndim == 4:
+            y = y.transpose(0, 2, 3, 1)
+        return np.ascontiguousarray(y, dtype=np.float32)
+
+    def dropout_nodes(self) -> list[Node]:
+        return [n for n in self.graph.nodes if n.op == "dropout" and n.attrs["rate"] > 0.0]
+
+    def masks_from(self, rng: np.random.Generator, batch: int) -> dict[str, Tensor]:
+        """Dropout masks drawn as the NumPy reference draws them (float64 draws over the NHWC
+        shape, in graph order), in this cell's layout."""
+        masks = {}
+        for node in self.dropout_nodes():
+            rate = node.attrs["rate"]
+            shape = (batch,) + tuple(self.graph.shapes[node.id])
+            keep = np.where(rng.random(shape) >= rate, 1.0 / (1.0 - rate), 0.0).astype(np.float32)
+            if keep.ndim == 4:
+                keep = keep.transpose(0, 3, 1, 2)
+            masks[node.id] = Tensor(np.ascontiguousarray(keep))
+        return masks
+
+    # -- weights -------------------------------------------------------------
+    def parameter(self, node_id: str, pname: str) -> Parameter:
+        cell = self.layers[self.layer_of[node_id]]
+        param = getattr(cell, pname, None)
+        if not isinstance(param, Parameter):
+            raise GraphError(f"no parameter '{pname}' in a lowered {type(cell).__name__}", node_id)
+        return param
+
+    def load_canonical(self, weights: Mapping[str, Mapping[str, np.ndarray]]) -> None:
+        validate_weights(self.graph, weights, complete=False)
+        for node_id, params in weights.items():
+            for pname, array in params.items():
+                value = np.asarray(array, dtype=np.float32)
+                if pname == "kernel":  # HWIO -> OIHW, (in, out) -> (out, in)
+                    value = value.transpose(3, 2, 0, 1) if value.ndim == 4 else value.T
+                self.parameter(node_id, pname).set_data(Tensor(np.ascontiguousarray(value)))
+
+    def export_canonical(self) -> Weights:
+        out: Weights = {}
+        for node_id, shapes in self.graph.all_param_shapes().items():
+            out[node_id] = {pname: to_canonical(pname, self.parameter(node_id, pname).asnumpy()) for pname in shapes}
+        return out
+
+    def trainable(self) -> list[tuple[str, str, Parameter]]:
+        """(node id, canonical name, parameter) of every trainable parameter, in graph order."""
+        out = []
+        for node_id, shapes in self.graph.all_param_shapes().items():
+            out.extend((node_id, p, self.parameter(node_id, p)) for p in shapes if p in TRAINABLE)
+        return out
+
+    def moving_statistics(self) -> list[Parameter]:
+        out = []
+        for node_id, shapes in self.graph.all_param_shapes().items():
+            out.extend(self.parameter(node_id, p) for p in shapes if p in STATE)
+        return out
+
+
+def to_canonical(pname: str, array: np.ndarray) -> np.ndarray:
+    """A MindSpore-layout parameter (or gradient) as a canonical float32 array."""
+    array = np.asarray(array, dtype=np.float32)
+    if pname == "kernel":  # OIHW -> HWIO, (out, in) -> (in, out)
+        array = array.transpose(2, 3, 1, 0) if array.ndim == 4 else array.T
+    return np.ascontiguousarray(array)
+
+
+def lower_graph(graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray]], precision: str) -> LoweredCell:
+    model = LoweredCell(graph, precision)
+    validate_weights(graph, weights)
+    model.load_canonical(weights)
+    model.set_train(False)
+    return model

@@ -1,0 +1,233 @@
+"""Loss, one SGD step and the epoch loop, shared by the single-process and the data-parallel path.
+
+SGD with momentum is MindSpore's nn.Momentum: v = momentum * v + g; w -= lr * v (v starts at
+zero), the same rule as torch.optim.SGD. The learning rate is the optimizer's learning-rate
+parameter, set to config.schedule.rate(epoch, epochs) at the start of each epoch.
+
+Every training image is seen once per epoch, in the order np.random.default_rng(seed + epoch)
+.permutation(n), in batches of config.batch_size (aiperf_core.data.stream.train_batches, which
+also streams datasets that do not fit in memory); the last batch is short and never dropped, so
+images are counted exactly. With data parallelism (distributed.py) every rank draws the same
+order, cuts the same global batches and takes its own contiguous shard of each; a rank's loss is
+its shard's summed cross-entropy scaled by world / global batch, and the gradient reducer averages
+over the ranks, so the gradients are exactly those of the global batch's mean loss.
+
+fp16 scales the loss (mindspore.amp.DynamicLossScaler) and skips a step whose gradients are not
+finite; bf16 has float32's range and needs no scaling.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import mindspore as ms
+from mindspore import Tensor, nn, ops
+
+from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig, one_hot
+from backends.mindspore import lowering  # noqa: F401  (settles MindSpore's NumPy bridge first)
+
+PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
+PREDICT_BATCH = 256
+
+
+def summed_loss(model, x: Tensor, target: Tensor, masks=None):
+    """Summed (not mean) cross-entropy of a batch against (smoothed) one-hot targets, training mode.
+
+    With a softmax output the loss comes from its logits (stable log-softmax); otherwise the output
+    is read as probabilities, clipped to [1e-7, 1 - 1e-7] as the reference does."""
+    out = model(x, model.has_logits, masks)
+    if model.has_logits:
+        logp = ops.log_softmax(out, axis=-1)
+    else:
+        logp = ops.log(ops.clamp(out, PROBABILITY_CLIP, 1.0 - PROBABILITY_CLIP))
+    return -(target * logp).sum()
+
+
+def targets(labels: np.ndarray, classes: int, label_smoothing: float) -> Tensor:
+    return Tensor(one_hot(labels, classes, label_smoothing))
+
+
+def predict(model, x: np.ndarray) -> np.ndarray:
+    """Inference-mode output for an NHWC batch, PREDICT_BATCH images at a time."""
+    was_training = model.training
+    model.set_train(False)
+    try:
+        outputs = [model(model.to_cell_layout(x[start:start + PREDICT_BATCH])).asnumpy()
+                   for start in range(0, len(x), PREDICT_BATCH)]
+    finally:
+        model.set_train(was_training)
+    return model.to_canonical_output(np.concatenate(outputs))
+
+
+class preserved:
+    """Restore the batch-norm moving statistics on exit, so that a training-mode pass that must not
+    change the model (loss_and_grads) does not."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.saved = [(p, p.asnumpy().copy()) for p in self.model.moving_statistics()]
+        return self
+
+    def __exit__(self, *exc):
+        for p, value in self.saved:
+            p.set_data(Tensor(value))
+        return False
+
+
+def gradient_function(model, params):
+    """(x, target, masks, scale) -> ((scaled summed loss, summed loss), gradients of the scaled loss)."""
+
+    def forward(x, target, masks, scale):
+        total = summed_loss(model, x, target, masks)
+        return total * scale, total
+
+    return ms.value_and_grad(forward, None, params, has_aux=True)
+
+
+class Stepper:
+    """SGD with momentum (nn.Momentum), loss scaling for fp16, an optional gradient reducer."""
+
+    def __init__(self, model, config: TrainConfig, reducer=None):
+        params = [p for _, _, p in model.trainable()]
+        if not params:
+            raise BackendError("the graph has no trainable parameters: there is nothing to train")
+        self.model = model
+        self.classes = model.graph.output_shape[0]
+        self.label_smoothing = config.label_smoothing
+        self.optimizer = nn.Momentum(params, learning_rate=float(config.schedule.initial),
+                                     momentum=float(config.momentum))
+        self.grad_fn = gradient_function(model, self.optimizer.parameters)
+        self.reducer = reducer
+        self.scaler = ms.amp.DynamicLossScaler(scale_value=2.0 ** 16, scale_factor=2, scale_window=1000) \
+            if model.precision == "fp16" else None
+
+    def set_lr(self, lr: float) -> None:
+        ops.assign(self.optimizer.learning_rate, Tensor(np.float32(lr)))
+
+    def step(self, x: np.ndarray, labels: np.ndarray, global_batch: int, world: int = 1, masks=None) -> float:
+        """One synchronous SGD step on this rank's shard; returns the shard's summed loss."""
+        scale = world / global_batch
+        if self.scaler is not None:
+            scale *= float(self.scaler.scale_value.asnumpy())
+        (_, total), grads = self.grad_fn(self.model.to_cell_layout(x),
+                                         targets(labels, self.classes, self.label_smoothing), masks,
+                                         Tensor(np.float32(scale)))
+        if self.reducer is not None:
+            grads = self.reducer(grads)
+        if self.scaler is not None:
+            grads = self.scaler.unscale(grads)
+            finite = ms.amp.all_finite(grads)
+            self.scaler.adjust(finite)
+            if not bool(finite):
+                return float(total.asnumpy())
+        self.optimizer(grads)
+        return float(total.asnumpy())
+
+
+def evaluate(model, x: np.ndarray, labels: np.ndarray, label_smoothing: float) -> tuple[float, int, int]:
+    """(summed loss, correct predictions, images) over x in inference mode."""
+    was_training = model.training
+    model.set_train(False)
+    total, correct = 0.0, 0
+    classes = model.graph.output_shape[0]
+    try:
+        for start in range(0, len(x), PREDICT_BATCH):
+            xb = model.to_cell_layout(np.asarray(x[start:start + PREDICT_BATCH], np.float32))
+            yb = np.asarray(labels[start:start + PREDICT_BATCH], np.int64)
+            out = model(xb, model.has_logits).asnumpy().astype(np.float64)
+            if model.has_logits:  # out holds logits; argmax is the same as the softmax's
+                shifted = out - out.max(axis=-1, keepdims=True)
+                logp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+            else:
+                logp = np.log(np.clip(out, PROBABILITY_CLIP, 1.0 - PROBABILITY_CLIP))
+            total += float(-(one_hot(yb, classes, label_smoothing, np.float64) * logp).sum())
+            correct += int((out.argmax(axis=-1) == yb).sum())
+    finally:
+        model.set_train(was_training)
+    return total, correct, len(x)
+
+
+def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, world: int = 1,
+               all_reduce: Callable[[list[float]], list[float]] | None = None, reducer=None,
+               on_epoch: Callable[[EpochReport], bool | None] | None = None) -> list[EpochReport]:
+    """The epoch loop over in-memory arrays or a StreamingDataset (aiperf_core.data.stream).
+    `all_reduce` sums a list of floats over the ranks (None when world == 1), `reducer` averages
+    gradients over them; `on_epoch` returns True to stop and must give every rank the same answer.
+
+    The report's loss is the mean training loss over the epoch's images (as each step saw it), and
+    val_loss the same cross-entropy (label smoothing included) on the validation images."""
+    from aiperf_core.backend import is_streaming
+    from aiperf_core.data.stream import train_batches, val_batches
+
+    if world > 1 and is_streaming(data):
+        raise BackendError("the mindspore backend trains a streaming dataset on one device only")
+    stepper = Stepper(model, config, reducer)
+    if not is_streaming(data):  # convert once, not per batch
+        data = Dataset(np.ascontiguousarray(data.x_train, dtype=np.float32), np.asarray(data.y_train, np.int64),
+                       data.x_val, data.y_val, data.classes)
+    # Dropout masks come from a stream seeded by config.seed and the rank: a run is reproducible.
+    dropout_rng = np.random.default_rng(np.random.SeedSequence([config.seed, rank]))
+    has_dropout = bool(model.dropout_nodes())
+    reports: list[EpochReport] = []
+    try:
+        for epoch in range(config.epochs):
+            stepper.set_lr(config.schedule.rate(epoch, config.epochs))
+            model.set_train(True)
+            loss_sum = 0.0
+            images = skipped = 0
+            for batch in train_batches(data, epoch, config.seed, config.batch_size):
+                skipped += batch.skipped
+                n = len(batch.y)
+                if not n:
+                    continue
+                # Data parallel: each rank takes its contiguous shard of the global batch; a batch
+                # smaller than the world is computed whole by every rank (local statistics).
+                split = 1 < world <= n
+                xb, yb = batch.x, batch.y
+                if split:
+                    part = np.array_split(np.arange(n), world)[rank]
+                    xb, yb = xb[part], yb[part]
+                if world > 1:
+                    from backends.mindspore.distributed import synchronise_batch_norm
+
+                    synchronise_batch_norm(model, split)
+                masks = model.masks_from(dropout_rng, len(yb)) if has_dropout else None
+                total = stepper.step(np.asarray(xb, np.float32), np.asarray(yb, np.int64), n,
+                                     world if split else 1, masks)
+                loss_sum += total if split or world == 1 else total / world  # summed over the ranks below
+                images += n
+            val_loss, correct, val_total = _validate(model, data, config, rank, world, val_batches)
+            if all_reduce is not None:
+                loss_sum, val_loss, correct, val_total = all_reduce([loss_sum, val_loss, float(correct),
+                                                                     float(val_total)])
+                val_total = int(round(val_total))
+            report = EpochReport(epoch=epoch, train_images=images, val_images=val_total,
+                                 loss=loss_sum / max(images, 1),
+                                 val_loss=val_loss / val_total if val_total else 0.0,
+                                 val_accuracy=float(round(correct)) / val_total if val_total else 0.0,
+                                 skipped_images=skipped)
+            reports.append(report)
+            if on_epoch is not None and on_epoch(report):
+                break
+    finally:
+        model.set_train(False)
+    return reports
+
+
+def _validate(model, data, config: TrainConfig, rank: int, world: int, val_batches) -> tuple[float, int, int]:
+    """(summed loss, correct, images) of this rank's part of the validation set: all of it on one
+    device, a contiguous slice per rank with data parallelism (the sums are then reduced)."""
+    if world > 1:
+        part = np.array_split(np.arange(len(data.y_val)), world)[rank]
+        if not len(part):
+            return 0.0, 0, 0
+        return evaluate(model, data.x_val[part], data.y_val[part], config.label_smoothing)
+    total, correct, count = 0.0, 0, 0
+    for batch in val_batches(data, PREDICT_BATCH):
+        if len(batch.y):
+            part_loss, part_correct, part_n = evaluate(model, batch.x, batch.y, config.label_smoothing)
+            total, correct, count = total + part_loss, correct + part_correct, count + part_n
+    return total, correct, count

@@ -1,0 +1,164 @@
+"""The MindSpore backend beyond the conformance kit: lazy import, precisions, exact image counts,
+early stopping, an unchanged model after loss_and_grads, the mixed-precision path, and data
+parallelism over two CPU workers (MindSpore's MCCL) equal to one process.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_without_using_mindspore():
+    # Importing the package must not import mindspore (listing backends never fails on a missing framework).
+    code = "import sys, backends.mindspore; print('mindspore' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+import mindspore  # noqa: E402,F401  (`make test` installs mindspore: missing it is a failure, never a skip)
+
+from aiperf_core.backend import BackendError, Dataset, Schedule, TrainConfig  # noqa: E402
+from aiperf_core.builders import resnet_small  # noqa: E402
+from aiperf_core.ir import Graph, Node  # noqa: E402
+from backends.mindspore import MindSporeBackend  # noqa: E402
+from conformance.cases import trained_looking_weights  # noqa: E402
+
+
+def _data(graph, n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0, 1, (n,) + graph.input_shape).astype(np.float32)
+    return x, rng.integers(0, graph.output_shape[0], n)
+
+
+def test_availability_and_precisions_on_cpu():
+    assert MindSporeBackend.availability().available
+    from aiperf_core.backend import cpu_flags
+
+    backend = MindSporeBackend()
+    assert backend.devices() == ["cpu"]
+    # MindSpore 2.10's CPU Conv2D has no bfloat16 kernel; fp16 only where the CPU computes in it natively.
+    native_fp16 = bool({"avx512_fp16", "amx_fp16"} & cpu_flags())
+    assert backend.precisions() == (("fp32", "fp16") if native_fp16 else ("fp32",))
+    graph = resnet_small((8, 8, 3), 3)
+    for precision in {"fp16", "bf16"} - set(backend.precisions()):
+        with pytest.raises(BackendError, match=f"cannot run precision '{precision}'"):
+            backend.lower(graph, precision=precision)
+    with pytest.raises(BackendError, match="unknown precision"):
+        backend.lower(graph, precision="int8")
+
+
+def test_train_counts_images_exactly_with_a_short_last_batch():
+    backend = MindSporeBackend()
+    graph = resnet_small((8, 8, 3), 3)
+    x, y = _data(graph, 23, 0)
+    model = backend.lower(graph)
+    reports = backend.train(model, Dataset(x, y, x[:5], y[:5], 3),
+                            TrainConfig(epochs=2, batch_size=8, schedule=Schedule(initial=0.01)))
+    assert [r.train_images for r in reports] == [23, 23]
+    assert [r.val_images for r in reports] == [5, 5]
+    assert all(np.isfinite(r.loss) and np.isfinite(r.val_loss) for r in reports)
+
+
+def test_on_epoch_returning_true_stops_training():
+    backend = MindSporeBackend()
+    graph = resnet_small((8, 8, 3), 3)
+    x, y = _data(graph, 12, 1)
+    seen = []
+    reports = backend.train(backend.lower(graph), Dataset(x, y, x, y, 3),
+                            TrainConfig(epochs=5, batch_size=4, schedule=Schedule(initial=0.01)),
+                            on_epoch=lambda r: seen.append(r.epoch) or r.epoch == 1)
+    assert seen == [0, 1] and len(reports) == 2
+
+
+def test_learning_rate_changes_take_effect_between_steps():
+    # The schedule sets a new rate each epoch; the optimizer must use it, not the rate it first ran with.
+    from backends.mindspore.training import Stepper
+
+    backend = MindSporeBackend()
+    graph = resnet_small((8, 8, 3), 3)
+    model = backend.lower(graph)
+    model.set_train(True)
+    stepper = Stepper(model, TrainConfig(epochs=2, batch_size=2, schedule=Schedule(initial=0.1)))
+    x, y = _data(graph, 2, 3)
+    stepper.step(x, y, 2)
+    before = backend.export_weights(model)
+    stepper.set_lr(0.0)
+    stepper.step(x, y, 2)
+    after = backend.export_weights(model)
+    assert all(np.array_equal(after[n]["kernel"], before[n]["kernel"]) for n in before if "kernel" in before[n])
+
+
+def test_loss_and_grads_leaves_the_model_unchanged():
+    backend = MindSporeBackend()
+    graph = resnet_small((8, 8, 3), 3)
+    weights = trained_looking_weights(graph, 1)
+    model = backend.lower(graph, weights)
+    x, y = _data(graph, 4, 1)
+    backend.loss_and_grads(model, x, y)
+    after = backend.export_weights(model)
+    assert all(np.array_equal(after[n][p], weights[n][p]) for n in weights for p in weights[n])
+
+
+def test_single_value_batch_norm_trains_as_the_reference():
+    # One image of a flat input: one value per channel, where MindSpore's fused kernel divides by zero.
+    import aiperf_numpy
+
+    graph = Graph([Node("x", "input", (), {"shape": [4]}), Node("bn", "batch_norm", ("x",), {"epsilon": 1e-3}),
+                   Node("d", "dense", ("bn",), {"units": 3}), Node("p", "softmax", ("d",), {})])
+    weights = trained_looking_weights(graph, 2)
+    x = np.random.default_rng(2).normal(0, 1, (1, 4)).astype(np.float32)
+    loss, grads = MindSporeBackend().loss_and_grads(MindSporeBackend().lower(graph, weights), x, np.array([1]))
+    ref_loss, ref_grads, moving = aiperf_numpy.loss_and_grads(graph, weights, x, np.array([1]))
+    assert abs(loss - ref_loss) < 1e-5
+    np.testing.assert_allclose(grads["d"]["kernel"], ref_grads["d"]["kernel"], atol=1e-5)
+    model = MindSporeBackend().lower(graph, weights)
+    MindSporeBackend().train(model, Dataset(x, np.array([1]), x, np.array([1]), 3),
+                             TrainConfig(epochs=1, batch_size=1, schedule=Schedule(initial=0.0)))
+    trained = MindSporeBackend().export_weights(model)["bn"]
+    np.testing.assert_allclose(trained["moving_variance"], moving["bn"]["moving_variance"], rtol=1e-6)
+    np.testing.assert_allclose(trained["moving_mean"], moving["bn"]["moving_mean"], rtol=1e-6, atol=1e-7)
+
+
+def test_half_precision_path_runs_close_to_fp32():
+    # fp16 is not declared on this CPU (emulated); its lowering is exercised directly.
+    from backends.mindspore.lowering import lower_graph
+    from backends.mindspore.training import predict
+
+    graph = resnet_small((8, 8, 3), 3)
+    weights = trained_looking_weights(graph, 2)
+    x, _ = _data(graph, 4, 2)
+    full = predict(lower_graph(graph, weights, "fp32"), x)
+    half = predict(lower_graph(graph, weights, "fp16"), x)
+    assert half.dtype == np.float32 and np.all(np.isfinite(half))
+    assert np.max(np.abs(half - full)) < 0.05
+
+
+def test_data_parallel_two_cpu_workers_matches_one_process(monkeypatch):
+    backend = MindSporeBackend()
+    graph = resnet_small((8, 8, 3), 5)
+    weights = trained_looking_weights(graph, 3)
+    # 17 images in batches of 8: two batches split 4 + 4, then a short one of 1, which each worker
+    # computes whole.
+    x, y = _data(graph, 17, 5)
+    data = Dataset(x, y, x[:7], y[:7], 5)
+    config = TrainConfig(epochs=2, batch_size=8, schedule=Schedule(initial=0.05), label_smoothing=0.1)
+    one = backend.lower(graph, weights)
+    one_reports = backend.train(one, data, config)
+    monkeypatch.setenv("AIPERF_MINDSPORE_CPU_WORKERS", "2")
+    assert backend.devices() == ["cpu:0", "cpu:1"]
+    two = backend.lower(graph, weights)
+    two_reports = backend.train(two, data, config)
+    assert [r.train_images for r in two_reports] == [17, 17]
+    a, b = backend.export_weights(two), backend.export_weights(one)
+    worst = max(float(np.max(np.abs(a[n][p] - b[n][p])) / max(np.max(np.abs(b[n][p])), 1e-12)) for n in b for p in b[n])
+    # Both runs are float32; they differ only in summation order (per-rank partial sums).
+    assert worst < 1e-4, worst
+    np.testing.assert_allclose([r.loss for r in two_reports], [r.loss for r in one_reports], rtol=1e-5)
+    np.testing.assert_allclose([r.val_accuracy for r in two_reports], [r.val_accuracy for r in one_reports])
