@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from aiperf_core.errors import AiperfError, GraphError
-from aiperf_core.ir import Graph
+from aiperf_core.ir import PARAMETRIC_OPS, Graph
 from aiperf_core.weights import Weights, init_weights, validate_weights
 
 PRECISIONS = ("fp32", "fp16", "bf16")  # fp16 and bf16 mean mixed precision with fp32 master weights
@@ -114,6 +114,19 @@ class NativeCounter(abc.ABC):
     @abc.abstractmethod
     def count(self, model: Any, batch: int, backward: bool) -> dict[str, int]:
         """Native ops per category for `batch` images, forward (and backward if asked)."""
+
+    @staticmethod
+    def counted_nodes(graph: Graph, backward: bool) -> Iterable[tuple[Any, bool]]:
+        """(node, needs_input_grad) for each conv2d and dense node, in order, for counters that
+        measure node by node. A node's input gradient is computed only when a parameter lies
+        upstream of it (opcount's rule, so both sides count the same backward work)."""
+        if backward and len(graph.output_shape) != 1:
+            raise ValueError("a backward count needs a flat class output")
+        upstream: dict[str, bool] = {}
+        for node in graph.nodes:
+            upstream[node.id] = any(upstream[i] or graph[i].op in PARAMETRIC_OPS for i in node.inputs)
+            if node.op in ("conv2d", "dense"):
+                yield node, upstream[node.id]
 
 
 class Backend(abc.ABC):

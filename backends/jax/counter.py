@@ -23,7 +23,6 @@ from __future__ import annotations
 from typing import Any
 
 from aiperf_core.backend import CounterConvention, NativeCounter
-from aiperf_core.ir import PARAMETRIC_OPS
 
 CONVENTION = CounterConvention(
     mac_ops=2,
@@ -86,15 +85,8 @@ class XlaCostCounter(NativeCounter):
 
     def count(self, model, batch: int, backward: bool) -> dict[str, int]:
         graph = model.graph
-        if backward and len(graph.output_shape) != 1:
-            raise ValueError("a backward count needs a flat class output")
         out = {"conv": 0, "dense": 0, "other": 0}
-        upstream: dict[str, bool] = {}
-        for node in graph.nodes:
-            up = any(upstream[i] or graph[i].op in PARAMETRIC_OPS for i in node.inputs)
-            upstream[node.id] = up
-            if node.op not in ("conv2d", "dense"):
-                continue
+        for node, up in self.counted_nodes(graph, backward):
             in_shape = (batch,) + tuple(graph.shapes[node.inputs[0]])
             kernel_shape = tuple(graph.all_param_shapes()[node.id]["kernel"])
             flops = _node_flops(node.op, in_shape, kernel_shape, node.attrs, backward, input_grad=up)

@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 from aiperf_core.backend import CounterConvention, NativeCounter
-from aiperf_core.ir import PARAMETRIC_OPS
 
 CONVENTION = CounterConvention(
     mac_ops=2,
@@ -130,15 +129,8 @@ class MindSporeFlopsCounter(NativeCounter):
 
     def count(self, model, batch: int, backward: bool) -> dict[str, int]:
         graph = model.graph
-        if backward and len(graph.output_shape) != 1:
-            raise ValueError("a backward count needs a flat class output")
         out = {"conv": 0, "dense": 0, "other": 0}
-        upstream: dict[str, bool] = {}
-        for node in graph.nodes:
-            up = any(upstream[i] or graph[i].op in PARAMETRIC_OPS for i in node.inputs)
-            upstream[node.id] = up
-            if node.op not in ("conv2d", "dense"):
-                continue
+        for node, up in self.counted_nodes(graph, backward):
             flops = _node_flops(node.op, _nchw(batch, graph.shapes[node.inputs[0]]), _nchw(batch, graph.shapes[node.id]),
                                 node.attrs, backward, input_grad=up)
             out["conv" if node.op == "conv2d" else "dense"] += flops
