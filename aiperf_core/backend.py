@@ -293,6 +293,11 @@ def check_labels(graph: Graph, labels, n: int) -> np.ndarray:
     return lab.astype(np.int64)
 
 
+def check_label_smoothing(label_smoothing: float) -> None:
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+
+
 def check_train_config(config: TrainConfig) -> None:
     if config.epochs < 0:
         raise BackendError(f"epochs must be >= 0, got {config.epochs}")

@@ -22,7 +22,7 @@ import numpy as np
 
 from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, EpochCallback, EpochReport,
                                  NativeCounter, TrainConfig,
-                                 check_dataset, check_input, check_labels, check_train_config)
+                                 check_dataset, check_label_smoothing, check_input, check_labels, check_train_config)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, init_weights
 
@@ -108,8 +108,7 @@ class JaxBackend(Backend):
         model = _check_model(model)
         x = check_input(model.graph, x)
         labels = check_labels(model.graph, labels, len(x))
-        if not 0.0 <= float(label_smoothing) <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        check_label_smoothing(label_smoothing)
         graph = model.graph
         # Dropout masks are the NumPy reference's for seed 0: deterministic, and comparable.
         shapes = {n.id: (len(x),) + tuple(graph.shapes[n.id]) for n in graph.nodes if n.op == "dropout"}

@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, EpochCallback, EpochReport,
-                                 NativeCounter, TrainConfig, check_dataset, check_input, check_labels,
+                                 NativeCounter, TrainConfig, check_dataset,
+                                 check_label_smoothing, check_input, check_labels,
                                  check_train_config, cpu_flags)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights
@@ -141,8 +142,7 @@ class MindSporeBackend(Backend):
         model = _check_model(model)
         x = check_input(model.graph, x)
         labels = check_labels(model.graph, labels, len(x))
-        if not 0.0 <= float(label_smoothing) <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        check_label_smoothing(label_smoothing)
         trainable = model.trainable()
         was_training = model.training
         # Training mode (batch statistics), but the moving statistics are restored afterwards:

@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, EpochCallback, EpochReport,
-                                 NativeCounter, TrainConfig, check_dataset, check_input, check_labels,
+                                 NativeCounter, TrainConfig, check_dataset,
+                                 check_label_smoothing, check_input, check_labels,
                                  check_train_config)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights
@@ -166,8 +167,7 @@ class TorchBackend(Backend):
         model = _check_model(model)
         x = check_input(model.graph, x)
         labels = check_labels(model.graph, labels, len(x))
-        if not 0.0 <= float(label_smoothing) <= 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+        check_label_smoothing(label_smoothing)
         device = _device_of(model)
         was_training = model.training
         # Training mode (batch statistics), but the running statistics and any gradients already
