@@ -13,6 +13,7 @@ HWIO, dense kernels (in, out).
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -73,6 +74,38 @@ class EpochReport:
     val_loss: float
     val_accuracy: float
     skipped_images: int = 0  # training and validation images that could not be decoded (streamed data)
+    step_seconds: float | None = None  # the epoch's wall seconds in train and eval steps (StepClock); None: not measured
+
+
+class StepClock:
+    """Wall seconds a backend spends in its train and eval steps, for EpochReport.step_seconds.
+
+    A backend wraps, with `with clock:`, each step from the transfer of its batch to the device, and
+    the calls that wait for step results (reading a loss sum, an evaluation's outputs); never the
+    reading, decoding or indexing of batches on the host. With
+    asynchronous dispatch (jax, GPUs) the wait for results is where the device time shows up, so the
+    sum is a lower bound on the device's busy time: host work that overlaps a running step is not
+    counted. The first step of a trial includes the framework's tracing or compilation, if any.
+    Single-threaded: one clock per epoch loop."""
+
+    __slots__ = ("seconds", "_start")
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __enter__(self) -> "StepClock":
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.seconds += time.perf_counter() - self._start
+        return False
+
+    def lap(self) -> float:
+        """The seconds since the last lap (for one epoch's report), and start again from zero."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 @dataclass(frozen=True)
@@ -187,7 +220,7 @@ class Backend(abc.ABC):
         """Train one trial: SGD with momentum, config.schedule per epoch, data parallel over devices().
         `data` is a Dataset or a StreamingDataset; EpochReport.train_images counts the images that
         were trained on (a streamed image that does not decode is skipped and counted in
-        skipped_images)."""
+        skipped_images); step_seconds is the epoch's time in train and eval steps, by a StepClock."""
 
     def native_counter(self) -> NativeCounter | None:
         return None

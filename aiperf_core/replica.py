@@ -421,7 +421,8 @@ class _EpochWatch:
         event = self.replica._append("epoch_end", trial=self.trial, epoch=report.epoch, started=self.started,
                                      train_images=int(report.train_images), val_images=int(report.val_images),
                                      loss=loss, val_loss=val_loss, val_accuracy=accuracy,
-                                     skipped_images=int(getattr(report, "skipped_images", 0)))
+                                     skipped_images=int(getattr(report, "skipped_images", 0)),
+                                     step_seconds=None if report.step_seconds is None else _finite(report.step_seconds))
         self.started = event["time"]
         self.accuracies.append(accuracy)
         self.losses.append(val_loss)

@@ -54,6 +54,9 @@ def test_a_four_round_search_beats_the_initial_model(tmp_path, digits):
     assert ends[-1]["predicted_accuracy"] is None and all(e["predicted_accuracy"] is not None for e in ends[:3])
     initial = ends[0]["best_val_accuracy"]
     assert max(e["best_val_accuracy"] for e in ends[1:]) > initial + 0.05
+    # Every epoch records its time in steps, within the epoch's wall time (the busy fraction's input).
+    for epoch in events(tmp_path, kind="epoch_end"):
+        assert 0 < epoch["step_seconds"] <= epoch["time"] - epoch["started"]
     assert RunDir(tmp_path).read_heartbeat(0) is not None
 
 

@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 
-from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig, is_streaming
+from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, is_streaming
 from aiperf_core.data.stream import train_batches, val_batches
 
 PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
@@ -174,6 +174,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, mesh=None,
                        data.x_val, data.y_val, data.classes)
     rng_key = jax.random.PRNGKey(config.seed)
     reports: list[EpochReport] = []
+    clock = StepClock()
     step_index = 0
     try:
         for epoch in range(config.epochs):
@@ -186,26 +187,30 @@ def run_epochs(model, data: Dataset, config: TrainConfig, mesh=None,
                 skipped += batch.skipped
                 if not len(batch.y):
                     continue
-                xb, yb = place_batch(mesh, np.asarray(batch.x, np.float32), np.asarray(batch.y, np.int32))
-                params, state, velocity, total = step(params, state, velocity, xb, yb, lr,
-                                                      jax.random.fold_in(rng_key, step_index))
+                x_host, y_host = np.asarray(batch.x, np.float32), np.asarray(batch.y, np.int32)
+                with clock:  # from the batch's transfer, which waits while the device is busy
+                    xb, yb = place_batch(mesh, x_host, y_host)
+                    params, state, velocity, total = step(params, state, velocity, xb, yb, lr,
+                                                          jax.random.fold_in(rng_key, step_index))
                 pending.append(total)
                 step_index += 1
                 images += len(batch.y)
-            loss_sum = float(np.sum([np.float64(t) for t in pending]))
+            with clock:  # waits for the asynchronously dispatched steps
+                loss_sum = float(np.sum([np.float64(t) for t in pending]))
             val_loss, correct, val_total = 0.0, 0, 0
             for batch in val_batches(data, PREDICT_BATCH):
                 skipped += batch.skipped
                 if len(batch.y):
-                    part_loss, part_correct = evaluate(model, params, state, batch.x, batch.y,
-                                                       config.label_smoothing)
+                    with clock:
+                        part_loss, part_correct = evaluate(model, params, state, batch.x, batch.y,
+                                                           config.label_smoothing)
                     val_loss, correct = val_loss + part_loss, correct + part_correct
                     val_total += len(batch.y)
             report = EpochReport(epoch=epoch, train_images=images, val_images=val_total,
                                  loss=loss_sum / max(images, 1),
                                  val_loss=val_loss / val_total if val_total else 0.0,
                                  val_accuracy=correct / val_total if val_total else 0.0,
-                                 skipped_images=skipped)
+                                 skipped_images=skipped, step_seconds=clock.lap())
             reports.append(report)
             if on_epoch is not None and on_epoch(report):
                 break

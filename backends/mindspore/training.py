@@ -24,7 +24,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig, one_hot
+from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, one_hot
 from backends.mindspore import lowering  # noqa: F401  (settles MindSpore's NumPy bridge first)
 
 PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
@@ -172,6 +172,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
     dropout_rng = np.random.default_rng(np.random.SeedSequence([config.seed, rank]))
     has_dropout = bool(model.dropout_nodes())
     reports: list[EpochReport] = []
+    clock = StepClock()
     try:
         for epoch in range(config.epochs):
             stepper.set_lr(config.schedule.rate(epoch, config.epochs))
@@ -195,11 +196,12 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
 
                     synchronise_batch_norm(model, split)
                 masks = model.masks_from(dropout_rng, len(yb)) if has_dropout else None
-                total = stepper.step(np.asarray(xb, np.float32), np.asarray(yb, np.int64), n,
-                                     world if split else 1, masks)
+                xb, yb = np.asarray(xb, np.float32), np.asarray(yb, np.int64)
+                with clock:
+                    total = stepper.step(xb, yb, n, world if split else 1, masks)
                 loss_sum += total if split or world == 1 else total / world  # summed over the ranks below
                 images += n
-            val_loss, correct, val_total = _validate(model, data, config, rank, world, val_batches)
+            val_loss, correct, val_total = _validate(model, data, config, rank, world, val_batches, clock)
             if all_reduce is not None:
                 loss_sum, val_loss, correct, val_total = all_reduce([loss_sum, val_loss, float(correct),
                                                                      float(val_total)])
@@ -208,7 +210,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
                                  loss=loss_sum / max(images, 1),
                                  val_loss=val_loss / val_total if val_total else 0.0,
                                  val_accuracy=float(round(correct)) / val_total if val_total else 0.0,
-                                 skipped_images=skipped)
+                                 skipped_images=skipped, step_seconds=clock.lap())
             reports.append(report)
             if on_epoch is not None and on_epoch(report):
                 break
@@ -217,17 +219,21 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
     return reports
 
 
-def _validate(model, data, config: TrainConfig, rank: int, world: int, val_batches) -> tuple[float, int, int]:
+def _validate(model, data, config: TrainConfig, rank: int, world: int, val_batches,
+              clock: StepClock) -> tuple[float, int, int]:
     """(summed loss, correct, images) of this rank's part of the validation set: all of it on one
     device, a contiguous slice per rank with data parallelism (the sums are then reduced)."""
     if world > 1:
         part = np.array_split(np.arange(len(data.y_val)), world)[rank]
         if not len(part):
             return 0.0, 0, 0
-        return evaluate(model, data.x_val[part], data.y_val[part], config.label_smoothing)
+        xv, yv = data.x_val[part], data.y_val[part]
+        with clock:
+            return evaluate(model, xv, yv, config.label_smoothing)
     total, correct, count = 0.0, 0, 0
     for batch in val_batches(data, PREDICT_BATCH):
         if len(batch.y):
-            part_loss, part_correct, part_n = evaluate(model, batch.x, batch.y, config.label_smoothing)
+            with clock:
+                part_loss, part_correct, part_n = evaluate(model, batch.x, batch.y, config.label_smoothing)
             total, correct, count = total + part_loss, correct + part_correct, count + part_n
     return total, correct, count

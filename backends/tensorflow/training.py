@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig, batches, is_streaming
+from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, batches, is_streaming
 from backends.tensorflow.lowering import make_variable, use_xla
 
 PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
@@ -158,20 +158,24 @@ def run_epochs(trainer: Trainer, data: Dataset, config: TrainConfig,
     y_train = np.asarray(data.y_train, dtype=np.int64)
     n = len(y_train)
     reports: list[EpochReport] = []
+    clock = StepClock()
     for epoch in range(config.epochs):
         lr = config.schedule.rate(epoch, config.epochs)
-        loss_sum = 0.0
         images = 0
         pending = []
         for idx in batches(n, config.batch_size, np.random.default_rng(config.seed + epoch)):
-            pending.append(trainer.step(x_train[idx], y_train[idx], lr))
+            xb, yb = x_train[idx], y_train[idx]
+            with clock:
+                pending.append(trainer.step(xb, yb, lr))
             images += len(idx)
-        loss_sum = float(sum(float(t) for t in pending))
+        with clock:  # waits for the dispatched steps
+            loss_sum = float(sum(float(t) for t in pending))
         val_n = len(data.y_val)
-        val_loss, correct = trainer.evaluate(data.x_val, data.y_val) if val_n else (0.0, 0)
+        with clock:
+            val_loss, correct = trainer.evaluate(data.x_val, data.y_val) if val_n else (0.0, 0)
         report = EpochReport(epoch=epoch, train_images=images, val_images=val_n, loss=loss_sum / max(images, 1),
                              val_loss=val_loss / val_n if val_n else 0.0,
-                             val_accuracy=correct / val_n if val_n else 0.0)
+                             val_accuracy=correct / val_n if val_n else 0.0, step_seconds=clock.lap())
         reports.append(report)
         if on_epoch is not None and on_epoch(report):
             break
@@ -283,21 +287,26 @@ def _stream_epochs(trainer: Trainer, data, config: TrainConfig, on_epoch) -> lis
     from aiperf_core.data.stream import TRAIN, VAL
 
     reports: list[EpochReport] = []
+    clock = StepClock()
     for epoch in range(config.epochs):
         lr = config.schedule.rate(epoch, config.epochs)
         pending, images = [], 0
         for x, y in stream_batches(data, TRAIN, epoch, config.seed, config.batch_size):
-            pending.append(trainer.step(x, y, lr))
+            with clock:
+                pending.append(trainer.step(x, y, lr))
             images += int(len(y))
-        loss_sum = float(sum(float(t) for t in pending))
+        with clock:
+            loss_sum = float(sum(float(t) for t in pending))
         val_loss, correct, val_n = 0.0, 0, 0
         for x, y in stream_batches(data, VAL, 0, 0, PREDICT_BATCH):
-            part_loss, part_correct = trainer.evaluate(x, y)
+            with clock:
+                part_loss, part_correct = trainer.evaluate(x, y)
             val_loss, correct, val_n = val_loss + part_loss, correct + part_correct, val_n + int(len(y))
         skipped = (data.train_images - images) + (data.val_images - val_n)
         report = EpochReport(epoch=epoch, train_images=images, val_images=val_n, loss=loss_sum / max(images, 1),
                              val_loss=val_loss / val_n if val_n else 0.0,
-                             val_accuracy=correct / val_n if val_n else 0.0, skipped_images=skipped)
+                             val_accuracy=correct / val_n if val_n else 0.0, skipped_images=skipped,
+                             step_seconds=clock.lap())
         reports.append(report)
         if on_epoch is not None and on_epoch(report):
             break

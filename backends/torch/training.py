@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from aiperf_core.backend import BackendError, Dataset, EpochReport, TrainConfig, batches, is_streaming
+from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, batches, is_streaming
 
 PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -162,6 +162,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int =
 def _epochs(model, base, stepper, x_train, y_train, data, config, device, rank, world, all_reduce, on_epoch):
     n = len(y_train)
     reports: list[EpochReport] = []
+    clock = StepClock()
     for epoch in range(config.epochs):
         stepper.set_lr(config.schedule.rate(epoch, config.epochs))
         base.train()
@@ -170,17 +171,20 @@ def _epochs(model, base, stepper, x_train, y_train, data, config, device, rank, 
         for idx in batches(n, config.batch_size, np.random.default_rng(config.seed + epoch)):
             shard = np.array_split(idx, world)[rank] if world > 1 else idx
             index = torch.from_numpy(shard)
-            xb = x_train.index_select(0, index).to(device, non_blocking=True)
-            yb = y_train.index_select(0, index).to(device, non_blocking=True)
-            loss_sum += stepper.step(xb, yb, len(idx), world)
+            x_host, y_host = x_train.index_select(0, index), y_train.index_select(0, index)
+            with clock:  # a step starts with its batch's transfer to the device
+                xb, yb = x_host.to(device, non_blocking=True), y_host.to(device, non_blocking=True)
+                loss_sum += stepper.step(xb, yb, len(idx), world)
             images += len(idx)
+        with clock:  # waits for the queued steps on an asynchronous device
+            train_loss = float(loss_sum)
         # Validation: each rank takes a contiguous slice; the sums are reduced.
         xv, yv = data.x_val, data.y_val
         if world > 1:
             part = np.array_split(np.arange(len(yv)), world)[rank]
             xv, yv = xv[part], yv[part]
-        val_loss, correct, val_n = evaluate(model, xv, yv, device, config.precision, config.label_smoothing)
-        train_loss = float(loss_sum)
+        with clock:
+            val_loss, correct, val_n = evaluate(model, xv, yv, device, config.precision, config.label_smoothing)
         if all_reduce is not None:
             train_loss, val_loss, correct, val_n = all_reduce([train_loss, val_loss, float(correct), float(val_n)])
         val_total = len(data.y_val)
@@ -188,7 +192,7 @@ def _epochs(model, base, stepper, x_train, y_train, data, config, device, rank, 
             epoch=epoch, train_images=images, val_images=val_total,
             loss=train_loss / max(images, 1),
             val_loss=val_loss / val_total if val_total else 0.0,
-            val_accuracy=float(round(correct)) / val_total if val_total else 0.0,
+            val_accuracy=float(round(correct)) / val_total if val_total else 0.0, step_seconds=clock.lap(),
         )
         reports.append(report)
         if on_epoch is not None and on_epoch(report):
@@ -264,6 +268,7 @@ def _stream_epochs(model, base, stepper, data, config, device, rank, world, all_
     train = stream_loader(data, TRAIN, config.seed, config.batch_size, device, rank, world)
     val = stream_loader(data, VAL, 0, PREDICT_BATCH, device, rank, world)
     reports: list[EpochReport] = []
+    clock = StepClock()
     for epoch in range(config.epochs):
         stepper.set_lr(config.schedule.rate(epoch, config.epochs))
         base.train()
@@ -275,16 +280,19 @@ def _stream_epochs(model, base, stepper, data, config, device, rank, world, all_
             held = len(y) if all_reduce is None else int(round(all_reduce([float(len(y))])[0]))
             if held == 0:  # every image of the global batch was corrupt
                 continue
-            xb, yb = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss_sum += stepper.step(xb, yb, held, world)
+            with clock:
+                xb, yb = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+                loss_sum += stepper.step(xb, yb, held, world)
             images += held
+        with clock:
+            train_loss = float(loss_sum)
         val_loss, correct, val_n = 0.0, 0, 0
         for x, y, shard_skipped, _ in val:
             skipped += int(shard_skipped)
             if len(y):
-                part = evaluate(model, x.numpy(), y.numpy(), device, config.precision, config.label_smoothing)
+                with clock:
+                    part = evaluate(model, x.numpy(), y.numpy(), device, config.precision, config.label_smoothing)
                 val_loss, correct, val_n = val_loss + part[0], correct + part[1], val_n + part[2]
-        train_loss = float(loss_sum)
         if all_reduce is not None:  # images is already global; the rest are this rank's sums
             train_loss, val_loss, correct, val_n, skipped = all_reduce(
                 [train_loss, val_loss, float(correct), float(val_n), float(skipped)])
@@ -292,7 +300,8 @@ def _stream_epochs(model, base, stepper, data, config, device, rank, world, all_
         report = EpochReport(
             epoch=epoch, train_images=images, val_images=val_n, loss=train_loss / max(images, 1),
             val_loss=val_loss / val_n if val_n else 0.0,
-            val_accuracy=float(round(correct)) / val_n if val_n else 0.0, skipped_images=int(round(skipped)))
+            val_accuracy=float(round(correct)) / val_n if val_n else 0.0, skipped_images=int(round(skipped)),
+            step_seconds=clock.lap())
         reports.append(report)
         if on_epoch is not None and on_epoch(report):
             break

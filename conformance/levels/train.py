@@ -1,7 +1,9 @@
 """Level 'train': a step lowers the loss, gradients match the reference, weights round-trip
-exactly, and a short run of the small ResNet learns the digits dataset."""
+exactly, and a short run of the small ResNet learns the digits dataset (and times its steps)."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 
@@ -74,18 +76,31 @@ def digits_accuracy(ctx: Context) -> Outcome:
     config = TrainConfig(epochs=epochs, batch_size=DIGITS_BATCH, schedule=Schedule(initial=DIGITS_LR),
                          seed=ctx.seed)
     goal = ctx.expectations.tolerance("train_accuracy")
-    # Stop as soon as the goal is reached: the check is about learning, not about the time budget.
-    reports = ctx.backend.train(model, data, config, on_epoch=lambda r: r.val_accuracy >= goal)
+    ends = [time.perf_counter()]
+
+    def on_epoch(report) -> bool:
+        ends.append(time.perf_counter())
+        # Stop as soon as the goal is reached: the check is about learning, not about the time budget.
+        return report.val_accuracy >= goal
+
+    reports = ctx.backend.train(model, data, config, on_epoch=on_epoch)
     stopped_early = bool(reports) and reports[-1].val_accuracy >= goal
     if not reports or (len(reports) != epochs and not stopped_early) or len(reports) > epochs:
         return Outcome(False, len(reports), epochs, None, f"{len(reports)} epoch reports for {epochs} epochs")
     counted = [r.train_images for r in reports]
     if any(c != len(data.y_train) for c in counted):
         return Outcome(False, counted, len(data.y_train), 0, "images processed per epoch miscounted")
+    walls = np.diff(ends)
+    for r, wall in zip(reports, walls):  # the replica's busy fraction is built from step_seconds
+        if r.step_seconds is None or not 0 < r.step_seconds <= wall:
+            return Outcome(False, r.step_seconds, f"in (0, {wall:.3f}]", None,
+                           f"epoch {r.epoch}: step_seconds must be measured (StepClock), positive and within "
+                           f"the epoch's wall time")
     best = max(r.val_accuracy for r in reports)
     return Outcome(best >= goal, best, goal, None,
                    f"best validation accuracy {best:.3f} after {len(reports)} of at most {epochs} epochs "
-                   f"(goal {goal:.2f})")
+                   f"(goal {goal:.2f}); {sum(r.step_seconds for r in reports) / sum(walls):.3f} of the time "
+                   f"in steps")
 
 
 def checks(ctx: Context):

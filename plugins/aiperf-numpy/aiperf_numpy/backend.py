@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, TrainConfig, accuracy,
-                                 check_dataset, check_train_config, cross_entropy)
+from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, StepClock, TrainConfig,
+                                 accuracy, check_dataset, check_train_config, cross_entropy)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, validate_weights
 from aiperf_numpy.executor import TRAINABLE_PARAMS, forward, loss_and_grads
@@ -79,6 +79,7 @@ class NumpyBackend(Backend):
         velocity = {n: {p: np.zeros_like(a) for p, a in ps.items() if p in TRAINABLE_PARAMS}
                     for n, ps in model.weights.items()}
         reports: list[EpochReport] = []
+        clock = StepClock()
         for epoch in range(config.epochs):
             lr = config.schedule.rate(epoch, config.epochs)
             seen, skipped, losses = 0, 0, []
@@ -86,31 +87,33 @@ class NumpyBackend(Backend):
                 skipped += batch.skipped
                 if not len(batch.y):
                     continue
-                loss, grads, moving = loss_and_grads(
-                    model.graph, model.weights, batch.x, batch.y,
-                    label_smoothing=config.label_smoothing, dtype=np.float32, seed=config.seed + seen)
-                for node_id, params in grads.items():
-                    for name, g in params.items():
-                        v = velocity[node_id][name]
-                        v *= config.momentum
-                        v += g
-                        model.weights[node_id][name] -= lr * v
-                for node_id, stats in moving.items():
-                    for name, value in stats.items():
-                        model.weights[node_id][name] = value.astype(np.float32)
+                with clock:
+                    loss, grads, moving = loss_and_grads(
+                        model.graph, model.weights, batch.x, batch.y,
+                        label_smoothing=config.label_smoothing, dtype=np.float32, seed=config.seed + seen)
+                    for node_id, params in grads.items():
+                        for name, g in params.items():
+                            v = velocity[node_id][name]
+                            v *= config.momentum
+                            v += g
+                            model.weights[node_id][name] -= lr * v
+                    for node_id, stats in moving.items():
+                        for name, value in stats.items():
+                            model.weights[node_id][name] = value.astype(np.float32)
                 seen += len(batch.y)
                 losses.append(loss * len(batch.y))
             val_n, val_loss, correct = 0, 0.0, 0.0
             for batch in val_batches(data, PREDICT_BATCH):
                 skipped += batch.skipped
                 if len(batch.y):
-                    probs = self.predict(model, batch.x)
+                    with clock:
+                        probs = self.predict(model, batch.x)
                     val_loss += cross_entropy(probs, batch.y) * len(batch.y)
                     correct += accuracy(probs, batch.y) * len(batch.y)
                     val_n += len(batch.y)
             report = EpochReport(epoch, seen, val_n, float(np.sum(losses) / max(seen, 1)),
                                  val_loss / val_n if val_n else 0.0, round(correct) / val_n if val_n else 0.0,
-                                 skipped_images=skipped)
+                                 skipped_images=skipped, step_seconds=clock.lap())
             reports.append(report)
             if on_epoch is not None and on_epoch(report):
                 break
