@@ -6,7 +6,7 @@ import re
 from aiperf_core.cli import main
 from aiperf_core.report import write_report
 from aiperf_core.scoring import format_ops, score_run
-from test_score import standard_run
+from test_score import GRAPH_1, RunBuilder, standard_run
 
 
 def add_monitor_samples(run, replica, accelerators):
@@ -73,3 +73,26 @@ def test_report_of_an_unofficial_run_lists_reasons(tmp_path, capsys):
 def test_report_of_a_missing_run_is_one_line(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nope")]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_time_in_steps_per_replica_and_for_the_run(tmp_path):
+    b = RunBuilder(tmp_path)
+    b.replica_start(0, 1000)
+    b.replica_start(1, 1000)
+    t = b.trial_start(0, 1000, GRAPH_1, "fp32")
+    b.epoch(0, t, 1100, 0, 1000, 200, 0.5, step_seconds=90.0)
+    b.epoch(0, t, 1200, 1, 1000, 200, 0.6, step_seconds=95.0)
+    b.trial_end(0, t, 1210, epochs=2, best=0.6)
+    b.log(0).append("replica_stop", time=1250, replica=0, reason="deadline")
+    u = b.trial_start(1, 1000, GRAPH_1, "fp32")  # a backend that does not measure: step_seconds null
+    b.epoch(1, u, 1100, 0, 1000, 200, 0.5, step_seconds=None)
+    b.finish(1260)
+    _, summary_path = write_report(tmp_path)
+    summary = json.loads(summary_path.read_text())
+    nodes = summary["machine"]["nodes"]
+    assert nodes[0]["step_seconds"] == 185.0 and abs(nodes[0]["busy_fraction"] - 185 / 250) < 1e-12
+    assert nodes[1]["busy_fraction"] is None
+    assert abs(summary["machine"]["busy_fraction"] - 185 / 250) < 1e-12
+    html = (tmp_path / "report.html").read_text()
+    assert "74.0% of the replicas&#x27; wall time" in html or "74.0% of the replicas' wall time" in html
+    assert "not measured" in html

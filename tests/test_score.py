@@ -66,10 +66,10 @@ class RunBuilder:
                                  parent=None, morph=None, hyper=hyper, graph_sha256=sha256_file(path))
         return trial
 
-    def epoch(self, replica, trial, t, epoch, train_images, val_images, accuracy, started=None):
+    def epoch(self, replica, trial, t, epoch, train_images, val_images, accuracy, started=None, **extra):
         self.log(replica).append("epoch_end", time=t, replica=replica, trial=trial, epoch=epoch,
                                  started=t - 50 if started is None else started, train_images=train_images,
-                                 val_images=val_images, loss=1.0, val_loss=1.0, val_accuracy=accuracy)
+                                 val_images=val_images, loss=1.0, val_loss=1.0, val_accuracy=accuracy, **extra)
 
     def trial_end(self, replica, trial, t, status="ok", epochs=1, best=None, reason=None):
         folder = self.run.trial_dir(trial)

@@ -53,6 +53,7 @@ def node_descriptions(ledger: RunLedger, host_records: dict[int, dict[str, Any]]
             "cpus": host_record.get("cpus"), "memory_total": host_record.get("memory_total"),
             "accelerators": [a.get("name") for a in host_record.get("accelerators") or []],
             "nvml": host_record.get("nvml"),
+            "step_seconds": state.step_seconds, "busy_fraction": state.busy_fraction(),
         })
     return nodes
 
@@ -71,7 +72,7 @@ def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, 
             "replicas": len(nodes), "replicas_configured": run.get("replicas"),
             "devices_per_replica": run.get("devices_per_replica"), "executor": run.get("executor"),
             "hosts": sorted({str(n["host"]) for n in nodes if n["host"] is not None}),
-            "accelerators": accelerators, "nodes": nodes,
+            "accelerators": accelerators, "busy_fraction": busy_fraction(ledger), "nodes": nodes,
         },
         "software": {
             "backend": run.get("backend"),
@@ -81,6 +82,13 @@ def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, 
         },
         "configuration": run,
     }
+
+
+def busy_fraction(ledger: RunLedger) -> float | None:
+    """All replicas' time in train and eval steps over the sum of their lives (ReplicaState)."""
+    lives = [(s.step_seconds, s.last_time - s.starts[0]["time"]) for s in ledger.replicas.values()
+             if s.busy_fraction() is not None]
+    return sum(a for a, _ in lives) / sum(b for _, b in lives) if lives else None
 
 
 def _aiperf_version() -> str | None:

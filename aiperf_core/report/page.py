@@ -87,6 +87,8 @@ def _facts_table(summary: dict[str, Any], result: ScoreResult) -> str:
         _row("trials", f"{result.trials} ({statuses})"),
         _row("backend", escape(str(software.get("backend"))) + (f" &mdash; {versions}" if versions else "")),
         _row("replicas", str(summary.get("machine", {}).get("replicas"))),
+        _row("time in train and eval steps", _fraction(summary.get("machine", {}).get("busy_fraction"))
+             + " of the replicas' wall time"),
     ]
     return "<table>" + "".join(rows) + "</table>"
 
@@ -162,6 +164,10 @@ def _utilisation_chart(utilisation: dict[str, list[tuple[float, float]]]) -> str
     return chart
 
 
+def _fraction(value: float | None) -> str:
+    return "not measured" if value is None else f"{100 * value:.1f}%"
+
+
 def _machine(summary: dict[str, Any]) -> str:
     machine = summary.get("machine", {})
     accelerators = ", ".join(f"{n} x {escape(str(name))}" for name, n in machine.get("accelerators", {}).items())
@@ -174,9 +180,10 @@ def _machine(summary: dict[str, Any]) -> str:
     rows = "".join(
         f"<tr><td>{n['replica']}</td><td>{escape(str(n['host']))}</td><td>{escape(str(n['devices']))}</td>"
         f"<td>{escape(str(n['backend']))} {escape(str(n['framework_version']))}</td><td>{n['attempts']}</td>"
-        f"<td>{escape(str(n['cpus']))}</td></tr>" for n in nodes[:TABLE_ROWS])
+        f"<td>{escape(str(n['cpus']))}</td><td>{_fraction(n.get('busy_fraction'))}</td></tr>"
+        for n in nodes[:TABLE_ROWS])
     table = ("<table><tr><th>replica</th><th>host</th><th>devices</th><th>framework</th><th>starts</th>"
-             f"<th>CPUs</th></tr>{rows}</table>")
+             f"<th>CPUs</th><th>in steps</th></tr>{rows}</table>")
     more = (f"<p>First {TABLE_ROWS} of {len(nodes)} replicas; all are in summary.json.</p>"
             if len(nodes) > TABLE_ROWS else "")
     return head + table + more

@@ -257,7 +257,7 @@ class Trial:
 class ReplicaState:
     """What the live display and the report show per replica."""
 
-    __slots__ = ("replica", "starts", "stop", "trials_done", "running", "last_time")
+    __slots__ = ("replica", "starts", "stop", "trials_done", "running", "last_time", "step_seconds")
 
     def __init__(self, replica: int):
         self.replica = replica
@@ -266,6 +266,14 @@ class ReplicaState:
         self.trials_done = 0
         self.running: Trial | None = None
         self.last_time: float | None = None
+        self.step_seconds = 0.0  # summed epoch_end.step_seconds: time in train and eval steps
+
+    def busy_fraction(self) -> float | None:
+        """Time in train and eval steps over the replica's life, from its first replica_start to
+        its last event (restarts and their downtime included): None before any epoch."""
+        if not self.starts or self.last_time is None or self.last_time <= self.starts[0]["time"]:
+            return None
+        return self.step_seconds / (self.last_time - self.starts[0]["time"]) if self.step_seconds else None
 
 
 # An epoch as scoring needs it: (time, trial, train_images, val_images, val_accuracy or None).
@@ -401,6 +409,9 @@ class RunLedger:
         trial.last_epoch = epoch
         trial.epochs += 1
         trial.last_epoch_time = time
+        seconds = event.get("step_seconds")
+        if type(seconds) in (float, int) and seconds > 0:  # absent or null: the backend did not measure
+            state.step_seconds += seconds
         self.epochs.append((time, trial, train_images, val_images, accuracy))
 
     def _resolve_new_trials(self) -> None:
