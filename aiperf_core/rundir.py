@@ -16,12 +16,12 @@ import hashlib
 import json
 import os
 import socket
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from aiperf_core.atomic import write_text_atomic
+from aiperf_core.clock import SYSTEM_CLOCK, Clock
 from aiperf_core.errors import AiperfError
 
 SCHEMA_VERSION = 1
@@ -53,9 +53,11 @@ def trial_id(replica: int, seq: int) -> str:
 @dataclass(frozen=True)
 class RunDir:
     root: Path
+    clock: Clock = field(default=SYSTEM_CLOCK, compare=False, repr=False)  # stamps heartbeats
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, clock: Clock = SYSTEM_CLOCK):
         object.__setattr__(self, "root", Path(root))
+        object.__setattr__(self, "clock", clock)
 
     @property
     def run_file(self) -> Path:
@@ -114,7 +116,7 @@ class RunDir:
 
     # heartbeats -------------------------------------------------------------------------------
     def write_heartbeat(self, replica: int, **state: Any) -> None:
-        beat = {"time": time.time(), "pid": os.getpid(), "host": socket.gethostname(), **state}
+        beat = {"time": self.clock.time(), "pid": os.getpid(), "host": socket.gethostname(), **state}
         write_text_atomic(self.heartbeat_file(replica), json.dumps(beat) + "\n")
 
     def read_heartbeat(self, replica: int) -> dict[str, Any] | None:
@@ -127,8 +129,9 @@ class RunDir:
 class EventLog:
     """One writer's append-only, hash-chained JSON-lines log."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, clock: Clock = SYSTEM_CLOCK):
         self.path = Path(path)
+        self.clock = clock  # stamps events that bring no `time` of their own
         self._seq = 0
         self._prev = GENESIS
         self._file = None
@@ -151,7 +154,8 @@ class EventLog:
         """Write one event durably and return it as written. `time` defaults to now."""
         if self._file is None:
             self.open()
-        record = {"event": event, "time": fields.pop("time", time.time()), **fields,
+        stamp = fields.pop("time", None)
+        record = {"event": event, "time": self.clock.time() if stamp is None else stamp, **fields,
                   "seq": self._seq, "prev": self._prev}
         line = json.dumps(record, sort_keys=True, allow_nan=False).encode()
         self._file.write(line + b"\n")

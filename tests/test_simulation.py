@@ -7,15 +7,13 @@ import time
 
 import pytest
 
-from aiperf_core import rundir
 from aiperf_core.builders import resnet_small
 from aiperf_core.morph import random_morph
-from aiperf_core.rundir import read_events
+from aiperf_core.rundir import EventLog, RunDir, read_events
 from aiperf_core.scoring import score_run, verify_run
 from aiperf_core.search.history import SharedHistory
-from aiperf_core.workflow import primary
 from aiperf_core.workflow.simulation import (NasCostModel, ReplicaModel, VirtualClock, expected_ops, simulate,
-                                             virtual_time, write_graph_pool, write_weights_stand_in)
+                                             write_graph_pool, write_weights_stand_in)
 
 REPLICAS = 4
 BUDGET_S = 1050.0
@@ -87,13 +85,16 @@ def test_the_shared_history_reads_every_ended_trial(simulated_run):
     assert result.primary_s >= 0 and result.trials_started >= result.trials_ended
 
 
-def test_virtual_time_is_confined_to_the_primary_and_the_run_directory():
+def test_a_virtual_clock_stamps_only_what_is_given_it(tmp_path):
     clock = VirtualClock(100.0)
-    with virtual_time(clock):
-        primary.time.sleep(5.0)
-        assert rundir.time.time() == 105.0 and primary.time.monotonic() == 105.0
-        assert time.time() > 1e9  # this module keeps the real clock
-    assert primary.time is time and rundir.time is time
+    run_dir = RunDir(tmp_path, clock)
+    assert EventLog(run_dir.primary_log, clock).append("run_start")["time"] == 100.0
+    clock.sleep(5.0)
+    run_dir.write_heartbeat(0)
+    assert run_dir.read_heartbeat(0)["time"] == 105.0 and clock.monotonic() == 105.0
+    assert RunDir(tmp_path) == run_dir  # the clock is not part of a run directory's identity
+    # Writers without it keep the real clock.
+    assert EventLog(tmp_path / "other.jsonl").append("run_start")["time"] > 1e9 and time.time() > 1e9
 
 
 def test_nas_cost_is_interpolated_and_extrapolated():

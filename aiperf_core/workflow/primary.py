@@ -14,12 +14,12 @@ import json
 import os
 import signal
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 from aiperf_core.atomic import write_text_atomic
+from aiperf_core.clock import SYSTEM_CLOCK, Clock
 from aiperf_core.errors import AiperfError
 from aiperf_core.rundir import EventLog, RunDir, chain_head, read_events
 from aiperf_core.workflow.executors.base import Executor, ProcessEnd, ReplicaCommand, ReplicaHandle, replica_argv
@@ -78,7 +78,7 @@ def in_flight_trial(events: list[dict[str, Any]]) -> str | None:
 class Primary:
     def __init__(self, run_dir: RunDir, run: dict[str, Any], executor: Executor, watch: WatchSettings,
                  resume: bool = False, notify: Callable[[str], None] | None = None,
-                 tick: Callable[[float], None] | None = None, clock: Callable[[], float] = time.time):
+                 tick: Callable[[float], None] | None = None, clock: Clock = SYSTEM_CLOCK):
         self.run_dir = run_dir
         self.run = run
         self.executor = executor
@@ -86,10 +86,10 @@ class Primary:
         self.resume = resume
         self.notify = notify or (lambda text: None)  # one line per decision, for the user
         self.tick = tick or (lambda now: None)  # the live display
-        self.clock = clock
+        self.clock = clock  # the system's; a virtual one in the scale simulation
         self.deadline = float(run["deadline"])
         self.slots = [ReplicaSlot(i) for i in range(int(run["replicas"]))]
-        self.log = EventLog(run_dir.primary_log)
+        self.log = EventLog(run_dir.primary_log, clock)
         self._interrupted: int | None = None
 
     # --- the run ----------------------------------------------------------------------------
@@ -108,7 +108,7 @@ class Primary:
             self._recover(history)
             if self.resume:
                 self.executor.end_strays({slot.handle.job for slot in self.slots if slot.handle is not None})
-            if self.clock() < self.deadline:
+            if self.clock.time() < self.deadline:
                 stop_file(self.run_dir).unlink(missing_ok=True)  # left by an earlier primary's shutdown
             return self._watch()
         finally:
@@ -117,7 +117,7 @@ class Primary:
 
     def _watch(self) -> str:
         while True:
-            now = self.clock()
+            now = self.clock.time()
             if self._interrupted is not None:
                 return self._end_all("interrupted", f"the primary got {signal.Signals(self._interrupted).name}")
             if now >= self.deadline:
@@ -133,13 +133,13 @@ class Primary:
             self._sleep(self.executor.poll_interval_s)
 
     def _sleep(self, seconds: float) -> None:
-        end = time.monotonic() + seconds
-        while self._interrupted is None and time.monotonic() < end:
-            time.sleep(min(0.2, max(0.0, end - time.monotonic())))
+        end = self.clock.monotonic() + seconds
+        while self._interrupted is None and self.clock.monotonic() < end:
+            self.clock.sleep(min(0.2, max(0.0, end - self.clock.monotonic())))
 
     # --- launching and watching ---------------------------------------------------------------
     def _launch(self, slot: ReplicaSlot) -> None:
-        if self.clock() < slot.not_before:
+        if self.clock.time() < slot.not_before:
             return
         slot.attempt += 1
         slot.log_offset = len(read_events(self.run_dir.replica_log(slot.replica)))
@@ -149,9 +149,9 @@ class Primary:
             if not any(s.handle for s in self.slots) and slot.attempt == 1 and not self.resume:
                 raise  # nothing started yet: the user's problem, said at once
             self._record_exit(slot, ProcessEnd(False, f"launch failed: {exc}"))
-            slot.not_before = self.clock() + LAUNCH_RETRY_S
+            slot.not_before = self.clock.time() + LAUNCH_RETRY_S
             return
-        slot.launched_at = self.clock()
+        slot.launched_at = self.clock.time()
         slot.running_since = None
         slot.last_life = None
         self.log.append("replica_launch", replica=slot.replica, attempt=slot.attempt, job=slot.handle.job,
@@ -210,7 +210,7 @@ class Primary:
             reason = end.description + (f" during trial {trial}" if trial else "")
             fields.update(trial=trial, log_tail=log_tail(self.run_dir.replica_dir(slot.replica) / "replica.log"))
             slot.failures += 1
-            restart = slot.failures <= self.watch.max_restarts and self.clock() < self.deadline
+            restart = slot.failures <= self.watch.max_restarts and self.clock.time() < self.deadline
             fields["restart"] = restart
             if not restart:
                 slot.done = True
@@ -247,7 +247,7 @@ class Primary:
             slot.log_offset = int(last.get("log_seq", 0))
             slot.handle = self.executor.adopt(self._command(slot), str(last.get("job")))
             if slot.handle is not None:
-                slot.launched_at = float(last.get("time", self.clock()))
+                slot.launched_at = float(last.get("time", self.clock.time()))
                 self.log.append("replica_adopt", replica=slot.replica, attempt=slot.attempt, job=slot.handle.job)
                 self.notify(f"replica {slot.replica}: attempt {slot.attempt} still runs (job {slot.handle.job}); "
                             "watching it again")
@@ -267,10 +267,11 @@ class Primary:
     # --- the end ------------------------------------------------------------------------------
     def _end_at_deadline(self) -> str:
         """Replicas stop at the deadline by themselves; the stop file and then signals make sure."""
-        write_text_atomic(stop_file(self.run_dir), json.dumps({"time": self.clock(), "reason": "deadline"}) + "\n")
-        waited_until = time.monotonic() + self.watch.stop_grace_s
-        while any(s.handle is not None for s in self.slots) and time.monotonic() < waited_until:
-            self._poll(self.clock())
+        stop = {"time": self.clock.time(), "reason": "deadline"}
+        write_text_atomic(stop_file(self.run_dir), json.dumps(stop) + "\n")
+        waited_until = self.clock.monotonic() + self.watch.stop_grace_s
+        while any(s.handle is not None for s in self.slots) and self.clock.monotonic() < waited_until:
+            self._poll(self.clock.time())
             if self._interrupted is not None:
                 break
             self._sleep(min(self.executor.poll_interval_s, 1.0))

@@ -15,8 +15,8 @@ IR graphs (ResNet-50 and morphs of it), written once and hard-linked into each t
 as a run full of repeated architectures would have them; scoring still reads and hashes every
 trial's graph.json.
 
-Time: a VirtualClock replaces the `time` module in the primary's and the run directory's module
-namespaces (virtual_time()); the primary's sleeps advance it instantly. On every poll round the
+Time: the primary, the run directory and every event log take a VirtualClock (an
+aiperf_core.clock.Clock); the primary's sleeps advance it instantly. On every poll round the
 SimulatedExecutor's refresh() moves each replica forward to the virtual now, writing the events
 that fall due. Replica-side costs that grow with the run are charged in virtual time before each
 trial: reading what is new in the shared history (measured on the growing run directory by a
@@ -29,13 +29,12 @@ on), so the weak-scaling efficiency this gives is a lower bound.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import json
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -54,8 +53,8 @@ SIGTERM_END = ProcessEnd(False, "killed by signal 15 (SIGTERM)", signal=15)
 
 # --- the clock ----------------------------------------------------------------------------------
 class VirtualClock:
-    """Stands in for the `time` module: time() and monotonic() read the virtual now, sleep()
-    advances it at once. Everything else (perf_counter, strftime, ...) is the real module's."""
+    """An aiperf_core.clock.Clock on virtual time: time() and monotonic() read the virtual now,
+    sleep() advances it at once."""
 
     def __init__(self, start: float):
         self.now = float(start)
@@ -68,27 +67,6 @@ class VirtualClock:
 
     def sleep(self, seconds: float) -> None:
         self.now += max(0.0, float(seconds))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
-
-
-@contextlib.contextmanager
-def virtual_time(clock: VirtualClock) -> Iterator[VirtualClock]:
-    """Run the primary and the run directory's writers on `clock`. Only the `time` name of those
-    two modules is replaced (and put back after), so this process's own timing stays real."""
-    from aiperf_core import rundir
-    from aiperf_core.workflow import primary
-
-    modules = (primary, rundir)
-    saved = [module.time for module in modules]
-    for module in modules:
-        module.time = clock
-    try:
-        yield clock
-    finally:
-        for module, original in zip(modules, saved):
-            module.time = original
 
 
 # --- what a trial trains ------------------------------------------------------------------------
@@ -248,7 +226,7 @@ class SimulatedReplica:
         self.launched = launched
         self.end: ProcessEnd | None = None
         self.last_beat = float("-inf")
-        self.log = EventLog(self.run_dir.replica_log(replica))
+        self.log = EventLog(self.run_dir.replica_log(replica), self.run_dir.clock)
         self._life = self._events()
         self.next_time = next(self._life)
 
@@ -273,7 +251,7 @@ class SimulatedReplica:
         # one per event at most HEARTBEAT_GAP_S apart keeps the simulation's own cost down.
         now = self.executor.clock.now
         if now - self.last_beat >= HEARTBEAT_GAP_S:
-            self.run_dir.write_heartbeat(self.id, state=event, trial=fields.get("trial"))  # on the virtual clock
+            self.run_dir.write_heartbeat(self.id, state=event, trial=fields.get("trial"))
             self.last_beat = now
 
     def _stop_reason(self, seq: int, now: float) -> str | None:
@@ -474,7 +452,8 @@ def simulate(root: Path, replicas: int, time_budget_s: float, model: ReplicaMode
     in a new run directory at `root` (on the same filesystem as the pool, for the hard links)."""
     from aiperf_core.workflow.primary import Primary
 
-    run_dir = RunDir(root)
+    clock = VirtualClock(start_time)
+    run_dir = RunDir(root, clock)
     watch = watch or WatchSettings(max_restarts=3, heartbeat_timeout_s=600.0, stop_grace_s=30.0, slurm={})
     policy_json = Policy(policy or {}).to_json()
     run = run_record(backend="simulated", executor="simulated", replicas=replicas,
@@ -482,14 +461,12 @@ def simulate(root: Path, replicas: int, time_budget_s: float, model: ReplicaMode
                      dataset=dict(IMAGENET), stop_after_trials=stop_after_trials, watch=watch, now=start_time)
     run_dir.write_run(run)
     run_dir.primary_dir.mkdir(parents=True, exist_ok=True)
-    clock = VirtualClock(start_time)
     executor = SimulatedExecutor(run_dir, run, clock, model, pool, weights_path, poll_interval_s=poll_interval_s,
                                  nas_cost=nas_cost, probe_interval_s=probe_interval_s)
-    with virtual_time(clock):
-        primary = Primary(run_dir, run, executor, watch, clock=clock.time)
-        started = time.perf_counter()
-        reason = primary.run_to_end()
-        wall = time.perf_counter() - started
+    primary = Primary(run_dir, run, executor, watch, clock=clock)
+    started = time.perf_counter()
+    reason = primary.run_to_end()
+    wall = time.perf_counter() - started
     return SimulationResult(run_dir, replicas, time_budget_s, reason, wall, wall - executor.simulation_s,
                             executor.trials_started, executor.trials_ended, executor.charged_s,
                             executor.probe.refreshes)
