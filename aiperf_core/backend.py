@@ -86,7 +86,8 @@ class StepClock:
     asynchronous dispatch (jax, GPUs) the wait for results is where the device time shows up, so the
     sum is a lower bound on the device's busy time: host work that overlaps a running step is not
     counted. The first step of a trial includes the framework's tracing or compilation, if any.
-    Single-threaded: one clock per epoch loop."""
+    Single-threaded: one clock per epoch loop. Diagnostic only: the report shows it, the score
+    never reads it (the core keeps the clock that scores)."""
 
     __slots__ = ("seconds", "_start")
 
@@ -206,21 +207,58 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def import_weights(self, model: Any, weights: Weights) -> None: ...
 
-    @abc.abstractmethod
+    # -- running a model: the arguments are checked here, once for every backend, so that bad input
+    # gets the same one-line error everywhere; backends implement the *_checked methods below.
     def predict(self, model: Any, x: np.ndarray) -> np.ndarray:
         """Inference-mode output for a batch of NHWC images."""
+        model = self.check_model(model)
+        return self.predict_checked(model, check_input(model.graph, x))
 
-    @abc.abstractmethod
     def loss_and_grads(self, model: Any, x: np.ndarray, labels: np.ndarray,
                        label_smoothing: float = 0.0) -> tuple[float, Weights]:
-        """Training-mode mean cross-entropy and its gradients (trainable params, canonical layout)."""
+        """Training-mode mean cross-entropy and its gradients (trainable params, canonical layout).
+        The model is left as it was: weights, moving statistics and any held gradients."""
+        model = self.check_model(model)
+        x = check_input(model.graph, x)
+        labels = check_labels(model.graph, labels, len(x))
+        check_label_smoothing(label_smoothing)
+        return self.loss_and_grads_checked(model, x, labels, float(label_smoothing))
 
-    @abc.abstractmethod
     def train(self, model: Any, data: Dataset, config: TrainConfig, on_epoch: EpochCallback | None = None) -> list[EpochReport]:
         """Train one trial: SGD with momentum, config.schedule per epoch, data parallel over devices().
         `data` is a Dataset or a StreamingDataset; EpochReport.train_images counts the images that
         were trained on (a streamed image that does not decode is skipped and counted in
-        skipped_images); step_seconds is the epoch's time in train and eval steps, by a StepClock."""
+        skipped_images); step_seconds is the epoch's time in train and eval steps, by a StepClock.
+        Training stops after the epoch for which on_epoch returns True."""
+        model = self.check_model(model)
+        self.check_precision(config.precision)
+        check_train_config(config)
+        check_dataset(model.graph, data)
+        return self.train_checked(model, data, config, on_epoch)
+
+    def check_model(self, model: Any) -> Any:
+        """`model` if this backend lowered it, else a BackendError that says what it got."""
+        if not isinstance(model, self.model_type()):
+            raise BackendError(f"not a model lowered by the {self.name} backend: {type(model).__name__}")
+        return model
+
+    @abc.abstractmethod
+    def model_type(self) -> type:
+        """The class of what lower() returns (import the framework here, not at module top)."""
+
+    @abc.abstractmethod
+    def predict_checked(self, model: Any, x: np.ndarray) -> np.ndarray:
+        """predict() once its arguments are checked: x is float32 NHWC of the graph's input shape."""
+
+    @abc.abstractmethod
+    def loss_and_grads_checked(self, model: Any, x: np.ndarray, labels: np.ndarray,
+                               label_smoothing: float) -> tuple[float, Weights]:
+        """loss_and_grads() once its arguments are checked: labels are int64 class indices."""
+
+    @abc.abstractmethod
+    def train_checked(self, model: Any, data: Dataset, config: TrainConfig,
+                      on_epoch: EpochCallback | None) -> list[EpochReport]:
+        """train() once the model, precision, config and dataset are checked."""
 
     def native_counter(self) -> NativeCounter | None:
         return None

@@ -20,9 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, EpochCallback, EpochReport,
-                                 NativeCounter, TrainConfig,
-                                 check_dataset, check_label_smoothing, check_input, check_labels, check_train_config)
+from aiperf_core.backend import Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter, TrainConfig
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, init_weights
 
@@ -85,41 +83,40 @@ class JaxBackend(Backend):
         weights = self.starting_weights(graph, weights, precision)
         return lower_graph(graph, weights, precision)
 
+    def model_type(self) -> type:
+        from backends.jax.lowering import JaxModel
+
+        return JaxModel
+
     def export_weights(self, model: Any) -> Weights:
-        return _check_model(model).export_canonical()
+        return self.check_model(model).export_canonical()
 
     def import_weights(self, model: Any, weights: Weights) -> None:
-        _check_model(model).load_canonical(weights)
+        self.check_model(model).load_canonical(weights)
 
-    def predict(self, model: Any, x: np.ndarray) -> np.ndarray:
+    def predict_checked(self, model: Any, x: np.ndarray) -> np.ndarray:
         from backends.jax.training import predict
 
-        model = _check_model(model)
-        return predict(model, check_input(model.graph, x))
+        return predict(model, x)
 
-    def loss_and_grads(self, model: Any, x: np.ndarray, labels: np.ndarray,
-                       label_smoothing: float = 0.0) -> tuple[float, Weights]:
+    def loss_and_grads_checked(self, model: Any, x: np.ndarray, labels: np.ndarray,
+                               label_smoothing: float) -> tuple[float, Weights]:
         import jax
         import jax.numpy as jnp
 
         from backends.jax.lowering import reference_dropout_masks
         from backends.jax.training import summed_loss
 
-        model = _check_model(model)
-        x = check_input(model.graph, x)
-        labels = check_labels(model.graph, labels, len(x))
-        check_label_smoothing(label_smoothing)
         graph = model.graph
         # Dropout masks are the NumPy reference's for seed 0: deterministic, and comparable.
         shapes = {n.id: (len(x),) + tuple(graph.shapes[n.id]) for n in graph.nodes if n.op == "dropout"}
         masks = {k: jnp.asarray(v) for k, v in reference_dropout_masks(graph, shapes, 0).items()}
-        smoothing = float(label_smoothing)
-        key = ("loss_and_grads", smoothing)
+        key = ("loss_and_grads", label_smoothing)
         if key not in model.cache:
             precision = model.precision
 
             def loss_fn(params, state, xb, yb, dropout_masks):
-                total, _ = summed_loss(graph, params, state, xb, yb, smoothing, precision=precision,
+                total, _ = summed_loss(graph, params, state, xb, yb, label_smoothing, precision=precision,
                                        masks=dropout_masks)
                 return total / xb.shape[0]
 
@@ -131,26 +128,9 @@ class JaxBackend(Backend):
             out[node_id] = {k: np.asarray(v, dtype=np.float32) for k, v in params.items()}
         return float(loss), out
 
-    def train(self, model: Any, data: Dataset, config: TrainConfig,
-              on_epoch: EpochCallback | None = None) -> list[EpochReport]:
+    def train_checked(self, model: Any, data: Dataset, config: TrainConfig,
+                      on_epoch: EpochCallback | None) -> list[EpochReport]:
         from backends.jax.distributed import make_mesh
         from backends.jax.training import run_epochs
 
-        model = _check_model(model)
-        self.check_precision(config.precision)
-        check_train_config(config)
-        check_dataset(model.graph, data)
         return run_epochs(model, data, config, make_mesh(), on_epoch=on_epoch)
-
-
-# ---------------------------------------------------------------------------
-# Argument checks: errors name what is wrong instead of failing deep inside XLA
-# ---------------------------------------------------------------------------
-
-
-def _check_model(model):
-    from backends.jax.lowering import JaxModel
-
-    if not isinstance(model, JaxModel):
-        raise BackendError(f"not a model lowered by the jax backend: {type(model).__name__}")
-    return model

@@ -30,10 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, EpochCallback, EpochReport,
-                                 NativeCounter, TrainConfig, check_dataset,
-                                 check_label_smoothing, check_input, check_labels,
-                                 check_train_config, cpu_flags)
+from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter,
+                                 TrainConfig, cpu_flags)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights
 
@@ -116,33 +114,34 @@ class MindSporeBackend(Backend):
 
         return lower_graph(graph, weights, precision)
 
+    def model_type(self) -> type:
+        _ms()
+        from backends.mindspore.lowering import LoweredCell
+
+        return LoweredCell
+
     def export_weights(self, model: Any) -> Weights:
-        return _check_model(model).export_canonical()
+        return self.check_model(model).export_canonical()
 
     def import_weights(self, model: Any, weights: Weights) -> None:
-        model = _check_model(model)
+        model = self.check_model(model)
         from aiperf_core.weights import validate_weights
 
         validate_weights(model.graph, weights)
         model.load_canonical(weights)
 
-    def predict(self, model: Any, x: np.ndarray) -> np.ndarray:
+    def predict_checked(self, model: Any, x: np.ndarray) -> np.ndarray:
         from backends.mindspore.training import predict
 
-        model = _check_model(model)
-        return predict(model, check_input(model.graph, x))
+        return predict(model, x)
 
-    def loss_and_grads(self, model: Any, x: np.ndarray, labels: np.ndarray,
-                       label_smoothing: float = 0.0) -> tuple[float, Weights]:
+    def loss_and_grads_checked(self, model: Any, x: np.ndarray, labels: np.ndarray,
+                               label_smoothing: float) -> tuple[float, Weights]:
         from mindspore import Tensor
 
         from backends.mindspore.lowering import to_canonical
         from backends.mindspore.training import gradient_function, preserved, targets
 
-        model = _check_model(model)
-        x = check_input(model.graph, x)
-        labels = check_labels(model.graph, labels, len(x))
-        check_label_smoothing(label_smoothing)
         trainable = model.trainable()
         was_training = model.training
         # Training mode (batch statistics), but the moving statistics are restored afterwards:
@@ -152,7 +151,7 @@ class MindSporeBackend(Backend):
             try:
                 # Dropout masks are the NumPy reference's for seed 0: deterministic, and comparable.
                 masks = model.masks_from(np.random.default_rng(0), len(x))
-                target = targets(labels, model.graph.output_shape[0], float(label_smoothing))
+                target = targets(labels, model.graph.output_shape[0], label_smoothing)
                 params = [p for _, _, p in trainable]
                 (_, total), grads = gradient_function(model, params)(model.to_cell_layout(x), target, masks,
                                                                      Tensor(np.float32(1.0 / len(x))))
@@ -163,14 +162,10 @@ class MindSporeBackend(Backend):
             out.setdefault(node_id, {})[pname] = to_canonical(pname, grad.asnumpy())
         return float(total.asnumpy()) / len(x), out
 
-    def train(self, model: Any, data: Dataset, config: TrainConfig,
-              on_epoch: EpochCallback | None = None) -> list[EpochReport]:
+    def train_checked(self, model: Any, data: Dataset, config: TrainConfig,
+                      on_epoch: EpochCallback | None) -> list[EpochReport]:
         from backends.mindspore.training import run_epochs
 
-        model = _check_model(model)
-        self.check_precision(config.precision)
-        check_train_config(config)
-        check_dataset(model.graph, data)
         devices = self.devices()
         with model.computing_in(config.precision):
             if len(devices) > 1:
@@ -183,16 +178,3 @@ class MindSporeBackend(Backend):
 def device_target() -> str:
     """'Ascend', 'GPU' or 'CPU': the target MindSpore chose at import for this machine."""
     return str(_ms().get_context("device_target"))
-
-
-# ---------------------------------------------------------------------------
-# Argument checks: errors name what is wrong instead of failing deep inside MindSpore
-# ---------------------------------------------------------------------------
-
-
-def _check_model(model):
-    from backends.mindspore.lowering import LoweredCell
-
-    if not isinstance(model, LoweredCell):
-        raise BackendError(f"not a model lowered by the mindspore backend: {type(model).__name__}")
-    return model

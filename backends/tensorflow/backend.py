@@ -28,10 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, EpochCallback, EpochReport,
-                                 NativeCounter, TrainConfig,
-                                 check_dataset,
-                                 check_label_smoothing, check_input, check_labels, check_train_config, cpu_flags)
+from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter,
+                                 TrainConfig, cpu_flags)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, init_weights
 
@@ -123,45 +121,40 @@ class TensorFlowBackend(Backend):
         with tf.device(tf_device_name(self.devices()[0])):
             return lower_graph(graph, weights, precision)
 
+    def model_type(self) -> type:
+        from backends.tensorflow.lowering import LoweredModel
+
+        return LoweredModel
+
     def export_weights(self, model: Any) -> Weights:
-        return _check_model(model).export_canonical()
+        return self.check_model(model).export_canonical()
 
     def import_weights(self, model: Any, weights: Weights) -> None:
-        _check_model(model).load_canonical(weights)
+        self.check_model(model).load_canonical(weights)
 
-    def predict(self, model: Any, x: np.ndarray) -> np.ndarray:
+    def predict_checked(self, model: Any, x: np.ndarray) -> np.ndarray:
         from backends.tensorflow.training import PREDICT_BATCH
 
-        model = _check_model(model)
-        x = check_input(model.graph, x)
         outputs = [model.predict_fn(x[s:s + PREDICT_BATCH]).numpy() for s in range(0, len(x), PREDICT_BATCH)]
         return np.ascontiguousarray(np.concatenate(outputs), dtype=np.float32)
 
-    def loss_and_grads(self, model: Any, x: np.ndarray, labels: np.ndarray,
-                       label_smoothing: float = 0.0) -> tuple[float, Weights]:
+    def loss_and_grads_checked(self, model: Any, x: np.ndarray, labels: np.ndarray,
+                               label_smoothing: float) -> tuple[float, Weights]:
         tf = _tf()
         from backends.tensorflow.training import summed_loss
 
-        model = _check_model(model)
-        x = check_input(model.graph, x)
-        labels = check_labels(model.graph, labels, len(x))
-        check_label_smoothing(label_smoothing)
         # Training mode (batch statistics) but the moving statistics are returned, not assigned:
         # computing gradients never changes the model. Dropout masks are the NumPy reference's
         # for seed 0 (float64 draws in graph order), so the result is comparable.
         masks = _reference_masks(model.graph, len(x))
         with tf.GradientTape() as tape:
-            total, _, _ = summed_loss(model, tf.constant(x), tf.constant(labels), float(label_smoothing), True, masks)
+            total, _, _ = summed_loss(model, tf.constant(x), tf.constant(labels), label_smoothing, True, masks)
             loss = total / len(x)
         grads = tape.gradient(loss, model.trainables) if model.trainables else []
         return float(loss), model.canonical_grads(grads)
 
-    def train(self, model: Any, data: Dataset, config: TrainConfig,
-              on_epoch: EpochCallback | None = None) -> list[EpochReport]:
-        model = _check_model(model)
-        self.check_precision(config.precision)
-        check_train_config(config)
-        check_dataset(model.graph, data)
+    def train_checked(self, model: Any, data: Dataset, config: TrainConfig,
+                      on_epoch: EpochCallback | None) -> list[EpochReport]:
         devices = self.devices()
         # Train in the config's precision (the model's variables are float32 either way).
         saved = model.precision
@@ -190,16 +183,3 @@ def _reference_masks(graph: Graph, n: int) -> dict[str, np.ndarray] | None:
         shape = (n,) + tuple(graph.shapes[node.inputs[0]])
         masks[node.id] = np.where(rng.random(shape) >= rate, 1.0 / (1.0 - rate), 0.0).astype(np.float32)
     return masks
-
-
-# ---------------------------------------------------------------------------
-# Argument checks: errors name what is wrong instead of failing deep inside tensorflow
-# ---------------------------------------------------------------------------
-
-
-def _check_model(model):
-    from backends.tensorflow.lowering import LoweredModel
-
-    if not isinstance(model, LoweredModel):
-        raise BackendError(f"not a model lowered by the tensorflow backend: {type(model).__name__}")
-    return model

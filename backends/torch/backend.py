@@ -22,10 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from aiperf_core.backend import (Availability, Backend, BackendError, Dataset, EpochCallback, EpochReport,
-                                 NativeCounter, TrainConfig, check_dataset,
-                                 check_label_smoothing, check_input, check_labels,
-                                 check_train_config)
+from aiperf_core.backend import Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter, TrainConfig
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights
 
@@ -132,18 +129,21 @@ class TorchBackend(Backend):
         _torch()
         return lower_graph(graph, weights, precision, self.devices()[0])
 
+    def model_type(self) -> type:
+        from backends.torch.lowering import LoweredModel
+
+        return LoweredModel
+
     def export_weights(self, model: Any) -> Weights:
-        return _check_model(model).export_canonical()
+        return self.check_model(model).export_canonical()
 
     def import_weights(self, model: Any, weights: Weights) -> None:
-        _check_model(model).load_canonical(weights)
+        self.check_model(model).load_canonical(weights)
 
-    def predict(self, model: Any, x: np.ndarray) -> np.ndarray:
+    def predict_checked(self, model: Any, x: np.ndarray) -> np.ndarray:
         torch = _torch()
         from backends.torch.training import PREDICT_BATCH, autocast
 
-        model = _check_model(model)
-        x = check_input(model.graph, x)
         device = _device_of(model)
         was_training = model.training
         model.eval()
@@ -159,15 +159,11 @@ class TorchBackend(Backend):
             model.train(was_training)
         return np.ascontiguousarray(np.concatenate(outputs), dtype=np.float32)
 
-    def loss_and_grads(self, model: Any, x: np.ndarray, labels: np.ndarray,
-                       label_smoothing: float = 0.0) -> tuple[float, Weights]:
+    def loss_and_grads_checked(self, model: Any, x: np.ndarray, labels: np.ndarray,
+                               label_smoothing: float) -> tuple[float, Weights]:
         torch = _torch()
         from backends.torch.training import autocast, preserved, summed_loss
 
-        model = _check_model(model)
-        x = check_input(model.graph, x)
-        labels = check_labels(model.graph, labels, len(x))
-        check_label_smoothing(label_smoothing)
         device = _device_of(model)
         was_training = model.training
         # Training mode (batch statistics), but the running statistics and any gradients already
@@ -179,7 +175,7 @@ class TorchBackend(Backend):
                 yt = torch.from_numpy(labels).to(device)
                 # Dropout masks are the NumPy reference's for seed 0: deterministic, and comparable.
                 with autocast(device, model.precision), model.dropout_masks(np.random.default_rng(0)):
-                    total = summed_loss(model, xt, yt, float(label_smoothing))
+                    total = summed_loss(model, xt, yt, label_smoothing)
                 loss = total / len(x)
                 if loss.requires_grad:  # a graph without parameters has no gradient to take
                     loss.backward()
@@ -188,14 +184,10 @@ class TorchBackend(Backend):
                 model.train(was_training)
         return float(loss.detach()), grads
 
-    def train(self, model: Any, data: Dataset, config: TrainConfig,
-              on_epoch: EpochCallback | None = None) -> list[EpochReport]:
+    def train_checked(self, model: Any, data: Dataset, config: TrainConfig,
+                      on_epoch: EpochCallback | None) -> list[EpochReport]:
         from backends.torch.training import run_epochs
 
-        model = _check_model(model)
-        self.check_precision(config.precision)
-        check_train_config(config)
-        check_dataset(model.graph, data)
         devices = self.devices()
         if len(devices) > 1:
             from backends.torch.distributed import train_data_parallel
@@ -203,19 +195,6 @@ class TorchBackend(Backend):
             return train_data_parallel(model, data, config, devices, on_epoch)
         _torch()
         return run_epochs(model, data, config, _device_of(model), on_epoch=on_epoch)
-
-
-# ---------------------------------------------------------------------------
-# Argument checks: errors name what is wrong instead of failing deep inside torch
-# ---------------------------------------------------------------------------
-
-
-def _check_model(model):
-    from backends.torch.lowering import LoweredModel
-
-    if not isinstance(model, LoweredModel):
-        raise BackendError(f"not a model lowered by the torch backend: {type(model).__name__}")
-    return model
 
 
 def _device_of(model):

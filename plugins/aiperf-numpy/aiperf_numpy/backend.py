@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, StepClock, TrainConfig,
-                                 accuracy, check_dataset, check_train_config, cross_entropy)
+                                 accuracy, cross_entropy)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, validate_weights
 from aiperf_numpy.executor import TRAINABLE_PARAMS, forward, loss_and_grads
@@ -50,32 +50,33 @@ class NumpyBackend(Backend):
         weights = self.starting_weights(graph, weights, precision)
         return NumpyModel(graph, _copy(weights), precision)
 
+    def model_type(self) -> type:
+        return NumpyModel
+
     def export_weights(self, model: NumpyModel) -> Weights:
-        return _copy(model.weights)
+        return _copy(self.check_model(model).weights)
 
     def import_weights(self, model: NumpyModel, weights: Weights) -> None:
-        validate_weights(model.graph, weights)
+        validate_weights(self.check_model(model).graph, weights)
         model.weights = _copy(weights)
 
-    def predict(self, model: NumpyModel, x: np.ndarray) -> np.ndarray:
+    def predict_checked(self, model: NumpyModel, x: np.ndarray) -> np.ndarray:
         parts = [forward(model.graph, model.weights, x[i:i + PREDICT_BATCH], dtype=np.float32)
                  for i in range(0, len(x), PREDICT_BATCH)]
         return np.concatenate(parts) if parts else np.zeros((0,) + model.graph.output_shape, np.float32)
 
-    def loss_and_grads(self, model: NumpyModel, x, labels, label_smoothing: float = 0.0):
+    def loss_and_grads_checked(self, model: NumpyModel, x: np.ndarray, labels: np.ndarray,
+                               label_smoothing: float) -> tuple[float, Weights]:
         loss, grads, _ = loss_and_grads(model.graph, model.weights, x, labels, label_smoothing=label_smoothing,
                                         dtype=np.float32)
         return loss, grads
 
-    def train(self, model: NumpyModel, data: Dataset, config: TrainConfig,
-              on_epoch: EpochCallback | None = None) -> list[EpochReport]:
+    def train_checked(self, model: NumpyModel, data: Dataset, config: TrainConfig,
+                      on_epoch: EpochCallback | None) -> list[EpochReport]:
         """`data` is in-memory arrays or a StreamingDataset, read through the shared threaded
         pipeline (its `workers` setting); a streamed image that does not decode is skipped and counted."""
         from aiperf_core.data.stream import train_batches, val_batches
 
-        self.check_precision(config.precision)
-        check_train_config(config)
-        check_dataset(model.graph, data)
         velocity = {n: {p: np.zeros_like(a) for p, a in ps.items() if p in TRAINABLE_PARAMS}
                     for n, ps in model.weights.items()}
         reports: list[EpochReport] = []
@@ -107,7 +108,7 @@ class NumpyBackend(Backend):
                 skipped += batch.skipped
                 if len(batch.y):
                     with clock:
-                        probs = self.predict(model, batch.x)
+                        probs = self.predict_checked(model, batch.x)
                     val_loss += cross_entropy(probs, batch.y) * len(batch.y)
                     correct += accuracy(probs, batch.y) * len(batch.y)
                     val_n += len(batch.y)
