@@ -28,8 +28,9 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# Every script in benchmarks/ (about an hour on 2 cores), or BENCH="name ...", then one table.
 bench: $(STAMP)
-	$(BIN)/python benchmarks/_suite.py
+	$(BIN)/python benchmarks/_suite.py $(BENCH)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,5 @@
 """`make bench`: run every benchmark script, then print one table of all figures and save it as JSON.
+`make bench BENCH="torch_throughput opcount_speed"` (or `benchmarks/_suite.py NAME...`) runs only those.
 
 Each script prints its own progress and one `BENCH {json}` line per figure (see _common.report).
 A script that fails is reported in the table and makes the suite exit non-zero, after the others
@@ -23,8 +24,16 @@ from aiperf_core.atomic import write_text_atomic  # noqa: E402
 OUT = Path(os.environ.get("AIPERF_BENCH_OUT", "bench-results.json"))
 
 
-def scripts() -> list[Path]:
-    return sorted(p for p in HERE.glob("*.py") if not p.name.startswith("_"))
+def scripts(names: list[str]) -> list[Path]:
+    """Every benchmark script, or those named (with or without .py); an unknown name is an error."""
+    found = sorted(p for p in HERE.glob("*.py") if not p.name.startswith("_"))
+    if not names:
+        return found
+    by_name = {p.stem: p for p in found}
+    unknown = [n for n in names if n.removesuffix(".py") not in by_name]
+    if unknown:
+        raise SystemExit(f"no benchmark named {', '.join(unknown)} (there are: {', '.join(by_name)})")
+    return [by_name[n.removesuffix(".py")] for n in names]
 
 
 def run_script(path: Path) -> tuple[list[dict], int, float]:
@@ -46,9 +55,9 @@ def format_goal(row: dict) -> str:
     return f"{row['goal']:g}"
 
 
-def main() -> int:
+def main(names: list[str]) -> int:
     results, failed = [], []
-    for path in scripts():
+    for path in scripts(names):
         print(f"== {path.name}", flush=True)
         rows, code, seconds = run_script(path)
         for row in rows:
@@ -77,4 +86,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(sys.argv[1:]))
