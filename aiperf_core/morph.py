@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import numpy as np
 
 from aiperf_core.errors import AiperfError, GraphError
+from aiperf_core.gcpause import gc_paused
 from aiperf_core.ir import PARAMETRIC_OPS, Graph, Node
 from aiperf_core.weights import Weights
 from opcount import count
@@ -772,6 +773,12 @@ def generate_candidates(graph: Graph, weights: Mapping | None, n: int, seed: int
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise AiperfError(f"n must be a non-negative integer, got {n!r}")
+    with gc_paused():
+        return _generate_candidates(graph, weights, n, seed, caps, ops)
+
+
+def _generate_candidates(graph: Graph, weights: Mapping | None, n: int, seed: int, caps: MorphCaps | None,
+                         ops: Sequence[str]) -> list[MorphResult]:
     rng = np.random.default_rng(seed)
     proposer = _Proposer(graph, ops)
     parent_ops = count(graph).total if caps is not None and caps.needs_ops else None

@@ -9,16 +9,15 @@ so one count serves every trial (and every run) with the same graph.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 from aiperf_core.errors import AiperfError
+from aiperf_core.gcpause import gc_paused
 from aiperf_core.rundir import RunDir, RunDirError, sha256_bytes
 
 # graph sha256 -> (FP, BP) per image, paper convention. Content-addressed, so it is safe to share
@@ -102,20 +101,6 @@ def _score_workers() -> int:
 def _short(path: Path) -> str:
     """trials/<trial>/graph.json: how problems name a file, independent of where the run dir sits."""
     return "/".join(path.parts[-3:])
-
-
-@contextmanager
-def gc_paused():
-    """Reading a big run creates millions of small objects and no reference cycles; the cyclic
-    collector would rescan the growing heap over and over for nothing (it nearly doubles the time
-    of scoring a 4096-replica run)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @dataclass(frozen=True)

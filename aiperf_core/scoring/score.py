@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiperf_core.rundir import RunDir
-from aiperf_core.scoring.ledger import RunLedger, Trial, gc_paused
+from aiperf_core.gcpause import gc_paused
+from aiperf_core.scoring.ledger import RunLedger, Trial
 from aiperf_core.scoring.rules import validity_reasons
 from aiperf_core.scoring.units import format_ops
 
