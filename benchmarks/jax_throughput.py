@@ -17,16 +17,14 @@ Goal: lowered / hand-written images per second >= 0.97.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np  # noqa: E402
 
-from _common import report, report_peak_fraction, training_ops_per_image  # noqa: E402
+from _common import compare_training_throughput, report_peak_fraction, timed, training_ops_per_image  # noqa: E402
 
 BATCH = 16
 SIZE = 128
@@ -143,38 +141,19 @@ def main() -> int:
         loss.block_until_ready()
         carry["hand"] = (p, s, o)
 
-    def timed(fn) -> float:
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-
     compile_low = timed(lowered_step)
     compile_hand = timed(hand_step)
     for _ in range(WARMUP):
         lowered_step()
         hand_step()
-    low_times, hand_times, ratios = [], [], []
-    for i in range(STEPS):
-        if i % 2:
-            h, lo = timed(hand_step), timed(lowered_step)
-        else:
-            lo, h = timed(lowered_step), timed(hand_step)
-        low_times.append(lo)
-        hand_times.append(h)
-        ratios.append(h / lo)
-
     device = jax.local_devices()[0]
     print(f"jax {jax.__version__} on {device.platform} ({jax.device_count()} device(s)); ResNet-50 {SIZE}x{SIZE}, "
           f"batch {BATCH}, fp32; first step (compile) {compile_low:.1f} s lowered, {compile_hand:.1f} s hand-written; "
           f"{STEPS} timed step pairs after {WARMUP} warm-up steps (medians)")
-    report("jax resnet50 train, IR-lowered", BATCH / statistics.median(low_times), "images/s", None,
-           lower_is_better=False)
-    report("jax resnet50 train, hand-written flax", BATCH / statistics.median(hand_times), "images/s", None,
-           lower_is_better=False)
-    report("jax lowered / hand-written flax", statistics.median(ratios), "ratio", 0.97, lower_is_better=False)
+    lowered_rate = compare_training_throughput("jax", BATCH, lowered_step, {"flax": hand_step}, STEPS)
     a = jnp.asarray(np.random.default_rng(1).standard_normal((2048, 2048), dtype=np.float32))
     matmul = jax.jit(jnp.matmul)
-    report_peak_fraction("jax", BATCH / statistics.median(low_times), training_ops_per_image(graph),
+    report_peak_fraction("jax", lowered_rate, training_ops_per_image(graph),
                          lambda: matmul(a, a).block_until_ready())
     return 0
 

@@ -23,16 +23,14 @@ analytic OPS against MindSpore's own 2048x2048 fp32 matrix product (_common.repo
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np  # noqa: E402
 
-from _common import report, report_peak_fraction, training_ops_per_image  # noqa: E402
+from _common import compare_training_throughput, report_peak_fraction, timed, training_ops_per_image  # noqa: E402
 
 BATCH = 16
 SIZE = 128
@@ -162,11 +160,6 @@ def main() -> int:
     def hand_step(mode):
         steps[mode](x_hand, y_hand).asnumpy()  # asnumpy waits for the step to finish
 
-    def timed(fn) -> float:
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-
     first = {"lowered": timed(lowered_step)}
     print(f"first lowered step {first['lowered']:.1f} s", flush=True)
     for mode in steps:
@@ -176,39 +169,13 @@ def main() -> int:
         lowered_step()
         for mode in steps:
             hand_step(mode)
-    # The faster execution mode of the hand-written model is the reference.
-    probe = {}
-    for mode in steps:
-        probe[mode] = statistics.median(timed(lambda: hand_step(mode)) for _ in range(MODE_STEPS))
-        print(f"hand-written {mode} step {probe[mode]:.1f} s", flush=True)
-    best = min(probe, key=probe.get)
-    low_times, hand_times, ratios = [], [], []
-    for i in range(STEPS):
-        if i % 2:
-            h, lo = timed(lambda: hand_step(best)), timed(lowered_step)
-        else:
-            lo, h = timed(lowered_step), timed(lambda: hand_step(best))
-        low_times.append(lo)
-        hand_times.append(h)
-        ratios.append(h / lo)
-        print(f"pair {i + 1}: lowered {lo:.1f} s, hand-written {h:.1f} s", flush=True)
-
     print(f"mindspore {ms.__version__} on {backend.devices()[0]}; ResNet-50 {SIZE}x{SIZE}, batch {BATCH}, fp32; "
-          f"first steps {first['lowered']:.1f} s lowered, {first['pynative']:.1f} s hand-written pynative, "
-          f"{first['graph (ms.jit)']:.1f} s hand-written graph (with compile); {STEPS} timed step pairs after "
-          f"{WARMUP} warm-up steps (medians)")
-    report("mindspore resnet50 train, IR-lowered", BATCH / statistics.median(low_times), "images/s", None,
-           lower_is_better=False)
-    report(f"mindspore resnet50 train, hand-written ({best})", BATCH / statistics.median(hand_times), "images/s",
-           None, lower_is_better=False)
-    for mode in steps:
-        if mode != best:
-            report(f"mindspore resnet50 train, hand-written ({mode})", BATCH / probe[mode], "images/s", None,
-                   lower_is_better=False)
-    report(f"mindspore lowered / hand-written ({best})", statistics.median(ratios), "ratio", 0.97,
-           lower_is_better=False)
+          f"{STEPS} timed step pairs after {WARMUP} warm-up steps (medians)", flush=True)
+    lowered_rate = compare_training_throughput(
+        "mindspore", BATCH, lowered_step, {mode: (lambda mode=mode: hand_step(mode)) for mode in steps}, STEPS,
+        probe_steps=MODE_STEPS)
     a = Tensor(np.random.default_rng(1).standard_normal((2048, 2048), dtype=np.float32))
-    report_peak_fraction("mindspore", BATCH / statistics.median(low_times), training_ops_per_image(graph),
+    report_peak_fraction("mindspore", lowered_rate, training_ops_per_image(graph),
                          lambda: ops.matmul(a, a).asnumpy())  # asnumpy waits for the product
     return 0
 

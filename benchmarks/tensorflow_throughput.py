@@ -17,9 +17,7 @@ Goal: lowered / hand-written images per second >= 0.97.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -27,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from _common import report, report_peak_fraction, training_ops_per_image  # noqa: E402
+from _common import compare_training_throughput, report_peak_fraction, training_ops_per_image  # noqa: E402
 
 BATCH = 16
 SIZE = 128
@@ -106,34 +104,15 @@ def main() -> int:
     def hand_once():
         float(hand_step(xt, yt))
 
-    def timed(fn) -> float:
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-
     for _ in range(WARMUP):
         lowered_once()
         hand_once()
-    low_times, hand_times, ratios = [], [], []
-    for i in range(STEPS):
-        if i % 2:
-            h, lo = timed(hand_once), timed(lowered_once)
-        else:
-            lo, h = timed(lowered_once), timed(hand_once)
-        low_times.append(lo)
-        hand_times.append(h)
-        ratios.append(h / lo)
-
     print(f"tensorflow {tf.__version__} on {backend.devices()[0]}; ResNet-50 {SIZE}x{SIZE}, batch {BATCH}, fp32; "
           f"{STEPS} timed step pairs after {WARMUP} warm-up steps (medians)")
-    report("tensorflow resnet50 train, IR-lowered", BATCH / statistics.median(low_times), "images/s", None,
-           lower_is_better=False)
-    report("tensorflow resnet50 train, hand-written Keras", BATCH / statistics.median(hand_times), "images/s", None,
-           lower_is_better=False)
-    report("tensorflow lowered / hand-written Keras", statistics.median(ratios), "ratio", 0.97, lower_is_better=False)
+    lowered_rate = compare_training_throughput("tensorflow", BATCH, lowered_once, {"Keras": hand_once}, STEPS)
     a = tf.constant(rng.standard_normal((2048, 2048)).astype(np.float32))
     matmul = tf.function(lambda m: tf.reduce_sum(tf.linalg.matmul(m, m)))  # the sum forces the whole product
-    report_peak_fraction("tensorflow", BATCH / statistics.median(low_times), training_ops_per_image(graph),
+    report_peak_fraction("tensorflow", lowered_rate, training_ops_per_image(graph),
                          lambda: float(matmul(a)))
     return 0
 

@@ -6,11 +6,9 @@ same initial weights, a couple of warm-up steps each. The lowered model trains t
 backend's own step (training.Stepper), the hand-written one through a plain torch loop.
 
 The hand-written model runs in both memory formats (contiguous NCHW and channels_last) and the
-lowered one is compared with the faster of the two, so a layout choice cannot flatter the ratio.
-The timed steps come in pairs (one step of each model, in alternating order) and the ratio is the
-median of the pairs' ratios: on a shared machine a step's time varies by 10-20%, and a pair's two
-steps see the same load. AIPERF_BENCH_STEPS sets the number of pairs (default 24, about a minute
-on 2 idle CPU cores).
+lowered one is compared with the faster of the two (_common.compare_training_throughput: timed
+step pairs, median of the pairs' ratios). AIPERF_BENCH_STEPS sets the number of pairs (default
+24, about a minute on 2 idle CPU cores).
 
 Goal: lowered / hand-written images per second >= 0.97.
 """
@@ -18,16 +16,14 @@ Goal: lowered / hand-written images per second >= 0.97.
 from __future__ import annotations
 
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np  # noqa: E402
 
-from _common import report, report_peak_fraction, training_ops_per_image  # noqa: E402
+from _common import compare_training_throughput, report_peak_fraction, training_ops_per_image  # noqa: E402
 
 BATCH = 16
 SIZE = 128
@@ -130,56 +126,33 @@ def main() -> int:
     x_hand = {"contiguous": torch.from_numpy(np.ascontiguousarray(x_nhwc.transpose(0, 3, 1, 2))).to(device)}
     x_hand["channels_last"] = x_hand["contiguous"].contiguous(memory_format=torch.channels_last)
 
+    def finish():  # each timed call waits for its own result (timed's contract)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
     def lowered_step():
         stepper.step(x_lowered, labels, BATCH)
+        finish()
 
     def hand_step(fmt):
         hand, opt = hands[fmt]
         opt.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(hand(x_hand[fmt]), labels).backward()
         opt.step()
-
-    def timed(fn) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        return time.perf_counter() - t
+        finish()
 
     for _ in range(WARMUP):
         lowered_step()
         hand_step("contiguous")
         hand_step("channels_last")
-    # The faster memory format of the hand-written model is the reference.
-    probe = {fmt: statistics.median(timed(lambda: hand_step(fmt)) for _ in range(FORMAT_STEPS))
-             for fmt in ("contiguous", "channels_last")}
-    best = min(probe, key=probe.get)
-    # Timed pairs, in alternating order; each pair's ratio is taken under the same machine load.
-    low_times, hand_times, ratios = [], [], []
-    for i in range(STEPS):
-        if i % 2:
-            h, lo = timed(lambda: hand_step(best)), timed(lowered_step)
-        else:
-            lo, h = timed(lowered_step), timed(lambda: hand_step(best))
-        low_times.append(lo)
-        hand_times.append(h)
-        ratios.append(h / lo)
-
     print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads; ResNet-50 {SIZE}x{SIZE}, "
           f"batch {BATCH}, fp32; {STEPS} timed step pairs after {WARMUP} warm-up steps (medians)")
-    report("torch resnet50 train, IR-lowered", BATCH / statistics.median(low_times), "images/s", None,
-           lower_is_better=False)
-    report(f"torch resnet50 train, hand-written ({best})", BATCH / statistics.median(hand_times), "images/s", None,
-           lower_is_better=False)
-    other = "contiguous" if best == "channels_last" else "channels_last"
-    report(f"torch resnet50 train, hand-written ({other})", BATCH / probe[other], "images/s", None,
-           lower_is_better=False)
-    report(f"torch lowered / hand-written ({best})", statistics.median(ratios), "ratio", 0.97, lower_is_better=False)
+    formats = ("contiguous", "channels_last")
+    lowered_rate = compare_training_throughput("torch", BATCH, lowered_step,
+                                               {fmt: (lambda fmt=fmt: hand_step(fmt)) for fmt in formats}, STEPS,
+                                               probe_steps=FORMAT_STEPS)
     a, b = torch.randn(2048, 2048, device=device), torch.randn(2048, 2048, device=device)
-    report_peak_fraction("torch", BATCH / statistics.median(low_times), training_ops_per_image(graph),
-                         lambda: timed(lambda: torch.mm(a, b)))
+    report_peak_fraction("torch", lowered_rate, training_ops_per_image(graph), lambda: (torch.mm(a, b), finish()))
     return 0
 
 
