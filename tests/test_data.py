@@ -13,7 +13,7 @@ from aiperf_core.backend import Dataset
 from aiperf_core.cli import main
 from aiperf_core.data import describe, load_dataset
 from aiperf_core.data import tfrecord
-from aiperf_core.data.crc32c import TABLE, crc32c, masked_crc32c
+from aiperf_core.data.crc32c import NATIVE_CRC32C, TABLE, crc32c, masked_crc32c, numpy_crc32c
 from aiperf_core.data.imagenet import open_imagenet
 from aiperf_core.data.preprocess import CorruptImage, augmentation_rng, random_crop_box, train_image, val_image
 from aiperf_core.data.samples import digits_tree, photo_tree
@@ -62,7 +62,13 @@ def test_crc32c_known_value_and_every_length_shape():
     rng = random.Random(0)
     for n in (1, 2, 31, 32, 33, 64, 65, 1000, 4097, 70001):
         data = rng.randbytes(n)
-        assert crc32c(data) == slow_crc32c(data), n
+        assert crc32c(data) == numpy_crc32c(data) == slow_crc32c(data), n
+    assert numpy_crc32c(b"123456789") == 0xE3069283 and numpy_crc32c(b"") == 0
+
+
+def test_the_native_crc32c_is_installed():
+    # make test installs google-crc32c, whose C code keeps TFRecord checksums off the GIL's hot path.
+    assert NATIVE_CRC32C is not None
 
 
 def test_record_framing_round_trip_and_checksums(tmp_path):

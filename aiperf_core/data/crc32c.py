@@ -1,8 +1,16 @@
-"""CRC-32C (Castagnoli), the checksum of the TFRecord framing, in NumPy.
+"""CRC-32C (Castagnoli), the checksum of the TFRecord framing.
+
+crc32c() uses the google-crc32c package's C implementation (hardware CRC instructions: about 5 us
+for a 110 kB record) where it has one. Elsewhere it falls back to the NumPy implementation below
+(about 1 ms per record): both are checked against each other in the tests. The fallback exists
+because a Python loop is far slower (~20 ms per record), and it keeps TFRecord reading working
+on a platform without a google-crc32c wheel. It holds the GIL for that millisecond, which capped
+a threaded pipeline (benchmarks/data_pipeline.py: TFRecord 550 images/s against 985 for the
+same images as files on 2 cores).
 
 No C implementation of CRC-32C ships with the standard library (zlib's crc32 uses another
-polynomial), and a byte-at-a-time Python loop takes ~20 ms for an ImageNet JPEG. CRCs are linear
-over GF(2), which this module uses to work on many chunks at once:
+polynomial). CRCs are linear over GF(2), which the NumPy version uses to work on many chunks at
+once:
 
 - the message is left-padded with zeros to K chunks of CHUNK bytes (leading zeros do not change a
   CRC whose register starts at zero);
@@ -92,7 +100,24 @@ def _shift_initial(length: int) -> int:
     return int(reg[0])
 
 
+def _native():
+    try:
+        import google_crc32c
+    except ImportError:
+        return None
+    return google_crc32c.value if google_crc32c.implementation == "c" else None
+
+
+NATIVE_CRC32C = _native()
+
+
 def crc32c(data: bytes) -> int:
+    if NATIVE_CRC32C is not None:
+        return NATIVE_CRC32C(data)
+    return numpy_crc32c(data)
+
+
+def numpy_crc32c(data: bytes) -> int:
     n = len(data)
     if n == 0:
         return 0
