@@ -46,6 +46,9 @@ class Ledger:
     def check(self, where: str) -> None:
         if not (self.run_dir / "run.json").exists():
             return  # killed before the run existed: nothing to lose yet
+        # A replica that was not killed keeps appending while this runs: scoring is compared on the
+        # epochs stamped at least a second before the logs are read, which are all on disk by then.
+        cutoff = time.time() - 1.0
         logs = [self.run_dir / "primary/events.jsonl", *sorted(self.run_dir.glob("replicas/*/events.jsonl"))]
         logs = [log for log in logs if log.exists()]
         for log in logs:
@@ -67,8 +70,9 @@ class Ledger:
         assert all(trial in starts for trial, _ in epochs)
         ops = sum(self._epoch_ops(e) for e in events if e["event"] == "epoch_end")
         assert ops >= self.ops, f"{where}: op total fell from {self.ops} to {ops}"
-        scored = score_run(self.run_dir)
-        assert (scored.epochs_counted, scored.total_ops) == (len(epochs), ops), where
+        settled = [e for e in events if e["event"] == "epoch_end" and e["time"] <= cutoff]
+        scored = score_run(self.run_dir, now=cutoff)
+        assert (scored.epochs_counted, scored.total_ops) == (len(settled), sum(map(self._epoch_ops, settled))), where
         self.epochs, self.trials_ended, self.ops = set(epochs), ends, ops
 
     def _epoch_ops(self, event: dict) -> int:
