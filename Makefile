@@ -28,7 +28,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# Every script in benchmarks/ (about an hour on 2 cores), or BENCH="name ...", then one table.
+# Every script in benchmarks/ (about 35 min on 2 cores), or BENCH="name ...", then one table.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/_suite.py $(BENCH)
 
