@@ -30,8 +30,8 @@ from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.gcpause import gc_paused
 from aiperf_core.ir import PARAMETRIC_OPS, Graph, Node
 from aiperf_core.weights import Weights
-from opcount import count
-from opcount.rules import node_ops
+from aiperf_opcount import count
+from aiperf_opcount.rules import node_ops
 
 OPERATORS = ("deeper", "wider", "skip", "kernel")
 

@@ -33,7 +33,7 @@ def report(name: str, value: float, unit: str, goal: float | None = None, lower_
 
 def training_ops_per_image(graph) -> int:
     """Analytic FP+BP operations of one training image (the paper's convention, as scored)."""
-    from opcount import count
+    from aiperf_opcount import count
     totals = count(graph)
     return totals.fp + totals.bp
 

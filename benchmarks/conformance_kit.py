@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import report  # noqa: E402
 from aiperf_core.registry import list_backends, load_backend  # noqa: E402
-from conformance.kit import run_conformance  # noqa: E402
+from aiperf_conformance.kit import run_conformance  # noqa: E402
 
 if __name__ == "__main__":
     names = sys.argv[1:] or [i.name for i in list_backends() if i.available]

@@ -87,7 +87,7 @@ _torch_loaders: dict = {}
 
 def torch_pipeline(data):
     """The backend's DataLoader, made once: its workers persist across epochs, as in training."""
-    from backends.torch.training import stream_loader
+    from aiperf_backends.torch.training import stream_loader
 
     if id(data) not in _torch_loaders:
         _torch_loaders[id(data)] = stream_loader(data, "train", 0, BATCH, "cpu")
@@ -97,7 +97,7 @@ def torch_pipeline(data):
 
 
 def tf_pipeline(data):
-    from backends.tensorflow.training import tf_input
+    from aiperf_backends.tensorflow.training import tf_input
 
     return tf_input(data, "train", 0, 0, BATCH)
 
@@ -109,8 +109,8 @@ def wait_fraction(data) -> tuple[float, float]:
 
     from aiperf_core.backend import Schedule, TrainConfig
     from aiperf_core.builders import resnet_small
-    from backends.torch import TorchBackend
-    from backends.torch.training import Stepper, stream_loader
+    from aiperf_backends.torch import TorchBackend
+    from aiperf_backends.torch.training import Stepper, stream_loader
 
     torch.set_num_threads(max(1, cores()))
     model = TorchBackend().lower(resnet_small((SIZE, SIZE, 3), data.classes))

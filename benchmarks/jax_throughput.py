@@ -93,8 +93,8 @@ def main() -> int:
         print("jax/flax are not installed: skipping the jax throughput benchmark")
         return 0
     from aiperf_core.builders import resnet50
-    from backends.jax import JaxBackend
-    from backends.jax.training import make_train_step
+    from aiperf_backends.jax import JaxBackend
+    from aiperf_backends.jax.training import make_train_step
 
     backend = JaxBackend()
     graph = resnet50((SIZE, SIZE, 3), CLASSES)

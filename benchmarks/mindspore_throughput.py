@@ -96,7 +96,7 @@ def copy_weights(hand, lowered) -> None:
     does; so does the hand-written one (self.shortcut is created first)."""
     from mindspore import Tensor, nn
 
-    from backends.mindspore.lowering import BatchNorm, Conv, Dense
+    from aiperf_backends.mindspore.lowering import BatchNorm, Conv, Dense
 
     names = {Conv: {"weight": "kernel"}, Dense: {"weight": "kernel", "bias": "bias"},
              BatchNorm: {p: p for p in ("gamma", "beta", "moving_mean", "moving_variance")}}
@@ -120,8 +120,8 @@ def main() -> int:
         return 0
     from aiperf_core.backend import TrainConfig
     from aiperf_core.builders import resnet50
-    from backends.mindspore import MindSporeBackend
-    from backends.mindspore.training import Stepper
+    from aiperf_backends.mindspore import MindSporeBackend
+    from aiperf_backends.mindspore.training import Stepper
 
     backend = MindSporeBackend()
     graph = resnet50((SIZE, SIZE, 3), CLASSES)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import opcount  # noqa: E402
+import aiperf_opcount  # noqa: E402
 from _common import best_of, report  # noqa: E402
 from aiperf_core.builders import resnet50  # noqa: E402
 from aiperf_core.ir import Graph, Node, load_graph, save_graph  # noqa: E402

@@ -65,15 +65,15 @@ def keras_resnet50(tf, classes: int):
 
 
 def main() -> int:
-    from backends.tensorflow import TensorFlowBackend
+    from aiperf_backends.tensorflow import TensorFlowBackend
 
     if not TensorFlowBackend.availability().available:
         print("tensorflow is not installed: skipping the tensorflow throughput benchmark")
         return 0
     from aiperf_core.backend import TrainConfig
     from aiperf_core.builders import resnet50
-    from backends.tensorflow.backend import _tf
-    from backends.tensorflow.training import Trainer
+    from aiperf_backends.tensorflow.backend import _tf
+    from aiperf_backends.tensorflow.training import Trainer
 
     tf = _tf()
     backend = TensorFlowBackend()

@@ -100,8 +100,8 @@ def main() -> int:
         return 0
     from aiperf_core.backend import TrainConfig
     from aiperf_core.builders import resnet50
-    from backends.torch import TorchBackend
-    from backends.torch.training import Stepper
+    from aiperf_backends.torch import TorchBackend
+    from aiperf_backends.torch.training import Stepper
 
     backend = TorchBackend()
     graph = resnet50((SIZE, SIZE, 3), CLASSES)

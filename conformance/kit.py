@@ -18,8 +18,8 @@ import numpy as np
 
 from aiperf_core.backend import Backend
 from aiperf_core.errors import AiperfError
-from conformance.expectations import Expectations, load_expectations
-from conformance.results import ERROR, FAIL, PASS, XFAIL, XPASS, CheckResult, Report
+from aiperf_conformance.expectations import Expectations, load_expectations
+from aiperf_conformance.results import ERROR, FAIL, PASS, XFAIL, XPASS, CheckResult, Report
 
 LEVELS = ("op", "graph", "morph", "train", "count")
 
@@ -87,7 +87,7 @@ def compare(measured, expected, tolerance: float, what: str) -> Outcome:
 def collect(ctx: Context, levels: Iterable[str]) -> list[Check]:
     out: list[Check] = []
     for level in levels:
-        module = importlib.import_module(f"conformance.levels.{level}")
+        module = importlib.import_module(f"aiperf_conformance.levels.{level}")
         out.extend(module.checks(ctx))
     return out
 

@@ -2,7 +2,7 @@
 
 A vendor's test file needs three lines:
 
-    from conformance.pytest_support import conformance_cases, run_case
+    from aiperf_conformance.pytest_support import conformance_cases, run_case
     @pytest.mark.parametrize("case", conformance_cases(["mychip"]), ids=str)
     def test_conformance(case): run_case(case)
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from conformance.kit import LEVELS, Check, Context, collect, make_context, run_check
-from conformance.results import BAD, XFAIL
+from aiperf_conformance.kit import LEVELS, Check, Context, collect, make_context, run_check
+from aiperf_conformance.results import BAD, XFAIL
 
 _contexts: dict[str, Context] = {}
 

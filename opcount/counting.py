@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import PARAMETRIC_OPS, Graph
-from opcount.rules import CATEGORIES, CATEGORY_OF_OP, CONVENTIONS, node_ops
+from aiperf_opcount.rules import CATEGORIES, CATEGORY_OF_OP, CONVENTIONS, node_ops
 
 
 @dataclass(frozen=True)

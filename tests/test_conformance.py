@@ -6,7 +6,7 @@ The same kit runs from the CLI:  aiperf conformance --backend torch
 
 import pytest
 
-from conformance.pytest_support import conformance_cases, run_case
+from aiperf_conformance.pytest_support import conformance_cases, run_case
 
 BACKENDS = ("numpy", "torch", "tensorflow", "jax", "mindspore")
 

@@ -7,8 +7,8 @@ import numpy as np
 from aiperf_core.cli import main
 from aiperf_core.registry import list_backends
 from aiperf_numpy.backend import NumpyBackend
-from conformance.expectations import Expectations
-from conformance.kit import Context, collect, run_check, run_conformance
+from aiperf_conformance.expectations import Expectations
+from aiperf_conformance.kit import Context, collect, run_check, run_conformance
 
 
 class ShapeBugBackend(NumpyBackend):

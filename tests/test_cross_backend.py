@@ -16,9 +16,9 @@ import pytest
 
 from aiperf_core.builders import resnet_small
 from aiperf_core.registry import load_backend
-from conformance.cases import trained_looking_weights
-from conformance.expectations import load_expectations
-from conformance.kit import relative_error
+from aiperf_conformance.cases import trained_looking_weights
+from aiperf_conformance.expectations import load_expectations
+from aiperf_conformance.kit import relative_error
 
 BACKENDS = ("numpy", "torch", "tensorflow", "jax", "mindspore")
 

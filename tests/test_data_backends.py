@@ -95,7 +95,7 @@ def test_tensorflow_streams_through_tf_data(layout, trees, tmp_path, monkeypatch
 
 def test_torch_data_parallel_shards_streamed_batches(trees):
     """Two gloo ranks each decode their own shard of every batch; the epoch equals one process's."""
-    from backends.torch.distributed import train_data_parallel
+    from aiperf_backends.torch.distributed import train_data_parallel
 
     backend = load_backend("torch")
     graph = resnet_small((SIZE, SIZE, 3), CLASSES)
@@ -135,8 +135,8 @@ tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfigur
 from aiperf_core.backend import Schedule, TrainConfig
 from aiperf_core.builders import resnet_small
 from aiperf_core.data import load_dataset
-from backends.tensorflow import TensorFlowBackend
-from backends.tensorflow.training import Trainer, run_epochs
+from aiperf_backends.tensorflow import TensorFlowBackend
+from aiperf_backends.tensorflow.training import Trainer, run_epochs
 
 path, size, classes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 data = load_dataset({"name": "imagenet", "path": path, "image_size": size}, workers=2)

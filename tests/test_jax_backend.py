@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_import_without_using_jax():
     # Importing the package must not import jax (listing backends never fails on a missing framework).
-    code = "import sys, backends.jax; print('jax' in sys.modules)"
+    code = "import sys, aiperf_backends.jax; print('jax' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -31,8 +31,8 @@ import jax  # noqa: E402,F401  (`make test` installs jax: missing it is a failur
 
 from aiperf_core.backend import BackendError, Dataset, Schedule, TrainConfig  # noqa: E402
 from aiperf_core.builders import resnet_small  # noqa: E402
-from backends.jax import JaxBackend  # noqa: E402
-from conformance.cases import trained_looking_weights  # noqa: E402
+from aiperf_backends.jax import JaxBackend  # noqa: E402
+from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
 
 
 def test_availability_and_precisions():
@@ -62,8 +62,8 @@ def test_train_counts_images_exactly_with_a_short_last_batch():
 
 
 def test_counter_is_valid_convention():
-    import opcount
-    from conformance.levels.count import analytic_by_category
+    import aiperf_opcount as opcount
+    from aiperf_conformance.levels.count import analytic_by_category
 
     backend = JaxBackend()
     counter = backend.native_counter()
@@ -85,10 +85,10 @@ _DP_SCRIPT = textwrap.dedent("""
     import jax
     from aiperf_core.backend import Dataset, Schedule, TrainConfig
     from aiperf_core.builders import resnet_small
-    from backends.jax import JaxBackend
-    from backends.jax.distributed import make_mesh, place_batch
-    from backends.jax.training import run_epochs
-    from conformance.cases import trained_looking_weights
+    from aiperf_backends.jax import JaxBackend
+    from aiperf_backends.jax.distributed import make_mesh, place_batch
+    from aiperf_backends.jax.training import run_epochs
+    from aiperf_conformance.cases import trained_looking_weights
 
     assert jax.device_count() == 2, jax.devices()
     backend = JaxBackend()
@@ -153,8 +153,8 @@ def test_loss_and_grads_leaves_the_model_unchanged():
 
 def test_bf16_mixed_precision_path_runs_close_to_fp32():
     # bf16 is declared only on GPUs/TPUs; its lowering is exercised here directly (XLA CPU emulates it).
-    from backends.jax.lowering import lower_graph
-    from backends.jax.training import predict
+    from aiperf_backends.jax.lowering import lower_graph
+    from aiperf_backends.jax.training import predict
 
     graph = resnet_small((8, 8, 3), 3)
     weights = trained_looking_weights(graph, 2)

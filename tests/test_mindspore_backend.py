@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_import_without_using_mindspore():
     # Importing the package must not import mindspore (listing backends never fails on a missing framework).
-    code = "import sys, backends.mindspore; print('mindspore' in sys.modules)"
+    code = "import sys, aiperf_backends.mindspore; print('mindspore' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -27,8 +27,8 @@ import mindspore  # noqa: E402,F401  (`make test` installs mindspore: missing it
 from aiperf_core.backend import BackendError, Dataset, Schedule, TrainConfig  # noqa: E402
 from aiperf_core.builders import resnet_small  # noqa: E402
 from aiperf_core.ir import Graph, Node  # noqa: E402
-from backends.mindspore import MindSporeBackend  # noqa: E402
-from conformance.cases import trained_looking_weights  # noqa: E402
+from aiperf_backends.mindspore import MindSporeBackend  # noqa: E402
+from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
 
 
 def _data(graph, n: int, seed: int):
@@ -79,7 +79,7 @@ def test_on_epoch_returning_true_stops_training():
 
 def test_learning_rate_changes_take_effect_between_steps():
     # The schedule sets a new rate each epoch; the optimizer must use it, not the rate it first ran with.
-    from backends.mindspore.training import Stepper
+    from aiperf_backends.mindspore.training import Stepper
 
     backend = MindSporeBackend()
     graph = resnet_small((8, 8, 3), 3)
@@ -128,8 +128,8 @@ def test_single_value_batch_norm_trains_as_the_reference():
 
 def test_half_precision_path_runs_close_to_fp32():
     # fp16 is not declared on this CPU (emulated); its lowering is exercised directly.
-    from backends.mindspore.lowering import lower_graph
-    from backends.mindspore.training import predict
+    from aiperf_backends.mindspore.lowering import lower_graph
+    from aiperf_backends.mindspore.training import predict
 
     graph = resnet_small((8, 8, 3), 3)
     weights = trained_looking_weights(graph, 2)

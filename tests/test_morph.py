@@ -12,7 +12,7 @@ from aiperf_core.cli import main
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.ir import Graph, load_graph
 from aiperf_core.weights import init_weights, load_weights, validate_weights
-from opcount import count
+from aiperf_opcount import count
 
 import aiperf_numpy  # noqa: E402  (installed by `make test`)
 run = aiperf_numpy.run

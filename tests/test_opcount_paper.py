@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-import opcount
+import aiperf_opcount as opcount
 from aiperf_core.builders import resnet50
 
 IMAGENET_TRAIN, IMAGENET_VAL = 1_281_167, 50_000

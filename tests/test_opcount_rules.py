@@ -2,7 +2,7 @@
 
 import pytest
 
-import opcount
+import aiperf_opcount as opcount
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph
 

@@ -17,7 +17,7 @@ import psutil
 from aiperf_core.ir import Graph
 from aiperf_core.rundir import read_events, verify_chain
 from aiperf_core.scoring import score_run
-from opcount import count
+from aiperf_opcount import count
 from test_workflow import TINY_POLICY
 
 SEED = 20261122

@@ -16,7 +16,7 @@ from aiperf_core.ir import save_graph
 from aiperf_core.policy import Policy
 from aiperf_core.rundir import EventLog, RunDir, RunDirError, chain_head, sha256_file
 from aiperf_core.scoring import format_ops, score_run, snapshot, verify_run
-from opcount import count
+from aiperf_opcount import count
 
 START = 1000.0
 BUDGET = 900.0  # 0.25 h: samples at 0.1 h, 0.2 h and the deadline

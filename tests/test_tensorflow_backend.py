@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from backends.tensorflow import TensorFlowBackend
+from aiperf_backends.tensorflow import TensorFlowBackend
 
 # `make test` installs TensorFlow: a missing one is a failure here, never a skip.
 assert TensorFlowBackend.availability().available, TensorFlowBackend.availability().reason
@@ -40,9 +40,9 @@ DP_SCRIPT = textwrap.dedent("""
 
     from aiperf_core.backend import Dataset, Schedule, TrainConfig
     from aiperf_core.builders import resnet_small
-    from backends.tensorflow import TensorFlowBackend
-    from backends.tensorflow.training import Trainer, run_epochs
-    from conformance.cases import trained_looking_weights
+    from aiperf_backends.tensorflow import TensorFlowBackend
+    from aiperf_backends.tensorflow.training import Trainer, run_epochs
+    from aiperf_conformance.cases import trained_looking_weights
 
     backend = TensorFlowBackend()
     graph = resnet_small((16, 16, 3), 5)
@@ -169,7 +169,7 @@ def test_mixed_precision_trains_where_declared():
 
 
 def test_native_counter_counts_conv_and_dense():
-    import opcount
+    import aiperf_opcount as opcount
     from aiperf_core.builders import resnet_small
 
     backend = TensorFlowBackend()

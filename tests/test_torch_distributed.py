@@ -18,10 +18,10 @@ assert dist.is_available() and dist.is_gloo_available(), "torch.distributed with
 
 from aiperf_core.backend import Dataset, Schedule, TrainConfig  # noqa: E402
 from aiperf_core.builders import resnet_small  # noqa: E402
-from backends.torch import TorchBackend  # noqa: E402
-from backends.torch.distributed import make_job, run_rank_steps  # noqa: E402
-from backends.torch.training import Stepper  # noqa: E402
-from conformance.cases import trained_looking_weights  # noqa: E402
+from aiperf_backends.torch import TorchBackend  # noqa: E402
+from aiperf_backends.torch.distributed import make_job, run_rank_steps  # noqa: E402
+from aiperf_backends.torch.training import Stepper  # noqa: E402
+from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
 
 # float32 throughout: the two runs differ only in summation order (BN statistics summed per rank
 # then across ranks, gradients averaged by DDP). On this network float32 itself is ~5e-6 away from

@@ -24,7 +24,7 @@ def run(args) -> int:
     from aiperf_core.config_file import load_config
     from aiperf_core.errors import AiperfError
     from aiperf_core.registry import load_backend, resolve_backend_name
-    from conformance.kit import LEVELS, run_conformance
+    from aiperf_conformance.kit import LEVELS, run_conformance
 
     levels = list(LEVELS) if args.level == "all" else [x.strip() for x in args.level.split(",") if x.strip()]
     for level in levels:

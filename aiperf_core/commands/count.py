@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from opcount import count
+    from aiperf_opcount import count
 
     graph, _ = load_model(args.model, args.input, args.classes)
     result = count(graph, args.convention)

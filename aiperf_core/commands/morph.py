@@ -66,7 +66,7 @@ def run(args) -> int:
     from aiperf_core.models import load_model
     from aiperf_core.morph import MorphCaps
     from aiperf_core.weights import init_weights, save_weights, validate_weights
-    from opcount import count
+    from aiperf_opcount import count
 
     _check_targets(args)
     out = Path(args.out)

@@ -44,7 +44,7 @@ def per_image_ops(graph_path: Path, expected_sha256: str) -> tuple[tuple[int, in
     if cached is not None:
         return cached, None
     from aiperf_core.ir import Graph
-    from opcount import count
+    from aiperf_opcount import count
 
     try:
         counted = count(Graph.from_json(data.decode("utf-8")))

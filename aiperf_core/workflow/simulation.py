@@ -89,7 +89,7 @@ def write_graph_pool(graphs: Sequence[Graph], folder: Path) -> list[PoolGraph]:
     """Write each graph once as a replica would write graph.json; count and encode it once."""
     from aiperf_core.morph import signature_hash
     from aiperf_core.search.arch import encode
-    from opcount import count
+    from aiperf_opcount import count
 
     folder.mkdir(parents=True, exist_ok=True)
     pool = []

@@ -5,6 +5,6 @@ pytree), training (loss, jitted SGD step, epoch loop), distributed (data paralle
 the batch axis over local devices), counter (native op counter from XLA's cost analysis).
 """
 
-from backends.jax.backend import JaxBackend
+from aiperf_backends.jax.backend import JaxBackend
 
 __all__ = ["JaxBackend"]

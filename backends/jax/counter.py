@@ -52,7 +52,7 @@ def _flops(fn, *shapes) -> int:
 def _node_flops(op: str, in_shape: tuple, kernel_shape: tuple, attrs: Any, backward: bool, input_grad: bool) -> int:
     import jax
 
-    from backends.jax.lowering import conv2d, dense
+    from aiperf_backends.jax.lowering import conv2d, dense
 
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in dict(attrs).items()))
     key = (op, in_shape, kernel_shape, frozen, backward, input_grad)

@@ -34,7 +34,7 @@ def summed_loss(graph, params, state, x, labels, label_smoothing, *, precision="
     import jax
     import jax.numpy as jnp
 
-    from backends.jax.lowering import apply
+    from aiperf_backends.jax.lowering import apply
 
     has_logits = graph[graph.output_id].op == "softmax"
     out, new_state = apply(graph, params, state, x, training=True, logits=has_logits, precision=precision,
@@ -53,7 +53,7 @@ def eval_sums(graph, params, state, x, labels, valid, label_smoothing, precision
     import jax
     import jax.numpy as jnp
 
-    from backends.jax.lowering import apply
+    from aiperf_backends.jax.lowering import apply
 
     has_logits = graph[graph.output_id].op == "softmax"
     out, _ = apply(graph, params, state, x, training=False, logits=has_logits, precision=precision)
@@ -90,7 +90,7 @@ def make_train_step(graph, precision: str, momentum: float, label_smoothing: flo
 def predict_fn(model):
     import jax
 
-    from backends.jax.lowering import apply
+    from aiperf_backends.jax.lowering import apply
 
     key = ("predict",)
     if key not in model.cache:
@@ -157,7 +157,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, mesh=None,
     import jax
     import jax.numpy as jnp
 
-    from backends.jax.distributed import place_batch, replicate
+    from aiperf_backends.jax.distributed import place_batch, replicate
 
     if not model.params:
         raise BackendError("the graph has no trainable parameters: there is nothing to train")

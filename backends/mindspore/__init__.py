@@ -5,6 +5,6 @@ step, epoch loop), distributed (data parallelism, one process per device; HCCL o
 counter (native op counter from MindSpore's own graph-mode FLOPs collection).
 """
 
-from backends.mindspore.backend import MindSporeBackend
+from aiperf_backends.mindspore.backend import MindSporeBackend
 
 __all__ = ["MindSporeBackend"]

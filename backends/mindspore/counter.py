@@ -102,7 +102,7 @@ def _node_flops(op: str, in_shape: tuple, out_shape: tuple, attrs: Any, backward
         return _CACHE[key]
     from mindspore import Tensor
 
-    from backends.mindspore.lowering import Conv, Dense
+    from aiperf_backends.mindspore.lowering import Conv, Dense
 
     def make():
         return Conv(in_shape[1], attrs) if op == "conv2d" else Dense(in_shape[1], attrs)

@@ -7,7 +7,7 @@ How a data-parallel trial runs
 starts MindSpore's *dynamic cluster* itself, the way ``msrun`` does: one scheduler process
 (``MS_ROLE=MS_SCHED``) and one worker process per device (``MS_ROLE=MS_WORKER``, ``MS_NODE_ID`` =
 rank), all told ``MS_WORKER_NUM``, ``MS_SCHED_HOST`` (127.0.0.1) and a free ``MS_SCHED_PORT``.
-No rank table file is needed. Each worker (``python -m backends.mindspore.distributed``):
+No rank table file is needed. Each worker (``python -m aiperf_backends.mindspore.distributed``):
 
 1. binds its device: ``mindspore.set_device('Ascend', rank)`` on Ascend (likewise on GPU);
 2. calls ``mindspore.communication.init()``, which picks HCCL on Ascend (NCCL on GPU, MCCL on CPU);
@@ -89,7 +89,7 @@ def synchronise_batch_norm(model, enabled: bool) -> None:
     """Turn the global-batch statistics of every batch norm on (after init()) or off."""
     from mindspore import ops
 
-    from backends.mindspore.lowering import BatchNorm
+    from aiperf_backends.mindspore.lowering import BatchNorm
 
     for cell in model.layers:
         if isinstance(cell, BatchNorm):
@@ -161,7 +161,7 @@ def _run_cluster(workdir: Path, world: int, device_kind: str, on_epoch) -> list[
                      "MS_TOPO_TIMEOUT": os.environ.get(TIMEOUT_ENV, "600"), "GLOG_v": base_env.get("GLOG_v", "3"),
                      "PYTHONPATH": os.pathsep.join(filter(None, [root, base_env.get("PYTHONPATH")]))})
     base_env.pop(CPU_WORKERS_ENV, None)  # a worker trains as one rank, never spawns a cluster of its own
-    command = [sys.executable, "-m", "backends.mindspore.distributed", str(workdir), device_kind]
+    command = [sys.executable, "-m", "aiperf_backends.mindspore.distributed", str(workdir), device_kind]
     logs = []
     processes = []
     report_read, report_write = os.pipe()
@@ -225,8 +225,8 @@ def _worker(workdir: Path, device_kind: str, report_fd: int) -> None:
     from mindspore import Tensor, nn, ops
     from mindspore.communication import get_group_size, get_rank, init
 
-    from backends.mindspore.lowering import lower_graph
-    from backends.mindspore.training import run_epochs
+    from aiperf_backends.mindspore.lowering import lower_graph
+    from aiperf_backends.mindspore.training import run_epochs
 
     rank = int(os.environ["MS_NODE_ID"])
     if device_kind in ("Ascend", "GPU"):

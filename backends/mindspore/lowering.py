@@ -139,7 +139,7 @@ class BatchNorm(nn.Cell):
         if not self.training:
             y = self.bn_infer(x, self.gamma, self.beta, self.moving_mean, self.moving_variance)[0]
         elif self.sync is not None:
-            from backends.mindspore.distributed import synced_batch_norm
+            from aiperf_backends.mindspore.distributed import synced_batch_norm
 
             y = synced_batch_norm(self, x)
         elif x.size == x.shape[1]:

@@ -25,7 +25,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, one_hot
-from backends.mindspore import lowering  # noqa: F401  (settles MindSpore's NumPy bridge first)
+from aiperf_backends.mindspore import lowering  # noqa: F401  (settles MindSpore's NumPy bridge first)
 
 PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
 PREDICT_BATCH = 256
@@ -192,7 +192,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
                     part = np.array_split(np.arange(n), world)[rank]
                     xb, yb = xb[part], yb[part]
                 if world > 1:
-                    from backends.mindspore.distributed import synchronise_batch_norm
+                    from aiperf_backends.mindspore.distributed import synchronise_batch_norm
 
                     synchronise_batch_norm(model, split)
                 masks = model.masks_from(dropout_rng, len(yb)) if has_dropout else None

@@ -5,6 +5,6 @@ epoch loop), distributed (MirroredStrategy data parallelism), counter (native op
 v1 profiler on a frozen graph).
 """
 
-from backends.tensorflow.backend import TensorFlowBackend
+from aiperf_backends.tensorflow.backend import TensorFlowBackend
 
 __all__ = ["TensorFlowBackend"]

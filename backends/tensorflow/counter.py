@@ -92,7 +92,7 @@ class TFProfilerCounter(NativeCounter):
     def count(self, model, batch: int, backward: bool) -> dict[str, int]:
         import tensorflow as tf
 
-        from backends.tensorflow.training import summed_loss
+        from aiperf_backends.tensorflow.training import summed_loss
 
         graph = model.graph
         spec = tf.TensorSpec([batch] + list(graph.input_shape), tf.float32)

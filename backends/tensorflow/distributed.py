@@ -24,7 +24,7 @@ from aiperf_core.backend import Dataset, EpochReport, TrainConfig
 
 
 def make_strategy(devices: list[str]) -> tf.distribute.MirroredStrategy:
-    from backends.tensorflow.backend import tf_device_name
+    from aiperf_backends.tensorflow.backend import tf_device_name
 
     names = [tf_device_name(d) for d in devices]
     return tf.distribute.MirroredStrategy(names)
@@ -32,7 +32,7 @@ def make_strategy(devices: list[str]) -> tf.distribute.MirroredStrategy:
 
 def mirrored_copy(model, strategy):
     """The model lowered again under `strategy` (mirrored variables) with the same weights."""
-    from backends.tensorflow.lowering import LoweredModel
+    from aiperf_backends.tensorflow.lowering import LoweredModel
 
     with strategy.scope():
         return LoweredModel(model.graph, model.export_canonical(), model.precision)
@@ -40,7 +40,7 @@ def mirrored_copy(model, strategy):
 
 def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list[str],
                         on_epoch: Callable[[EpochReport], Any] | None = None) -> list[EpochReport]:
-    from backends.tensorflow.training import Trainer, run_epochs
+    from aiperf_backends.tensorflow.training import Trainer, run_epochs
 
     strategy = make_strategy(devices)
     replica = mirrored_copy(model, strategy)

@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, batches, is_streaming
-from backends.tensorflow.lowering import make_variable, use_xla
+from aiperf_backends.tensorflow.lowering import make_variable, use_xla
 
 PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
 PREDICT_BATCH = 256

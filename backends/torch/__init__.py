@@ -4,6 +4,6 @@ Modules: backend (the Backend subclass), lowering (IR -> torch.nn.Module), train
 step, epoch loop), distributed (data parallelism over local devices), counter (native op counter).
 """
 
-from backends.torch.backend import TorchBackend
+from aiperf_backends.torch.backend import TorchBackend
 
 __all__ = ["TorchBackend"]

@@ -51,7 +51,7 @@ class TorchFlopCounter(NativeCounter):
         import torch
         from torch.utils.flop_counter import FlopCounterMode
 
-        from backends.torch.training import preserved, summed_loss
+        from aiperf_backends.torch.training import preserved, summed_loss
 
         graph = model.graph
         device = next(model.parameters()).device

@@ -74,7 +74,7 @@ class DistributedBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def forward(self, x):
         if not (self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            from backends.torch.lowering import _bn_single_value
+            from aiperf_backends.torch.lowering import _bn_single_value
 
             if self.training and x.numel() == x.shape[1]:
                 return _bn_single_value(self, x)
@@ -193,7 +193,7 @@ def ddp_step(stepper, x_global: torch.Tensor, y_global: torch.Tensor, rank: int,
 
 def _start_rank(rank: int, job: dict):
     """Process group, lowered model, synchronised BN and DDP for this rank: (model, ddp, device, config)."""
-    from backends.torch.lowering import lower_graph
+    from aiperf_backends.torch.lowering import lower_graph
 
     world = job["world"]
     device = torch.device(job["devices"][rank])
@@ -206,7 +206,7 @@ def _start_rank(rank: int, job: dict):
 
 def _rank_main(rank: int, job: dict) -> None:
     """One rank of train_data_parallel: the whole epoch loop."""
-    from backends.torch.training import Stepper, run_epochs
+    from aiperf_backends.torch.training import Stepper, run_epochs
 
     try:
         model, ddp, device, config = _start_rank(rank, job)
@@ -243,7 +243,7 @@ def run_rank_steps(rank: int, job: dict) -> None:
     weights) on the queue. The gradients are those after DDP's all-reduce: those of the global
     batch's mean loss.
     """
-    from backends.torch.training import Stepper
+    from aiperf_backends.torch.training import Stepper
 
     try:
         model, ddp, device, config = _start_rank(rank, job)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from functools import partial
 
-import opcount
-from conformance.cases import trained_looking_weights
-from conformance.kit import Check, Context, Outcome
-from conformance.levels.graph import GRAPHS
+import aiperf_opcount as opcount
+from aiperf_conformance.cases import trained_looking_weights
+from aiperf_conformance.kit import Check, Context, Outcome
+from aiperf_conformance.levels.graph import GRAPHS
 
 BATCH = 2
 EXACT_CATEGORIES = ("conv", "dense")  # MAC-based: every convention agrees on these exactly

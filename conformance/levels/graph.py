@@ -8,8 +8,8 @@ from functools import partial
 import numpy as np
 
 from aiperf_core.builders import resnet50, resnet_small
-from conformance.cases import trained_looking_weights
-from conformance.kit import Check, Context, Outcome, compare, reference
+from aiperf_conformance.cases import trained_looking_weights
+from aiperf_conformance.kit import Check, Context, Outcome, compare, reference
 
 GRAPHS = {
     "resnet_small": lambda: resnet_small((32, 32, 3), 10),

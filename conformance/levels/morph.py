@@ -9,9 +9,9 @@ import numpy as np
 
 from aiperf_core.builders import resnet_small
 from aiperf_core.morph import random_morph
-from conformance.cases import trained_looking_weights
-from conformance.kit import Check, Context, Outcome, compare
-from conformance.levels.count import BATCH, EXACT_CATEGORIES, analytic_by_category
+from aiperf_conformance.cases import trained_looking_weights
+from aiperf_conformance.kit import Check, Context, Outcome, compare
+from aiperf_conformance.levels.count import BATCH, EXACT_CATEGORIES, analytic_by_category
 
 MORPHS = ("deeper", "wider", "skip", "kernel")
 

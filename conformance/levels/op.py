@@ -6,8 +6,8 @@ from functools import partial
 
 import numpy as np
 
-from conformance.cases import OP_CASES, OpCase, trained_looking_weights
-from conformance.kit import Check, Context, Outcome, compare, reference
+from aiperf_conformance.cases import OP_CASES, OpCase, trained_looking_weights
+from aiperf_conformance.kit import Check, Context, Outcome, compare, reference
 
 BATCH = 4
 

@@ -9,9 +9,9 @@ import numpy as np
 
 from aiperf_core.backend import Dataset, Schedule, TrainConfig
 from aiperf_core.builders import resnet_small
-from conformance.cases import trained_looking_weights
-from conformance.kit import Check, Context, Outcome, reference
-from conformance.levels.op import compare_grads
+from aiperf_conformance.cases import trained_looking_weights
+from aiperf_conformance.kit import Check, Context, Outcome, reference
+from aiperf_conformance.levels.op import compare_grads
 
 # The digits run: enough for the small ResNet to pass 90% with plain SGD on every backend.
 DIGITS_EPOCHS = 8
