@@ -23,7 +23,22 @@ from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.ir import PARAMETRIC_OPS, Graph
 from aiperf_core.weights import Weights, init_weights, validate_weights
 
-PRECISIONS = ("fp32", "fp16", "bf16")  # fp16 and bf16 mean mixed precision with fp32 master weights
+# fp32: IEEE fp32 arithmetic everywhere (no TF32 behind the user's back). tf32: fp32 storage with
+# convolutions and matrix products on TF32 tensor cores (CUDA compute capability 8.0+). bf16 and fp16:
+# mixed precision with fp32 master weights (fp16 with loss scaling). A backend declares, per device,
+# only the precisions that device runs natively and that pass a probe step (Backend.precisions).
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+MIXED_PRECISIONS = ("tf32", "bf16", "fp16")  # probed per device; fp32 always runs
+AUTO_PRECISION = "auto"  # a run's default: Backend.fastest_precision() on the run's device
+# Where a device has several, fastest first (tensor-core throughput; a backend that measured
+# otherwise overrides Backend.precision_preference).
+ACCELERATOR_PRECISION_PREFERENCE = ("bf16", "fp16", "tf32", "fp32")
+
+# A backend that declares data parallelism exposes this many CPU devices (worker processes or
+# logical devices) when the variable is set and no accelerator is present, so that its parallel
+# path can be certified on a machine without accelerators (the kit's `parallel` level sets it in a
+# child process). Read it once, when the backend first initialises its framework.
+CPU_DEVICES_ENV = "AIPERF_CPU_DEVICES"
 
 
 class BackendError(AiperfError):
@@ -55,12 +70,35 @@ class Schedule:
 @dataclass(frozen=True)
 class TrainConfig:
     epochs: int
-    batch_size: int
+    batch_size: int  # the global batch, over every device trained on
     schedule: Schedule = field(default_factory=Schedule)
     momentum: float = 0.9
     label_smoothing: float = 0.0
     precision: str = "fp32"
     seed: int = 0
+    # The devices to train on, a subset of Backend.devices() in its order; None: all of them. More
+    # than one needs a backend whose parallelism() declares data parallelism.
+    devices: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    """How a backend trains over several local devices (Backend.parallelism()).
+
+    data_parallel: synchronous data parallelism: each device takes a contiguous shard of every
+      global batch and the gradients are all-reduced every step, so that training on k devices
+      equals training on one with the global batch (the kit's `parallel` level checks it).
+    synchronized_batch_norm: training batch-norm statistics are those of the whole global batch.
+    A backend that declares neither is certified as single-device, and `aiperf run` never gives it
+    more than one device.
+    """
+
+    data_parallel: bool = False
+    synchronized_batch_norm: bool = False
+    notes: str = ""
+
+
+SINGLE_DEVICE = Parallelism()
 
 
 @dataclass(frozen=True)
@@ -75,6 +113,9 @@ class EpochReport:
     val_accuracy: float
     skipped_images: int = 0  # training and validation images that could not be decoded (streamed data)
     step_seconds: float | None = None  # the epoch's wall seconds in train and eval steps (StepClock); None: not measured
+    # Seconds of this epoch spent tracing and compiling the step (torch.compile, XLA, jit_compile),
+    # included in step_seconds; 0.0 when nothing was compiled, None when not measured.
+    compile_seconds: float | None = None
 
 
 class StepClock:
@@ -89,10 +130,11 @@ class StepClock:
     Single-threaded: one clock per epoch loop. Diagnostic only: the report shows it, the score
     never reads it (the core keeps the clock that scores)."""
 
-    __slots__ = ("seconds", "_start")
+    __slots__ = ("seconds", "images", "_start")
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.images = 0  # training images of the epoch so far (count())
         self._start = 0.0
 
     def __enter__(self) -> "StepClock":
@@ -103,9 +145,14 @@ class StepClock:
         self.seconds += time.perf_counter() - self._start
         return False
 
+    def count(self, images: int) -> None:
+        """After each training step: the images of the global batch it trained on (live progress;
+        the report's train_images stays the backend's exact count)."""
+        self.images += int(images)
+
     def lap(self) -> float:
         """The seconds since the last lap (for one epoch's report), and start again from zero."""
-        seconds, self.seconds = self.seconds, 0.0
+        seconds, self.seconds, self.images = self.seconds, 0.0, 0
         return seconds
 
 
@@ -183,17 +230,39 @@ class Backend(abc.ABC):
 
     _precisions_found: dict[tuple[str, str], tuple[str, ...]] = {}  # (backend, device) -> precisions
 
-    def precisions(self) -> tuple[str, ...]:
-        """Precisions the first local device supports, probed once per process; lower() rejects the others."""
-        key = (self.name, self.devices()[0])
+    def precisions(self, device: str | None = None) -> tuple[str, ...]:
+        """Precisions `device` (default: the first local device) runs, probed once per process and
+        device, in PRECISIONS order; lower() and train() reject the others."""
+        device = device or self.devices()[0]
+        key = (self.name, device)
         if key not in Backend._precisions_found:
-            mixed = tuple(p for p in ("bf16", "fp16") if self.runs_precision(key[1], p))
-            Backend._precisions_found[key] = ("fp32",) + mixed
+            found = tuple(p for p in MIXED_PRECISIONS if self.runs_precision(device, p))
+            Backend._precisions_found[key] = ("fp32",) + tuple(p for p in PRECISIONS if p in found)
         return Backend._precisions_found[key]
 
     def runs_precision(self, device: str, precision: str) -> bool:
-        """Whether `device` runs mixed `precision` natively (a short probe is fine). fp32 always runs."""
+        """Whether `device` runs `precision` (one of MIXED_PRECISIONS) natively and a short probe step
+        stays finite. fp32 always runs. tf32 only where the device has TF32 units (CUDA 8.0+)."""
         return False
+
+    def precision_preference(self, device: str) -> tuple[str, ...]:
+        """Precisions fastest first on `device`, for `auto`. Accelerators: bf16, fp16, tf32, fp32.
+        CPUs: fp32 first, except bf16 where the CPU has AMX tiles (on AVX512-BF16 alone oneDNN's
+        bf16 convolutions are not faster than fp32)."""
+        if device.split(":")[0].split(" ")[0].lower() == "cpu":
+            return ("bf16", "fp32") if "amx_bf16" in cpu_flags() else ("fp32",)
+        return ACCELERATOR_PRECISION_PREFERENCE
+
+    def fastest_precision(self, device: str | None = None) -> str:
+        """What `auto` resolves to on `device` (default: the first local device): the first of
+        precision_preference() that the device declares (fp32 when none is)."""
+        device = device or self.devices()[0]
+        declared = self.precisions(device)
+        return next((p for p in self.precision_preference(device) if p in declared), "fp32")
+
+    def parallelism(self) -> Parallelism:
+        """How this backend trains over several devices; SINGLE_DEVICE unless a backend says more."""
+        return SINGLE_DEVICE
 
     # -- models -------------------------------------------------------------
     @abc.abstractmethod
@@ -233,8 +302,31 @@ class Backend(abc.ABC):
         model = self.check_model(model)
         self.check_precision(config.precision)
         check_train_config(config)
+        self.check_devices(config.devices)
         check_dataset(model.graph, data)
         return self.train_checked(model, data, config, on_epoch)
+
+    def train_devices(self, config: TrainConfig) -> list[str]:
+        """The devices a checked config trains on: config.devices, else every local device."""
+        return list(config.devices) if config.devices else list(self.devices())
+
+    def check_devices(self, devices: tuple[str, ...] | None) -> None:
+        if devices is None:
+            if len(self.devices()) > 1 and not self.parallelism().data_parallel:
+                raise BackendError(f"backend '{self.name}' trains on one device only (it declares no data "
+                                   f"parallelism), but {len(self.devices())} are visible: "
+                                   f"{', '.join(self.devices())}")
+            return
+        local = list(self.devices())
+        if not devices:
+            raise BackendError("TrainConfig.devices: empty (give None for every local device)")
+        unknown = [d for d in devices if d not in local]
+        if unknown or len(set(devices)) != len(devices):
+            raise BackendError(f"TrainConfig.devices: {', '.join(devices)} is not a subset of backend "
+                               f"'{self.name}''s devices ({', '.join(local)})")
+        if len(devices) > 1 and not self.parallelism().data_parallel:
+            raise BackendError(f"backend '{self.name}' trains on one device only (it declares no data "
+                               f"parallelism); asked for {len(devices)}")
 
     def check_model(self, model: Any) -> Any:
         """`model` if this backend lowered it, else a BackendError that says what it got."""
@@ -286,13 +378,14 @@ class Backend(abc.ABC):
         validate_weights(graph, weights)
         return weights
 
-    def check_precision(self, precision: str) -> None:
+    def check_precision(self, precision: str, device: str | None = None) -> None:
         if precision not in PRECISIONS:
             raise BackendError(f"unknown precision '{precision}' (choose from {', '.join(PRECISIONS)})")
-        if precision not in self.precisions():
+        device = device or self.devices()[0]
+        if precision not in self.precisions(device):
             raise BackendError(
-                f"backend '{self.name}' cannot run precision '{precision}' on {', '.join(self.devices())} "
-                f"(supported: {', '.join(self.precisions())})"
+                f"backend '{self.name}' cannot run precision '{precision}' on {device} "
+                f"(supported: {', '.join(self.precisions(device))})"
             )
 
 
@@ -414,4 +507,5 @@ def describe(backend_cls: type[Backend]) -> Mapping[str, Any]:
     """Version and devices of an available backend, for `aiperf backends`."""
     instance = backend_cls()
     return {"version": instance.framework_version(), "devices": instance.devices(),
-            "precisions": list(instance.precisions())}
+            "precisions": list(instance.precisions()), "fastest_precision": instance.fastest_precision(),
+            "data_parallel": instance.parallelism().data_parallel}

@@ -1,6 +1,6 @@
 """JaxBackend: the aiperf Backend contract on JAX (XLA).
 
-jax is imported lazily, inside functions, so that `import backends.jax` and listing backends work
+jax is imported lazily, inside functions, so that `import aiperf_backends.jax` and listing backends work
 where jax is not installed; availability() then says why not.
 
 * devices: jax.local_devices() of the default platform ('cpu:0', 'gpu:0', 'tpu:0', ...).
@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from aiperf_core.backend import Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter, TrainConfig
+from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter,
+                                 Parallelism, TrainConfig)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, init_weights
 
@@ -33,8 +34,8 @@ def _probe_bf16() -> bool:
         import jax.numpy as jnp
 
         from aiperf_core.builders import resnet_small
-        from backends.jax.lowering import lower_graph
-        from backends.jax.training import summed_loss
+        from aiperf_backends.jax.lowering import lower_graph
+        from aiperf_backends.jax.training import summed_loss
 
         graph = resnet_small((8, 8, 3), 3)
         model = lower_graph(graph, init_weights(graph, seed=0), "bf16")
@@ -71,20 +72,24 @@ class JaxBackend(Backend):
         platform = device.partition(":")[0]
         return precision == "bf16" and platform in ("gpu", "cuda", "rocm", "tpu") and _probe_bf16()
 
+    def parallelism(self) -> Parallelism:
+        return Parallelism(data_parallel=True, synchronized_batch_norm=True,
+                           notes="the batch axis sharded over a device mesh in one jitted step; batch statistics over the global batch array")
+
     def native_counter(self) -> NativeCounter | None:
-        from backends.jax.counter import XlaCostCounter
+        from aiperf_backends.jax.counter import XlaCostCounter
 
         return XlaCostCounter()
 
     # -- models -------------------------------------------------------------
     def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> Any:
-        from backends.jax.lowering import lower_graph
+        from aiperf_backends.jax.lowering import lower_graph
 
         weights = self.starting_weights(graph, weights, precision)
         return lower_graph(graph, weights, precision)
 
     def model_type(self) -> type:
-        from backends.jax.lowering import JaxModel
+        from aiperf_backends.jax.lowering import JaxModel
 
         return JaxModel
 
@@ -95,7 +100,7 @@ class JaxBackend(Backend):
         self.check_model(model).load_canonical(weights)
 
     def predict_checked(self, model: Any, x: np.ndarray) -> np.ndarray:
-        from backends.jax.training import predict
+        from aiperf_backends.jax.training import predict
 
         return predict(model, x)
 
@@ -104,8 +109,8 @@ class JaxBackend(Backend):
         import jax
         import jax.numpy as jnp
 
-        from backends.jax.lowering import reference_dropout_masks
-        from backends.jax.training import summed_loss
+        from aiperf_backends.jax.lowering import reference_dropout_masks
+        from aiperf_backends.jax.training import summed_loss
 
         graph = model.graph
         # Dropout masks are the NumPy reference's for seed 0: deterministic, and comparable.
@@ -130,7 +135,7 @@ class JaxBackend(Backend):
 
     def train_checked(self, model: Any, data: Dataset, config: TrainConfig,
                       on_epoch: EpochCallback | None) -> list[EpochReport]:
-        from backends.jax.distributed import make_mesh
-        from backends.jax.training import run_epochs
+        from aiperf_backends.jax.distributed import make_mesh
+        from aiperf_backends.jax.training import run_epochs
 
         return run_epochs(model, data, config, make_mesh(), on_epoch=on_epoch)

@@ -1,6 +1,6 @@
 """MindSporeBackend: the aiperf Backend contract on MindSpore 2.
 
-mindspore is imported lazily, inside functions, so that `import backends.mindspore` and listing
+mindspore is imported lazily, inside functions, so that `import aiperf_backends.mindspore` and listing
 backends work where it is not installed; availability() then says why not.
 
 * devices: MindSpore picks its device target when it is imported: 'Ascend' where the Ascend
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter,
-                                 TrainConfig, cpu_flags)
+                                 Parallelism, TrainConfig, cpu_flags)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights
 
@@ -45,7 +45,7 @@ def _ms():
     os.environ.setdefault("GLOG_v", "3")
     import mindspore
 
-    import backends.mindspore.lowering  # noqa: F401  (settles MindSpore's NumPy bridge on first import)
+    import aiperf_backends.mindspore.lowering  # noqa: F401  (settles MindSpore's NumPy bridge on first import)
 
     return mindspore
 
@@ -55,8 +55,8 @@ def _probe_precision(precision: str) -> bool:
     try:
         from aiperf_core.builders import resnet_small
         from aiperf_core.weights import init_weights
-        from backends.mindspore.lowering import lower_graph
-        from backends.mindspore.training import gradient_function, targets
+        from aiperf_backends.mindspore.lowering import lower_graph
+        from aiperf_backends.mindspore.training import gradient_function, targets
 
         _ms()
         from mindspore import Tensor
@@ -88,7 +88,7 @@ class MindSporeBackend(Backend):
     def devices(self) -> list[str]:
         target = device_target()
         if target == "CPU":
-            from backends.mindspore.distributed import cpu_workers
+            from aiperf_backends.mindspore.distributed import cpu_workers
 
             workers = cpu_workers()  # data-parallel CPU workers asked for (AIPERF_MINDSPORE_CPU_WORKERS)
             return ["cpu"] if workers == 1 else [f"cpu:{i}" for i in range(workers)]
@@ -97,12 +97,18 @@ class MindSporeBackend(Backend):
         return [f"{target}:{i}" for i in range(max(int(context.device_count()), 1))]
 
     def runs_precision(self, device: str, precision: str) -> bool:
+        if precision not in _CPU_FLAGS:  # tf32 is a CUDA precision; Ascend and CPUs have none
+            return False
         if device.startswith("cpu") and not set(_CPU_FLAGS[precision]) & cpu_flags():
             return False
         return _probe_precision(precision)
 
+    def parallelism(self) -> Parallelism:
+        return Parallelism(data_parallel=True, synchronized_batch_norm=True,
+                           notes="DATA_PARALLEL over HCCL (Ascend) or MCCL (CPU workers), gradients_mean, synchronised batch norm")
+
     def native_counter(self) -> NativeCounter | None:
-        from backends.mindspore.counter import MindSporeFlopsCounter
+        from aiperf_backends.mindspore.counter import MindSporeFlopsCounter
 
         return MindSporeFlopsCounter()
 
@@ -110,13 +116,13 @@ class MindSporeBackend(Backend):
     def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> Any:
         weights = self.starting_weights(graph, weights, precision)
         _ms()
-        from backends.mindspore.lowering import lower_graph
+        from aiperf_backends.mindspore.lowering import lower_graph
 
         return lower_graph(graph, weights, precision)
 
     def model_type(self) -> type:
         _ms()
-        from backends.mindspore.lowering import LoweredCell
+        from aiperf_backends.mindspore.lowering import LoweredCell
 
         return LoweredCell
 
@@ -131,7 +137,7 @@ class MindSporeBackend(Backend):
         model.load_canonical(weights)
 
     def predict_checked(self, model: Any, x: np.ndarray) -> np.ndarray:
-        from backends.mindspore.training import predict
+        from aiperf_backends.mindspore.training import predict
 
         return predict(model, x)
 
@@ -139,8 +145,8 @@ class MindSporeBackend(Backend):
                                label_smoothing: float) -> tuple[float, Weights]:
         from mindspore import Tensor
 
-        from backends.mindspore.lowering import to_canonical
-        from backends.mindspore.training import gradient_function, preserved, targets
+        from aiperf_backends.mindspore.lowering import to_canonical
+        from aiperf_backends.mindspore.training import gradient_function, preserved, targets
 
         trainable = model.trainable()
         was_training = model.training
@@ -164,12 +170,12 @@ class MindSporeBackend(Backend):
 
     def train_checked(self, model: Any, data: Dataset, config: TrainConfig,
                       on_epoch: EpochCallback | None) -> list[EpochReport]:
-        from backends.mindspore.training import run_epochs
+        from aiperf_backends.mindspore.training import run_epochs
 
         devices = self.devices()
         with model.computing_in(config.precision):
             if len(devices) > 1:
-                from backends.mindspore.distributed import train_data_parallel
+                from aiperf_backends.mindspore.distributed import train_data_parallel
 
                 return train_data_parallel(model, data, config, devices, on_epoch)
             return run_epochs(model, data, config, on_epoch=on_epoch)

@@ -1,6 +1,6 @@
 """TensorFlowBackend: the aiperf Backend contract on TensorFlow 2.
 
-tensorflow is imported lazily, inside methods, so that `import backends.tensorflow` and listing
+tensorflow is imported lazily, inside methods, so that `import aiperf_backends.tensorflow` and listing
 backends work where it is not installed. TF's C++ logging is quieted to warnings and errors
 (TF_CPP_MIN_LOG_LEVEL=1 unless set; errors are never hidden), TF's Python logger to errors.
 
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter,
-                                 TrainConfig, cpu_flags)
+                                 Parallelism, TrainConfig, cpu_flags)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, init_weights
 
@@ -71,8 +71,8 @@ def _probe_precision(device: str, precision: str) -> bool:
     try:
         from aiperf_core.builders import resnet_small
         from aiperf_core.backend import Schedule
-        from backends.tensorflow.lowering import lower_graph
-        from backends.tensorflow.training import Trainer
+        from aiperf_backends.tensorflow.lowering import lower_graph
+        from aiperf_backends.tensorflow.training import Trainer
 
         graph = resnet_small((8, 8, 3), 3)
         model = lower_graph(graph, init_weights(graph, 0), precision)
@@ -107,8 +107,12 @@ class TensorFlowBackend(Backend):
     def runs_precision(self, device: str, precision: str) -> bool:
         return _probe_precision(device, precision)
 
+    def parallelism(self) -> Parallelism:
+        return Parallelism(data_parallel=True, synchronized_batch_norm=True,
+                           notes="MirroredStrategy with synchronised batch norm")
+
     def native_counter(self) -> NativeCounter | None:
-        from backends.tensorflow.counter import TFProfilerCounter
+        from aiperf_backends.tensorflow.counter import TFProfilerCounter
 
         return TFProfilerCounter()
 
@@ -116,13 +120,13 @@ class TensorFlowBackend(Backend):
     def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> Any:
         weights = self.starting_weights(graph, weights, precision)
         tf = _tf()
-        from backends.tensorflow.lowering import lower_graph
+        from aiperf_backends.tensorflow.lowering import lower_graph
 
         with tf.device(tf_device_name(self.devices()[0])):
             return lower_graph(graph, weights, precision)
 
     def model_type(self) -> type:
-        from backends.tensorflow.lowering import LoweredModel
+        from aiperf_backends.tensorflow.lowering import LoweredModel
 
         return LoweredModel
 
@@ -133,7 +137,7 @@ class TensorFlowBackend(Backend):
         self.check_model(model).load_canonical(weights)
 
     def predict_checked(self, model: Any, x: np.ndarray) -> np.ndarray:
-        from backends.tensorflow.training import PREDICT_BATCH
+        from aiperf_backends.tensorflow.training import PREDICT_BATCH
 
         outputs = [model.predict_fn(x[s:s + PREDICT_BATCH]).numpy() for s in range(0, len(x), PREDICT_BATCH)]
         return np.ascontiguousarray(np.concatenate(outputs), dtype=np.float32)
@@ -141,7 +145,7 @@ class TensorFlowBackend(Backend):
     def loss_and_grads_checked(self, model: Any, x: np.ndarray, labels: np.ndarray,
                                label_smoothing: float) -> tuple[float, Weights]:
         tf = _tf()
-        from backends.tensorflow.training import summed_loss
+        from aiperf_backends.tensorflow.training import summed_loss
 
         # Training mode (batch statistics) but the moving statistics are returned, not assigned:
         # computing gradients never changes the model. Dropout masks are the NumPy reference's
@@ -161,10 +165,10 @@ class TensorFlowBackend(Backend):
         model.set_precision(config.precision)
         try:
             if len(devices) > 1:
-                from backends.tensorflow.distributed import train_data_parallel
+                from aiperf_backends.tensorflow.distributed import train_data_parallel
 
                 return train_data_parallel(model, data, config, devices, on_epoch)
-            from backends.tensorflow.training import Trainer, run_epochs
+            from aiperf_backends.tensorflow.training import Trainer, run_epochs
 
             with _tf().device(tf_device_name(devices[0])):
                 return run_epochs(Trainer(model, config), data, config, on_epoch)

@@ -1,6 +1,6 @@
 """TorchBackend: the aiperf Backend contract on PyTorch.
 
-torch is imported lazily, inside methods, so that `import backends.torch` and listing backends work
+torch is imported lazily, inside methods, so that `import aiperf_backends.torch` and listing backends work
 where torch is not installed.
 
 * devices: every CUDA device ('cuda:0', ...) when CUDA is available, else ['cpu'].
@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from aiperf_core.backend import Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter, TrainConfig
+from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter,
+                                 Parallelism, TrainConfig)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights
 
@@ -49,7 +50,7 @@ def _torch():
 def _probe_precision(device: str, precision: str) -> bool:
     """Whether mixed precision `precision` trains a tiny conv/BN/dense net on `device`."""
     torch = _torch()
-    from backends.torch.training import AUTOCAST_DTYPES
+    from aiperf_backends.torch.training import AUTOCAST_DTYPES
 
     dtype = AUTOCAST_DTYPES[precision]
     dev = torch.device(device)
@@ -114,23 +115,29 @@ class TorchBackend(Backend):
         return ["cpu"]
 
     def runs_precision(self, device: str, precision: str) -> bool:
+        if precision == "tf32":  # declared by the accelerators work (TF32 units: CUDA 8.0+)
+            return False
         return _probe_precision(device, precision)
 
+    def parallelism(self) -> Parallelism:
+        return Parallelism(data_parallel=True, synchronized_batch_norm=True,
+                           notes="DistributedDataParallel, one process per device (NCCL on GPUs, gloo on CPUs); SyncBatchNorm on CUDA, DistributedBatchNorm elsewhere")
+
     def native_counter(self) -> NativeCounter | None:
-        from backends.torch.counter import TorchFlopCounter
+        from aiperf_backends.torch.counter import TorchFlopCounter
 
         return TorchFlopCounter()
 
     # -- models -------------------------------------------------------------
     def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> Any:
-        from backends.torch.lowering import lower_graph
+        from aiperf_backends.torch.lowering import lower_graph
 
         weights = self.starting_weights(graph, weights, precision)
         _torch()
         return lower_graph(graph, weights, precision, self.devices()[0])
 
     def model_type(self) -> type:
-        from backends.torch.lowering import LoweredModel
+        from aiperf_backends.torch.lowering import LoweredModel
 
         return LoweredModel
 
@@ -142,7 +149,7 @@ class TorchBackend(Backend):
 
     def predict_checked(self, model: Any, x: np.ndarray) -> np.ndarray:
         torch = _torch()
-        from backends.torch.training import PREDICT_BATCH, autocast
+        from aiperf_backends.torch.training import PREDICT_BATCH, autocast
 
         device = _device_of(model)
         was_training = model.training
@@ -162,7 +169,7 @@ class TorchBackend(Backend):
     def loss_and_grads_checked(self, model: Any, x: np.ndarray, labels: np.ndarray,
                                label_smoothing: float) -> tuple[float, Weights]:
         torch = _torch()
-        from backends.torch.training import autocast, preserved, summed_loss
+        from aiperf_backends.torch.training import autocast, preserved, summed_loss
 
         device = _device_of(model)
         was_training = model.training
@@ -186,11 +193,11 @@ class TorchBackend(Backend):
 
     def train_checked(self, model: Any, data: Dataset, config: TrainConfig,
                       on_epoch: EpochCallback | None) -> list[EpochReport]:
-        from backends.torch.training import run_epochs
+        from aiperf_backends.torch.training import run_epochs
 
         devices = self.devices()
         if len(devices) > 1:
-            from backends.torch.distributed import train_data_parallel
+            from aiperf_backends.torch.distributed import train_data_parallel
 
             return train_data_parallel(model, data, config, devices, on_epoch)
         _torch()
