@@ -13,10 +13,13 @@ tables hold the rest:
     seed = 1
     max_restarts = 3              # restarts of a crashed replica
     heartbeat_timeout = "10m"     # a replica silent this long is lost
+    stall_timeout = "10m"         # a training replica with no finished step for this long is lost
     stop_after_trials = 2         # bounds a test run (each replica stops after this many trials)
 
     [policy]                      # aiperf_core.policy items; a changed fixed item makes the run unofficial
     image_size = 64
+    precision = "auto"            # auto (default), fp32, tf32, bf16, fp16
+    data_workers = 8              # data transformation workers per replica, at least 1 (--data-workers)
 
     [slurm]
     partition = "gpu"
@@ -90,6 +93,7 @@ TOP_LEVEL: dict[str, Callable[[Any], str | None]] = {
     "seed": _integer(0),
     "max_restarts": _integer(0),
     "heartbeat_timeout": _duration,
+    "stall_timeout": _duration,
     "stop_after_trials": _integer(1),
 }
 SLURM: dict[str, Callable[[Any], str | None]] = {
@@ -127,6 +131,10 @@ def check_config(data: Mapping[str, Any]) -> str | None:
     """The first problem of a parsed config, as '<key>: <what is wrong>', or None."""
     unknown = sorted(set(data) - KNOWN_KEYS)
     if unknown:
+        from aiperf_core.policy import BY_NAME
+
+        if unknown[0] in BY_NAME:  # e.g. data_workers, precision: items of the [policy] table
+            return f"unknown setting '{unknown[0]}': it is a policy item, set it under [policy]"
         return f"unknown setting '{unknown[0]}' (known: {', '.join(sorted(KNOWN_KEYS))})"
     problem = _check_keys(data, TOP_LEVEL, prefix="", tables=TABLES)
     if problem:

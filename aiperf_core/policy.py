@@ -21,9 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
+from aiperf_core.backend import AUTO_PRECISION, PRECISIONS
+from aiperf_core.data.stream import check_loader
 from aiperf_core.errors import AiperfError
 
-PRECISION_RANK = {"fp8": 0, "fp16": 1, "bf16": 1, "fp32": 2}
+# Table 4's "FP16 or better", as an order: a precision meets a minimum when its rank is at least
+# the minimum's. bf16 ranks with fp16 (fewer mantissa bits, a wider exponent); tf32 above both:
+# fp16's 10-bit mantissa with fp32's 8-bit exponent (docs/scoring.md). fp8 is below every minimum.
+PRECISION_RANK = {"fp8": 0, "fp16": 1, "bf16": 1, "tf32": 2, "fp32": 3}
 
 
 class PolicyError(AiperfError):
@@ -129,8 +134,11 @@ ITEMS: tuple[PolicyItem, ...] = (
     PolicyItem("parallelism", "synchronous-all-reduce", False, "data parallelism inside a replica",
                _choice("synchronous-all-reduce")),
     PolicyItem("data_workers", 48, False, "parallel data transformation workers per replica", _int_range(1)),
-    PolicyItem("precision", "fp32", False, "training precision (fp32, bf16 or fp16)",
-               _choice("fp32", "bf16", "fp16")),
+    PolicyItem("data_loader", "native", False, "who decodes streamed images: native (the backend's pipeline or "
+               "aiperf's host workers) or dali (NVIDIA DALI, aiperf[dali]; on the GPU where CUDA is present)",
+               check_loader),
+    PolicyItem("precision", AUTO_PRECISION, False, "training precision: auto (the fastest the backend declares "
+               "on the run's device), fp32, tf32, bf16 or fp16", _choice(AUTO_PRECISION, *PRECISIONS)),
     # Search settings the paper leaves open.
     PolicyItem("warmup_epochs", [15, 30, 45], False, "epochs of each warm-up round (rounds before HPO)",
                _int_list(1)),

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,18 +34,21 @@ from typing import Any, Mapping
 import numpy as np
 
 from aiperf_core.atomic import write_bytes_atomic, write_text_atomic
-from aiperf_core.backend import Backend, Dataset, EpochReport, Schedule, TrainConfig, is_streaming
+from aiperf_core.backend import (AUTO_PRECISION, PRECISIONS, Backend, Dataset, EpochReport, Schedule, StepClock,
+                                 TrainConfig, is_streaming)
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph
 from aiperf_core.monitor import DEFAULT_INTERVAL_S, Sampler
 from aiperf_core.policy import Policy
-from aiperf_core.rundir import EventLog, RunDir, read_events, sha256_bytes, sha256_file, trial_id
+from aiperf_core.rundir import (LEASE_RENEW_S, EventLog, Lease, RunDir, read_events, sha256_bytes, sha256_file,
+                                trial_id)
 from aiperf_core.search import curve, hpo, nas
 from aiperf_core.search.arch import encode
 from aiperf_core.search.history import SharedHistory, TrialRecord
 from aiperf_core.weights import Weights
 
 HEARTBEAT_INTERVAL_S = 5.0
+LEASE_LOST_EXIT = 75  # the replica's exit status when another process took its replica id over
 MAX_CONSECUTIVE_FAILURES = 3  # failed trials in a row before the replica gives up (stop reason "failures")
 STOP_FILE = "stop"  # RUN_DIR/primary/stop: the primary's request that every replica stop
 
@@ -72,6 +77,7 @@ class RunSpec:
     deadline: float
     devices_per_replica: int
     stop_after_trials: int | None
+    precision: str | None = None  # run.json's resolved precision; None: this replica resolves `auto`
     monitor_interval_s: float = DEFAULT_INTERVAL_S
 
     @classmethod
@@ -87,6 +93,9 @@ class RunSpec:
                                        or stop_after < 0):
             raise ReplicaError(f"run.json.stop_after_trials: {stop_after!r} is not a non-negative integer or null")
         dataset = need("dataset", dict, "an object {name, path, classes, ...}")
+        precision = run.get("precision")
+        if precision is not None and precision not in PRECISIONS:
+            raise ReplicaError(f"run.json.precision: {precision!r} is not one of {', '.join(PRECISIONS)} or null")
         interval = run.get("monitor_interval_s", DEFAULT_INTERVAL_S)
         if not isinstance(interval, (int, float)) or isinstance(interval, bool) or not interval > 0:
             raise ReplicaError(f"run.json.monitor_interval_s: {interval!r} is not a positive number of seconds")
@@ -94,7 +103,7 @@ class RunSpec:
                    dataset=dict(dataset), policy=Policy(need("policy", dict, "an object"), "run.json.policy"),
                    seed=need("seed", int, "an integer"), deadline=float(need("deadline", (int, float), "a Unix time")),
                    devices_per_replica=need("devices_per_replica", int, "an integer"),
-                   stop_after_trials=stop_after, monitor_interval_s=float(interval))
+                   stop_after_trials=stop_after, precision=precision, monitor_interval_s=float(interval))
 
 
 @dataclass
@@ -117,6 +126,20 @@ def _seed(*entropy: int) -> int:
 def _finite(value: float) -> float | None:
     value = float(value)
     return value if np.isfinite(value) else None
+
+
+def _seconds(value: float | None) -> float | None:
+    """A backend's reported seconds for the log: a finite number >= 0, else None (not measured)."""
+    if value is None:
+        return None
+    value = _finite(value)
+    return value if value is not None and value >= 0 else None
+
+
+def _total_compile_seconds(values) -> float | None:
+    """The sum of the measured values; None when none was measured."""
+    measured = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    return float(sum(measured)) if measured else None
 
 
 def _one_line(exc: BaseException) -> str:
@@ -142,12 +165,43 @@ class Replica:
         self._parent_graphs: dict[str, Graph] = {}
         self._distances = nas.DistanceCache()
         self._rejected: set[str] = set()  # trials whose files failed their checks
-        self._state: dict[str, Any] = {"state": "starting", "trial": None, "round": None, "epoch": None}
+        self._state = _Status()
         self._log: EventLog | None = None
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> str:
-        """Run trials until the deadline, a stop request or stop_after_trials; return the stop reason."""
+        """Run trials until the deadline, a stop request or stop_after_trials; return the stop reason.
+
+        The replica first takes the lease on its id (replicas/<I>/lease.json): while another live
+        process holds it, this one refuses with a ReplicaError naming it, so two processes never
+        append to one event log. A lease left by a process of another host is waited for until it
+        is stale (rundir.Lease). Steps report their progress (StepClock) to a node-local file that
+        the heartbeat carries to the primary."""
+        self._lease = Lease(self.run_dir.replica_lease(self.id), f"replica {self.id}")
+        try:
+            self._lease.acquire(wait=True)
+        except AiperfError as exc:
+            raise ReplicaError(f"replica {self.id} of {self.run_dir.root}: {exc}") from None
+        if self._lease.taken_over:
+            old = self._lease.taken_over
+            print(f"replica {self.id}: took over the lease of pid {old.get('pid')} on host {old.get('host')} "
+                  f"({'its process is gone' if old['verdict'] == 'gone' else 'it was stale'})", file=sys.stderr,
+                  flush=True)
+        progress_dir = _progress_dir()
+        self._state.progress_file = Path(progress_dir) / "progress.json"
+        inherited = os.environ.get(StepClock.PROGRESS_FILE_ENV)
+        os.environ[StepClock.PROGRESS_FILE_ENV] = str(self._state.progress_file)  # for spawned ranks too
+        try:
+            return self._run_owned()
+        finally:
+            if inherited is None:
+                os.environ.pop(StepClock.PROGRESS_FILE_ENV, None)
+            else:
+                os.environ[StepClock.PROGRESS_FILE_ENV] = inherited
+            shutil.rmtree(progress_dir, ignore_errors=True)
+            self._lease.release()
+
+    def _run_owned(self) -> str:
         backend = self._backend
         if backend is None:
             from aiperf_core.registry import load_backend
@@ -155,18 +209,20 @@ class Replica:
         self.backend = backend
         if self._dataset is None:
             from aiperf_core.data import load_dataset
-            self._dataset = load_dataset(self.spec.dataset, workers=self.policy["data_workers"])
+            self._dataset = load_dataset(self.spec.dataset, workers=self.policy["data_workers"],
+                                         loader=self.policy.get("data_loader"))
         past = read_events(self.run_dir.replica_log(self.id))
-        self._log = EventLog(self.run_dir.replica_log(self.id)).open()
+        self._log = EventLog(self.run_dir.replica_log(self.id), lease=self._lease).open()
         stopping = threading.Event()
         beat = threading.Thread(target=self._heartbeat, args=(stopping,), name=f"heartbeat-{self.id}", daemon=True)
         planner = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"planner-{self.id}")
         sampler = Sampler(self.run_dir, self.id, self.spec.monitor_interval_s).start()
         try:
             self._recover(past)
+            self.precision = self._training_precision(past)
             self._append("replica_start", pid=os.getpid(), host=socket.gethostname(), backend=self.spec.backend,
                          framework_version=backend.framework_version(), devices=list(backend.devices()),
-                         attempt=1 + sum(e.get("event") == "replica_start" for e in past))
+                         precision=self.precision, attempt=1 + sum(e.get("event") == "replica_start" for e in past))
             beat.start()
             next_seq = sum(e.get("event") == "trial_start" for e in past)
             reason = self._loop(next_seq, planner)
@@ -179,6 +235,20 @@ class Replica:
             if beat.is_alive():
                 beat.join()
             self._log.close()
+
+    def _training_precision(self, past: list[dict]) -> str:
+        """run.json's resolved precision. Where the primary could not probe the devices (SLURM) it
+        is the policy's explicit precision, or `auto` as this replica first resolved it (its earliest
+        replica_start: a restart trains as before), or, on its first start, the fastest precision
+        the backend declares on this node's first device."""
+        if self.spec.precision is not None:
+            return self.spec.precision
+        if self.policy["precision"] != AUTO_PRECISION:
+            return self.policy["precision"]
+        earlier = [e.get("precision") for e in past if e.get("event") == "replica_start"]
+        if earlier and earlier[0] in PRECISIONS:
+            return earlier[0]
+        return self.backend.fastest_precision(self.backend.devices()[0])
 
     def _loop(self, seq: int, planner: ThreadPoolExecutor) -> str:
         failures = 0
@@ -313,7 +383,7 @@ class Replica:
         hyper = {"batch_size": batch, "kernel_size": plan.proposal.kernel_size,
                  "epochs": policy.epochs_for(plan.round), "learning_rate": policy.learning_rate_for(batch),
                  "patience": policy.patience_for(plan.round), "label_smoothing": policy["label_smoothing"],
-                 "precision": policy["precision"]}
+                 "precision": self.precision}
         self._append("trial_start", trial=trial, round=plan.round, parent=plan.parent, morph=plan.morph,
                      hyper=hyper, graph_sha256=files["graph.json"])
         self._state.update(state="training", trial=trial, round=plan.round, epoch=None)
@@ -353,10 +423,12 @@ class Replica:
                 "hyper": hyper, "hpo": plan.proposal.source, "nas": plan.nas, "status": status, "reason": reason,
                 "epochs": len(accuracies), "val_accuracy": accuracies, "val_loss": watch.losses,
                 "best_val_accuracy": best, "predicted_accuracy": predicted, "target": target,
+                "compile_seconds": watch.compile_seconds,
                 "arch": encode(plan.graph).to_json(), "signature": signature_hash(plan.graph)}
         files["trial.json"] = self._write_trial_json(folder, info)
         self._append("trial_end", trial=trial, status=status, reason=reason, epochs=len(accuracies),
-                     best_val_accuracy=best, predicted_accuracy=predicted, files=files)
+                     best_val_accuracy=best, predicted_accuracy=predicted, compile_seconds=watch.compile_seconds,
+                     files=files)
         self._state.update(state="planning", trial=None)
         return status
 
@@ -374,9 +446,10 @@ class Replica:
         for trial, start in starts.items():
             if trial in ended:
                 continue
-            accuracies = [e.get("val_accuracy") for e in past
-                          if e.get("event") == "epoch_end" and e.get("trial") == trial]
+            epochs = [e for e in past if e.get("event") == "epoch_end" and e.get("trial") == trial]
+            accuracies = [e.get("val_accuracy") for e in epochs]
             best = max((a for a in accuracies if a is not None), default=None)
+            compile_seconds = _total_compile_seconds(e.get("compile_seconds") for e in epochs)
             folder = self.run_dir.trial_dir(trial)
             files = {}
             if (folder / "graph.json").exists():
@@ -385,23 +458,103 @@ class Replica:
             info = {"trial": trial, "replica": self.id, "round": start.get("round"), "parent": start.get("parent"),
                     "morph": start.get("morph"), "hyper": start.get("hyper"), "status": "interrupted",
                     "reason": reason, "epochs": len(accuracies), "val_accuracy": accuracies,
-                    "best_val_accuracy": best, "predicted_accuracy": None, "target": None}
+                    "best_val_accuracy": best, "predicted_accuracy": None, "target": None,
+                    "compile_seconds": compile_seconds}
             files["trial.json"] = self._write_trial_json(folder, info)
             self._append("trial_end", trial=trial, status="interrupted", reason=reason, epochs=len(accuracies),
-                         best_val_accuracy=best, predicted_accuracy=None, files=files)
+                         best_val_accuracy=best, predicted_accuracy=None, compile_seconds=compile_seconds,
+                         files=files)
 
     # -- records -------------------------------------------------------------------------------
     def _append(self, event: str, **fields: Any) -> dict:
         return self._log.append(event, replica=self.id, **fields)
 
     def _heartbeat(self, stopping: threading.Event) -> None:
+        renewed = time.monotonic()
         while True:
             try:
-                self.run_dir.write_heartbeat(self.id, **dict(self._state))
+                self.run_dir.write_heartbeat(self.id, **self._state.beat())
+                if time.monotonic() - renewed >= LEASE_RENEW_S:
+                    if not self._lease.renew():
+                        # Another process took this replica id over (this one was frozen for longer
+                        # than a lease lives): it owns the logs now, so stop writing at once.
+                        print(f"replica {self.id}: lost its lease on the replica id to another process; exiting",
+                              file=sys.stderr, flush=True)
+                        os._exit(LEASE_LOST_EXIT)
+                    renewed = time.monotonic()
             except OSError as exc:  # a full or flaky shared disk must not kill training; retry next beat
                 print(f"replica {self.id}: heartbeat not written: {exc}", file=sys.stderr, flush=True)
             if stopping.wait(HEARTBEAT_INTERVAL_S):
                 return
+
+
+PROGRESS_DIR_PREFIX = "aiperf-progress-"
+
+
+def _progress_dir() -> str:
+    """A private node-local folder for this process's progress file, named after its pid. Folders
+    that processes killed before they could remove theirs left behind (a stalled replica is
+    stopped with SIGKILL) are removed first: those of this user whose process is gone."""
+    import psutil
+
+    base = Path(tempfile.gettempdir())
+    try:
+        left = [p for p in base.iterdir() if p.name.startswith(PROGRESS_DIR_PREFIX)]
+    except OSError:
+        left = []
+    for folder in left:
+        pid = folder.name[len(PROGRESS_DIR_PREFIX):].split("-")[0]
+        try:
+            if folder.stat().st_uid == os.getuid() and pid.isdigit() and not psutil.pid_exists(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+        except OSError:
+            pass
+    return tempfile.mkdtemp(prefix=f"{PROGRESS_DIR_PREFIX}{os.getpid()}-")
+
+
+class _Status:
+    """What the heartbeat says: the replica's state (starting, planning, training, recording), its
+    trial, round and epoch, since when it is in that state and trial, and, while it trains, the
+    progress of its steps as StepClock writes it (ignored when older than the state: a previous
+    trial's), with the longest step and the longest trial start-up this process has seen."""
+
+    def __init__(self):
+        self._fields: dict[str, Any] = {"state": "starting", "trial": None, "round": None, "epoch": None}
+        self._since = time.time()
+        self._lock = threading.Lock()  # updated by the training thread, read by the heartbeat thread
+        self.progress_file: Path | None = None
+        self.longest_step_s = 0.0  # of the steps after each trial's first
+        self.longest_startup_s = 0.0  # from entering a trial to the end of its first step
+
+    def update(self, **fields: Any) -> None:
+        with self._lock:
+            if any(key in fields and fields[key] != self._fields[key] for key in ("state", "trial")):
+                self._since = time.time()
+            self._fields.update(fields)
+
+    def beat(self) -> dict[str, Any]:
+        with self._lock:
+            fields, since = dict(self._fields), self._since
+        progress = self._progress(since) if fields["state"] == "training" else None
+        if progress is not None:
+            self.longest_step_s = max(self.longest_step_s, float(progress.get("longest_step_s") or 0.0))
+            first_end = progress.get("first_step_end")
+            if isinstance(first_end, (int, float)):
+                self.longest_startup_s = max(self.longest_startup_s, first_end - since)
+        return {**fields, "since": since, "progress": progress, "longest_step_s": self.longest_step_s,
+                "longest_startup_s": self.longest_startup_s}
+
+    def _progress(self, since: float) -> dict[str, Any] | None:
+        if self.progress_file is None:
+            return None
+        try:
+            progress = json.loads(self.progress_file.read_text())
+        except (OSError, ValueError):
+            return None
+        stamp = progress.get("time") if isinstance(progress, dict) else None
+        if isinstance(stamp, bool) or not isinstance(stamp, (int, float)) or stamp < since:
+            return None
+        return progress
 
 
 class _EpochWatch:
@@ -415,6 +568,7 @@ class _EpochWatch:
         self.best_loss = float("inf")
         self.since_best = 0
         self.stop_reason: str | None = None
+        self.compile_seconds: float | None = None  # the trial's, summed over its epochs; None: not measured
 
     def __call__(self, report: EpochReport) -> bool:
         loss, val_loss, accuracy = _finite(report.loss), _finite(report.val_loss), _finite(report.val_accuracy)
@@ -422,7 +576,9 @@ class _EpochWatch:
                                      train_images=int(report.train_images), val_images=int(report.val_images),
                                      loss=loss, val_loss=val_loss, val_accuracy=accuracy,
                                      skipped_images=int(getattr(report, "skipped_images", 0)),
-                                     step_seconds=None if report.step_seconds is None else _finite(report.step_seconds))
+                                     step_seconds=None if report.step_seconds is None else _finite(report.step_seconds),
+                                     compile_seconds=_seconds(getattr(report, "compile_seconds", None)))
+        self.compile_seconds = _total_compile_seconds([self.compile_seconds, event["compile_seconds"]])
         self.started = event["time"]
         self.accuracies.append(accuracy)
         self.losses.append(val_loss)
@@ -453,16 +609,21 @@ def run_replica(run_dir: str | os.PathLike, replica_id: int, *, backend: Backend
 def write_run_json(run_dir: str | os.PathLike, *, backend: str = "numpy", dataset: Mapping[str, Any] | None = None,
                    policy: Mapping[str, Any] | None = None, seed: int = 0, time_budget_s: float = 3600.0,
                    replicas: int = 1, devices_per_replica: int = 1, stop_after_trials: int | None = None,
-                   executor: str = "local") -> dict:
+                   executor: str = "local", precision: str | None = None) -> dict:
     """Write run.json as `aiperf run` does (aiperf_core.workflow.plan.run_record), for tests and
     benchmarks that run replicas without a primary. The model is policy["initial_architecture"];
-    the dataset defaults to digits at 32x32. Returns what was written."""
+    the dataset defaults to digits at 32x32. `precision` is the resolved precision to record
+    (default: the policy's, and fp32, what `auto` gives on a CPU without AMX, for `auto`).
+    Returns what was written."""
     from aiperf_core.workflow.plan import RunRequest, run_record, watch_settings
 
     dataset = dict(dataset or {"name": "digits", "path": None, "layout": "embedded", "classes": 10,
                                "train_images": 1438, "val_images": 359, "image_size": 32})
+    policy = Policy(policy or {}, "policy").to_json()
+    if precision is None:
+        precision = "fp32" if policy["precision"] == AUTO_PRECISION else policy["precision"]
     run = run_record(backend=backend, executor=executor, replicas=replicas, devices_per_replica=devices_per_replica,
-                     seed=seed, time_budget_s=time_budget_s, policy=Policy(policy or {}, "policy").to_json(),
-                     dataset=dataset, stop_after_trials=stop_after_trials, watch=watch_settings(RunRequest()))
+                     seed=seed, time_budget_s=time_budget_s, policy=policy, dataset=dataset,
+                     stop_after_trials=stop_after_trials, watch=watch_settings(RunRequest()), precision=precision)
     RunDir(run_dir).write_run(run)
     return RunDir(run_dir).read_run()

@@ -8,6 +8,10 @@ before the writer goes on, so a finished epoch survives any crash, SIGKILL inclu
 Each event line carries `seq` and `prev`, the SHA-256 of the previous line, so that an edited,
 removed or reordered line is found by `aiperf score --verify`. A line torn by a crash mid-write
 is the only damage a crash can do; readers ignore it and the next writer cuts it off.
+
+One writer per file is enforced, not assumed: the primary holds a lease on the run
+(primary/lease.json) and replica I one on its id (replicas/I/lease.json), see `Lease`. An event
+log opened with a lease checks, before each line, that the lease is still its writer's.
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from aiperf_core.atomic import write_text_atomic
+from aiperf_core.atomic import write_bytes_atomic, write_text_atomic
 from aiperf_core.clock import SYSTEM_CLOCK, Clock
 from aiperf_core.errors import AiperfError
 
@@ -72,6 +78,10 @@ class RunDir:
         return self.primary_dir / "events.jsonl"
 
     @property
+    def primary_lease(self) -> Path:
+        return self.primary_dir / "lease.json"
+
+    @property
     def executor_dir(self) -> Path:
         """The executor's own job files (submitit pickles): created 0700, never read by a replica."""
         return self.root / "executor"
@@ -84,6 +94,9 @@ class RunDir:
 
     def heartbeat_file(self, replica: int) -> Path:
         return self.replica_dir(replica) / "heartbeat.json"
+
+    def replica_lease(self, replica: int) -> Path:
+        return self.replica_dir(replica) / "lease.json"
 
     def monitor_log(self, replica: int) -> Path:
         return self.replica_dir(replica) / "monitor.jsonl"
@@ -127,11 +140,14 @@ class RunDir:
 
 
 class EventLog:
-    """One writer's append-only, hash-chained JSON-lines log."""
+    """One writer's append-only, hash-chained JSON-lines log. With a lease, each append first
+    checks that the lease is still held by this process (LeaseLost otherwise): a writer that was
+    frozen long enough for another to take over never appends after it."""
 
-    def __init__(self, path: str | os.PathLike, clock: Clock = SYSTEM_CLOCK):
+    def __init__(self, path: str | os.PathLike, clock: Clock = SYSTEM_CLOCK, lease: "Lease | None" = None):
         self.path = Path(path)
         self.clock = clock  # stamps events that bring no `time` of their own
+        self.lease = lease
         self._seq = 0
         self._prev = GENESIS
         self._file = None
@@ -154,6 +170,8 @@ class EventLog:
         """Write one event durably and return it as written. `time` defaults to now."""
         if self._file is None:
             self.open()
+        if self.lease is not None:
+            self.lease.verify()
         stamp = fields.pop("time", None)
         record = {"event": event, "time": self.clock.time() if stamp is None else stamp, **fields,
                   "seq": self._seq, "prev": self._prev}
@@ -244,3 +262,243 @@ def chain_head(path: str | os.PathLike) -> str:
     for line, _, _ in _complete_lines(Path(path)):
         head = sha256_bytes(line)
     return head
+
+
+# --- leases: one owner per run and per replica id ----------------------------------------------
+
+LEASE_RENEW_S = 15.0  # an owner rewrites its lease this often
+LEASE_STALE_S = 90.0  # seen from another host, a lease not rewritten for this long is an abandoned one
+LEASE_WAIT_POLL_S = 1.0
+
+
+class LeaseHeld(RunDirError):
+    """The lease belongs to another process that is, as far as can be told, alive."""
+
+    def __init__(self, message: str, holder: dict[str, Any]):
+        self.holder = holder
+        super().__init__(message)
+
+
+class LeaseLost(RunDirError):
+    """The lease this process held was taken over: it must stop writing."""
+
+
+def _boot_id() -> str:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:  # not Linux: the host name alone names the machine
+        return ""
+
+
+def _process_started(pid: Any) -> float | None:
+    """When process `pid` of this machine started (psutil's create_time, rounded to 10 ms, which
+    is stable across calls), or None if it is gone or a zombie."""
+    import psutil
+
+    if isinstance(pid, bool) or not isinstance(pid, int):
+        return None
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return round(process.create_time(), 2)
+    except psutil.Error:
+        return None
+
+
+class Lease:
+    """An exclusive, renewable claim: the primary's on its run, a replica's on its replica id.
+
+    The claim is one JSON file (owner, host, boot id, pid, the process's start time, a random
+    token, when it was acquired and last renewed). It must work on shared filesystems where fcntl
+    locks do not, so it relies only on what NFS (v3+), Lustre, GPFS and BeeGFS do atomically: the
+    file is created by link(2) from a complete temporary file, which fails when it exists (an
+    exclusive open(2) where hard links are not supported), and renewed by rename(2) over itself.
+
+    An existing lease is held while its owner lives. On the owner's own machine (same host name
+    and boot id) its process decides: gone, a zombie, or another process under a reused pid, and
+    the lease is taken over at once; alive, and it is held however old it is. From another machine
+    only its age can tell: not renewed for `stale_s` seconds, it is taken over. A take-over first
+    renames the file aside, so that of two contenders only one wins, and puts it back if what it
+    moved was not the lease it judged (renewed or taken meanwhile). Node clocks must agree (NTP),
+    as event times already require.
+    """
+
+    def __init__(self, path: str | os.PathLike, owner: str, stale_s: float = LEASE_STALE_S):
+        self.path = Path(path)
+        self.owner = owner  # "primary", "replica 3": what the file and the messages call its holder
+        self.stale_s = float(stale_s)
+        self.token = secrets.token_hex(8)
+        self.held = False
+        self.taken_over: dict[str, Any] | None = None  # the abandoned lease acquire() replaced, if any
+        self._acquired: float | None = None
+        self._me = {"host": socket.gethostname(), "boot_id": _boot_id(), "pid": os.getpid(),
+                    "pid_started": _process_started(os.getpid())}
+
+    # -- taking it --------------------------------------------------------------------------------
+    def acquire(self, wait: bool = False) -> "Lease":
+        """Hold the lease, taking over an abandoned one. LeaseHeld when its holder is alive.
+        With wait, a lease of another host that is still fresh is watched until it goes stale
+        (taken over then) or is renewed (LeaseHeld at once): at most stale_s plus a renewal."""
+        give_up = time.time() + self.stale_s + LEASE_RENEW_S
+        watched: bytes | None = None
+        for _ in range(1000):  # every round wins, takes an abandoned lease aside, or waits a second
+            if self._create():
+                self.held = True
+                return self
+            raw = self._read_raw()
+            if raw is None:
+                continue  # released in between
+            holder, verdict = self._judge(raw)
+            if verdict in ("mine", "gone", "stale"):
+                if self._set_aside(raw):
+                    self.taken_over = None if verdict == "mine" else {**(holder or {}), "verdict": verdict}
+                continue
+            if wait and verdict == "fresh" and (watched is None or watched == raw) and time.time() < give_up:
+                watched = raw
+                time.sleep(LEASE_WAIT_POLL_S)
+                continue
+            raise LeaseHeld(self._refusal(holder, verdict, renewed=watched is not None and watched != raw), holder or {})
+        raise LeaseHeld(f"{self.path}: the lease changed hands too often to be taken; try again", {})
+
+    def check(self) -> None:
+        """LeaseHeld if someone else holds the lease and is alive; nothing is written."""
+        raw = self._read_raw()
+        if raw is None:
+            return
+        holder, verdict = self._judge(raw)
+        if verdict in ("alive", "fresh"):
+            raise LeaseHeld(self._refusal(holder, verdict), holder or {})
+
+    # -- keeping and giving it back ---------------------------------------------------------------
+    def renew(self) -> bool:
+        """Rewrite the lease with the time now; False (and held becomes False) if it was taken over."""
+        if not self.held:
+            return False
+        holder = _parse(self._read_raw())
+        if holder is None or holder.get("token") != self.token:
+            self.held = False
+            return False
+        write_text_atomic(self.path, self._record())
+        return True
+
+    def verify(self) -> None:
+        """LeaseLost unless the lease file still carries this holder's token."""
+        holder = _parse(self._read_raw())
+        if not self.held or holder is None or holder.get("token") != self.token:
+            self.held = False
+            now_held = "" if holder is None or holder.get("token") == self.token else f"; it is now {_describe(holder)}"
+            raise LeaseLost(f"{self.path}: this {self.owner} (pid {os.getpid()}) no longer holds its lease{now_held}")
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        holder = _parse(self._read_raw())
+        if holder is not None and holder.get("token") == self.token:
+            self.path.unlink(missing_ok=True)
+
+    # -- the file ---------------------------------------------------------------------------------
+    def _record(self) -> str:
+        now = time.time()
+        if self._acquired is None:
+            self._acquired = now
+        return json.dumps({"owner": self.owner, **self._me, "token": self.token, "acquired": self._acquired,
+                           "renewed": now}) + "\n"
+
+    def _read_raw(self) -> bytes | None:
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def _create(self) -> bool:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._acquired = None
+        data = self._record().encode()
+        fresh = self.path.with_name(f".{self.path.name}.{self.token}.new")
+        write_bytes_atomic(fresh, data)
+        try:
+            os.link(fresh, self.path)
+            return True
+        except FileExistsError:
+            # NFS may answer EEXIST to a retransmitted link that did succeed: the link count tells.
+            return os.stat(fresh).st_nlink == 2
+        except OSError:  # no hard links here: an exclusive create, written in place
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return False
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            return True
+        finally:
+            fresh.unlink(missing_ok=True)
+
+    def _judge(self, raw: bytes) -> tuple[dict[str, Any] | None, str]:
+        """(holder, verdict): mine (this very process), gone (its process ended), stale (not renewed
+        for stale_s, seen from another host), alive (its process runs here), fresh (recent, elsewhere)."""
+        holder = _parse(raw)
+        if holder is None:  # an exclusive create being written, or a damaged file: its age decides
+            try:
+                age = time.time() - os.stat(self.path).st_mtime
+            except FileNotFoundError:
+                return None, "gone"
+            return None, "stale" if age > self.stale_s else "fresh"
+        me = self._me
+        if holder.get("host") == me["host"] and holder.get("boot_id") == me["boot_id"]:
+            if holder.get("pid") == me["pid"] and holder.get("pid_started") == me["pid_started"]:
+                return holder, "mine"
+            started = _process_started(holder.get("pid"))
+            return holder, "alive" if started is not None and started == holder.get("pid_started") else "gone"
+        renewed = holder.get("renewed")
+        if isinstance(renewed, bool) or not isinstance(renewed, (int, float)):
+            return holder, "stale"
+        return holder, "stale" if time.time() - renewed > self.stale_s else "fresh"
+
+    def _set_aside(self, raw: bytes) -> bool:
+        """Move the judged lease out of the way; False if another contender got there first."""
+        aside = self.path.with_name(f".{self.path.name}.{self.token}.old")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            if aside.read_bytes() == raw:
+                return True
+            try:  # a lease renewed or taken meanwhile: back where it was, unless a newer one exists
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass
+            except OSError:
+                if not self.path.exists():
+                    os.rename(aside, self.path)
+            return False
+        finally:
+            aside.unlink(missing_ok=True)
+
+    def _refusal(self, holder: dict[str, Any] | None, verdict: str, renewed: bool = False) -> str:
+        if holder is None:
+            return f"{self.path}: being written by another process just now"
+        if verdict == "alive":
+            return f"in use by {_describe(holder)}, which is running"
+        age = time.time() - float(holder.get("renewed") or 0.0)
+        how = "renewed while this process waited" if renewed else f"renewed {age:.0f} s ago"
+        return (f"in use by {_describe(holder)} (lease {how}; from another host it is taken over once "
+                f"{self.stale_s:.0f} s old)")
+
+
+def _parse(raw: bytes | None) -> dict[str, Any] | None:
+    if raw is None:
+        return None
+    try:
+        holder = json.loads(raw)
+    except ValueError:
+        return None
+    return holder if isinstance(holder, dict) else None
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    return f"the {holder.get('owner', '?')} on host {holder.get('host', '?')}, pid {holder.get('pid', '?')}"

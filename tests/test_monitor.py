@@ -1,4 +1,5 @@
-"""The utilisation sampler: it writes samples, and survives a node without NVML."""
+"""The utilisation sampler: it writes samples, power and energy counters (fake NVML, a fake
+powercap tree), and survives a node without NVML or RAPL."""
 
 import sys
 import time
@@ -16,8 +17,9 @@ def wait_for_samples(sampler, n, limit_s=20.0):
         time.sleep(0.01)
 
 
-def fake_nvml(fail_init: bool):
-    """A stand-in pynvml: one 'GPU', or a library that is not there (the NVMLError_LibraryNotFound case)."""
+def fake_nvml(fail_init: bool, gpus: int = 1, energy: bool = True):
+    """A stand-in pynvml: `gpus` 'GPUs' with power draw and, with `energy`, an energy counter that
+    grows by 1000 mJ a call; or a library that is not there (the NVMLError_LibraryNotFound case)."""
     module = types.ModuleType("pynvml")
 
     class NVMLError(Exception):
@@ -39,12 +41,44 @@ def fake_nvml(fail_init: bool):
 
     module.nvmlInit = init
     module.nvmlShutdown = shutdown
-    module.nvmlDeviceGetCount = lambda: 1
+    class NVMLError_NotSupported(NVMLError):
+        pass
+
+    counters = {}
+
+    def total_energy(handle):
+        if not energy:
+            raise NVMLError_NotSupported("Not Supported")
+        counters[handle] = counters.get(handle, 5_000_000) + 1000
+        return counters[handle]
+
+    module.nvmlDeviceGetCount = lambda: gpus
     module.nvmlDeviceGetHandleByIndex = lambda i: f"gpu{i}"
     module.nvmlDeviceGetName = lambda h: b"Fake GPU"
+    module.nvmlDeviceGetUUID = lambda h: f"GPU-0000-{h}"
     module.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=1000, used=250, free=750)
     module.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=87, memory=30)
+    module.nvmlDeviceGetPowerUsage = lambda h: 312_500  # milliwatts
+    module.nvmlDeviceGetTotalEnergyConsumption = total_energy
     return module
+
+
+def fake_powercap(root, readable=True):
+    """A powercap tree as Linux lays it out: package and DRAM zones (counted), core and psys zones
+    and the MMIO duplicate of the package (not counted)."""
+    zones = {"intel-rapl:0": ("package-0", 1000), "intel-rapl:0:0": ("core", 400),
+             "intel-rapl:0:1": ("dram", 200), "intel-rapl:1": ("psys", 5000),
+             "intel-rapl-mmio:0": ("package-0", 1000)}
+    for zone, (name, energy) in zones.items():
+        folder = root / zone
+        folder.mkdir(parents=True)
+        (folder / "name").write_text(name + "\n")
+        (folder / "max_energy_range_uj").write_text("262143328850\n")
+        if readable or name != "dram":
+            (folder / "energy_uj").write_text(f"{energy}\n")
+        else:
+            (folder / "energy_uj").mkdir()  # reading it fails, as a root-only file does for a user
+    return root
 
 
 def test_sampler_writes_samples_without_nvml(tmp_path, monkeypatch):
@@ -79,11 +113,95 @@ def test_sampler_reads_accelerators_through_nvml(tmp_path, monkeypatch):
     sampler.stop()  # stopping twice is harmless
     records = read_monitor(RunDir(tmp_path).monitor_log(1))
     assert records[0]["nvml"] == "ok"
-    assert records[0]["accelerators"] == [{"index": 0, "name": "Fake GPU", "memory_total": 1000}]
-    sample = next(r for r in records if r["kind"] == "sample")
-    assert sample["accelerators"] == [{"index": 0, "utilization": 87.0, "memory_utilization": 30.0,
-                                       "memory_used": 250, "memory_total": 1000}]
+    assert records[0]["accelerators"] == [{"index": 0, "name": "Fake GPU", "uuid": "GPU-0000-gpu0",
+                                           "memory_total": 1000, "power": True, "energy_counter": True}]
+    samples = [r for r in records if r["kind"] == "sample"]
+    assert samples[0]["accelerators"] == [{"index": 0, "utilization": 87.0, "memory_utilization": 30.0,
+                                           "memory_used": 250, "memory_total": 1000, "power_w": 312.5,
+                                           "energy_mj": samples[0]["accelerators"][0]["energy_mj"]}]
+    energies = [s["accelerators"][0]["energy_mj"] for s in samples]
+    assert energies == sorted(energies) and energies[1] - energies[0] == 1000
     assert nvml.shutdowns == 1
+
+
+def test_a_device_without_counters_says_so_and_records_no_energy(tmp_path, monkeypatch):
+    nvml = fake_nvml(fail_init=False, energy=False)
+    del nvml.nvmlDeviceGetPowerUsage  # an old binding without the call
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    with Sampler(tmp_path, 0, interval_s=0.01) as sampler:
+        wait_for_samples(sampler, 2)
+    records = read_monitor(RunDir(tmp_path).monitor_log(0))
+    assert records[0]["accelerators"][0]["power"] is False and records[0]["accelerators"][0]["energy_counter"] is False
+    sample = next(r for r in records if r["kind"] == "sample")
+    assert sample["accelerators"][0]["power_w"] is None and "energy_mj" not in sample["accelerators"][0]
+
+
+@pytest.mark.parametrize("visible, indices", [(None, [0, 1, 2]), ("2,0", [0, 2]), ("GPU-0000-gpu1", [1]),
+                                              ("", []), ("MIG-5c1f", [0, 1, 2])])
+def test_only_the_replicas_own_accelerators_are_sampled(tmp_path, monkeypatch, visible, indices):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(fail_init=False, gpus=3))
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    with Sampler(tmp_path, 0, interval_s=0.01) as sampler:
+        wait_for_samples(sampler, 1)
+    records = read_monitor(RunDir(tmp_path).monitor_log(0))
+    assert [a["index"] for a in records[0]["accelerators"]] == indices
+    assert [a["index"] for a in records[1]["accelerators"]] == indices
+    assert records[0]["visible"].startswith("all" if visible is None else f"CUDA_VISIBLE_DEVICES={visible}")
+
+
+def test_host_energy_from_powercap_packages_and_dram_only(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    powercap = fake_powercap(tmp_path / "powercap")
+    with Sampler(tmp_path / "run", 0, interval_s=0.01, powercap_root=powercap) as sampler:
+        wait_for_samples(sampler, 2)
+    records = read_monitor(RunDir(tmp_path / "run").monitor_log(0))
+    assert records[0]["rapl"] == "ok"
+    assert records[0]["rapl_zones"] == [
+        {"zone": "intel-rapl:0", "name": "package-0", "max_energy_range_uj": 262143328850},
+        {"zone": "intel-rapl:0:1", "name": "dram", "max_energy_range_uj": 262143328850}]
+    sample = next(r for r in records if r["kind"] == "sample")
+    assert sample["host_energy_uj"] == {"intel-rapl:0": 1000, "intel-rapl:0:1": 200}
+
+
+@pytest.mark.parametrize("make, reason", [(lambda root: fake_powercap(root, readable=False), "energy_uj"),
+                                          (lambda root: root, "no RAPL package zone"),
+                                          (lambda root: root / "absent", "absent")])
+def test_unreadable_or_absent_rapl_is_unavailable_never_partial(tmp_path, monkeypatch, make, reason):
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    (tmp_path / "powercap").mkdir()
+    with Sampler(tmp_path / "run", 0, interval_s=0.01, powercap_root=make(tmp_path / "powercap")) as sampler:
+        wait_for_samples(sampler, 2)
+    records = read_monitor(RunDir(tmp_path / "run").monitor_log(0))
+    assert records[0]["rapl"].startswith("unavailable: ") and reason in records[0]["rapl"]
+    assert records[0]["rapl_zones"] == []
+    assert not any("host_energy_uj" in r for r in records[1:])
+
+
+def test_one_sampler_per_node_reads_a_shared_counter(tmp_path, monkeypatch):
+    """Two replicas of one run on one node: the host's counters go into one monitor at a time, and
+    the other replica takes over when the first stops (its replica died)."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    powercap = fake_powercap(tmp_path / "powercap")
+    first = Sampler(tmp_path / "run", 0, interval_s=0.01, powercap_root=powercap).start()
+    wait_for_samples(first, 2)
+    second = Sampler(tmp_path / "run", 1, interval_s=0.01, powercap_root=powercap).start()
+    wait_for_samples(second, 3)
+    first.stop()
+    count = second.samples_written
+    wait_for_samples(second, count + 3)
+    second.stop()
+    run = RunDir(tmp_path / "run")
+    one = [r for r in read_monitor(run.monitor_log(0)) if r["kind"] == "sample"]
+    two = [r for r in read_monitor(run.monitor_log(1)) if r["kind"] == "sample"]
+    assert all("host_energy_uj" in r for r in one)
+    assert not any("host_energy_uj" in r for r in two[:3]) and "host_energy_uj" in two[-1]
+    # Another run on the same node reads its own copy of the counters.
+    with Sampler(tmp_path / "other-run", 0, interval_s=0.01, powercap_root=powercap) as other:
+        wait_for_samples(other, 1)
+    assert "host_energy_uj" in read_monitor(RunDir(tmp_path / "other-run").monitor_log(0))[1]
 
 
 def test_a_failing_sample_is_recorded_and_sampling_goes_on(tmp_path, monkeypatch):

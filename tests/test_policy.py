@@ -36,3 +36,12 @@ def test_rules_for_rate_patience_and_epochs():
     assert [p.epochs_for(r) for r in (1, 2, 3, 4, 9)] == [15, 30, 45, 60, 60]
     assert p.is_warmup(3) and not p.is_warmup(4)
     assert precision_allowed("bf16") and precision_allowed("fp32") and not precision_allowed("fp8")
+    assert precision_allowed("tf32")  # fp16's 10-bit mantissa, fp32's 8-bit exponent (docs/scoring.md)
+
+
+def test_precision_defaults_to_auto_and_accepts_only_known_names():
+    assert Policy()["precision"] == "auto"
+    for name in ("auto", "fp32", "tf32", "bf16", "fp16"):
+        assert Policy({"precision": name})["precision"] == name
+    with pytest.raises(PolicyError, match=r"^policy\.precision: 'fp8' must be one of auto, fp32, tf32, bf16, fp16$"):
+        Policy({"precision": "fp8"})

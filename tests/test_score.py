@@ -393,3 +393,76 @@ def test_many_new_graphs_are_counted_in_worker_processes(tmp_path, monkeypatch):
     r = score_run(tmp_path)
     assert pools == [(2,)] and len(ledger._PER_IMAGE) == 2  # both graphs, counted by two workers
     assert r.total_ops == expected.total_ops and r.score_ops == expected.score_ops
+
+
+def test_tf32_meets_fp16_or_better_and_fp8_does_not(tmp_path):
+    b = RunBuilder(tmp_path, replicas=1)
+    b.replica_start(0, 1000)
+    for precision, t in (("tf32", 1000), ("bf16", 1100), ("fp8", 1200)):
+        trial = b.trial_start(0, t, GRAPH_1, precision)
+        b.epoch(0, trial, t + 50, 0, 100, 10, 0.9)
+        b.trial_end(0, trial, t + 60)
+    b.finish(1900)
+    reasons = score_run(tmp_path).reasons
+    assert len(reasons) == 1 and reasons[0].startswith("precision fp8 is below the minimum"), reasons
+
+
+def test_a_run_produced_nothing_only_when_no_trial_succeeded_and_something_failed(tmp_path):
+    assert score_run_of(standard_run(tmp_path / "standard")).failure is None  # it has ok trials
+
+    b = RunBuilder(tmp_path / "short", replicas=1)  # the budget ended inside the first epoch: no failure
+    b.replica_start(0, 1000)
+    b.trial_start(0, 1000, GRAPH_1)
+    assert score_run_of(b).failure is None
+
+    b = RunBuilder(tmp_path / "open", replicas=1)  # one trial failed, the next was training fine at the end
+    b.replica_start(0, 1000)
+    b.trial_end(0, b.trial_start(0, 1000, GRAPH_1), 1010, status="failed", epochs=0, reason="RuntimeError: x")
+    b.epoch(0, b.trial_start(0, 1010, GRAPH_1), 1500, 0, 100, 10, 0.5)
+    assert score_run_of(b).failure is None
+
+    # Every replica crashed at start-up (no trial at all): the first crash and the last line of its log.
+    b = RunBuilder(tmp_path / "crashed", replicas=1)
+    for attempt, t in ((1, 1010), (2, 1020)):
+        b.primary.append("replica_exit", time=t, replica=0, attempt=attempt, status="crashed",
+                         reason="exit code 2", job="123", exit="exit code 2", trial=None, restart=attempt < 2,
+                         log_tail=["Traceback (most recent call last):", f"ImportError: libcuda.so.{attempt}", ""])
+    failure = score_run_of(b, reason="all_replicas_failed").failure
+    assert (failure.failed_trials, failure.failed_attempts, failure.first_where) == (0, 2, "replica 0, attempt 1")
+    assert failure.first_cause == "exit code 2; its log ends: ImportError: libcuda.so.1"
+
+    # A crash in every trial: interrupted trials (with counted epochs) and crashed attempts.
+    b = RunBuilder(tmp_path / "segfaults", replicas=1)
+    b.replica_start(0, 1000)
+    trial = b.trial_start(0, 1000, GRAPH_1)
+    b.epoch(0, trial, 1100, 0, 100, 10, 0.5)
+    b.primary.append("replica_exit", time=1150, replica=0, attempt=1, status="crashed",
+                     reason=f"killed by signal 11 (SIGSEGV) during trial {trial}", log_tail=[], restart=False)
+    b.replica_start(0, 1160, attempt=2)
+    b.trial_end(0, trial, 1161, status="interrupted", epochs=1, reason="restarted")
+    result = score_run_of(b, reason="all_replicas_failed")
+    assert result.score_ops > 0 and result.failure.first_cause.startswith("killed by signal 11")
+    assert result.to_dict()["failure"]["first_where"] == "replica 0, attempt 1"
+
+
+def score_run_of(builder, reason="deadline"):
+    builder.finish(1900, reason=reason)
+    return score_run(builder.run.root)
+
+
+def test_compile_seconds_per_trial_and_replica(tmp_path):
+    from aiperf_core.scoring.ledger import RunLedger
+
+    b = RunBuilder(tmp_path, replicas=1)
+    b.replica_start(0, 1000)
+    t = b.trial_start(0, 1000, GRAPH_1)
+    b.epoch(0, t, 1100, 0, 100, 10, 0.5, compile_seconds=12.5)
+    b.epoch(0, t, 1200, 1, 100, 10, 0.5, compile_seconds=None)  # not measured: adds nothing
+    b.epoch(0, t, 1300, 2, 100, 10, 0.5, compile_seconds=0.0)
+    u = b.trial_start(0, 1300, GRAPH_1)
+    b.epoch(0, u, 1400, 0, 100, 10, 0.5)  # a log written before compile_seconds existed
+    b.finish(1900)
+    ledger = RunLedger(tmp_path)
+    ledger.refresh()
+    assert ledger.trials[t].compile_seconds == 12.5 and ledger.trials[u].compile_seconds is None
+    assert ledger.replicas[0].compile_seconds == 12.5

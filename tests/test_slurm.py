@@ -69,6 +69,8 @@ def test_two_replicas_as_slurm_jobs_with_a_crash(cluster, tmp_path):
     assert [e["replica"] for e in crashed] == [1], exits
     assert "signal 9" in crashed[0]["reason"] or "FAILED" in crashed[0]["reason"], crashed
     assert crashed[0]["restart"] is True and crashed[0]["trial"].startswith("r0001-")
+    # Where the job itself says why it failed: submitit's stderr in executor/, apart from replica.log.
+    assert any("replica exited with code -9" in line for line in crashed[0]["job_log_tail"]), crashed
     assert sorted((e["replica"], e["status"]) for e in exits if e["status"] == "finished") == [(0, "finished"),
                                                                                              (1, "finished")]
     assert [e["attempt"] for e in primary_log if e["event"] == "replica_launch" and e["replica"] == 1] == [1, 2]

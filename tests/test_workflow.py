@@ -67,6 +67,7 @@ def test_config_carries_run_options_policy_and_slurm(tmp_path):
     ('replicas = 0', "'replicas' must be at least 1"),
     ('executor = "k8s"', "'executor' must be one of local, slurm"),
     ('time_budget = "soon"', "'time_budget' must be a duration"),
+    ('stall_timeout = "never"', "'stall_timeout' must be a duration"),
     ('[slurm]\ngpus_per_node = "4"', "'slurm.gpus_per_node' must be an integer"),
     ('policy = 3', "'policy' must be a table"),
 ])
@@ -76,6 +77,19 @@ def test_config_errors_name_the_key(tmp_path, text, message):
     with pytest.raises(AiperfError) as caught:
         load_config(path)
     assert str(caught.value).startswith(f"config file {path}: ") and message in str(caught.value)
+
+
+def test_the_stall_timeout_comes_from_the_flag_the_config_or_run_json():
+    from aiperf_core.workflow.plan import RunRequest, merge_request, watch_settings
+
+    assert watch_settings(RunRequest()).stall_timeout_s == 600.0
+    assert merge_request({}, {"stall_timeout": "20m"}).stall_timeout == "20m"
+    assert merge_request({"stall_timeout": "15m"}, {"stall_timeout": "20m"}).stall_timeout == "15m"
+    settings = watch_settings(RunRequest(stall_timeout="15m"), {"stall_timeout_s": 120.0})
+    assert settings.stall_timeout_s == 900.0 and settings.to_json()["stall_timeout_s"] == 900.0
+    assert watch_settings(RunRequest(), {"stall_timeout_s": 120.0}).stall_timeout_s == 120.0  # on --resume
+    with pytest.raises(AiperfError, match="^--stall-timeout: 'soon' is not a duration"):
+        watch_settings(RunRequest(stall_timeout="soon"))
 
 
 # --- local layout -----------------------------------------------------------------------------
@@ -299,12 +313,25 @@ def test_the_stop_file_of_an_earlier_shutdown_is_cleared_before_the_deadline(tmp
 
 
 def test_replica_log_lines_are_bounded(tmp_path):
-    from aiperf_core.workflow.primary import log_tail
+    from aiperf_core.workflow.executors.base import LOG_TAIL_CHARS, LOG_TAIL_LINES, log_tail
 
     log = Path(tmp_path / "replica.log")
-    log.write_text("x" * 5000 + "\n" + "\n".join(f"line {i}" for i in range(50)) + "\n")
+    log.write_text("x" * 5000 + "\n" + "\n".join(f"line {i}" for i in range(80)) + "\n")
     tail = log_tail(log)
-    assert tail[-1] == "line 49" and len(tail) == 20
+    assert tail[-1] == "line 79" and len(tail) == LOG_TAIL_LINES
+    assert log_tail(log, lines=100)[0] == "x" * LOG_TAIL_CHARS
+
+
+def test_the_log_tail_of_an_attempt_holds_only_what_it_wrote(tmp_path):
+    from aiperf_core.workflow.executors.base import log_tail
+
+    log = Path(tmp_path / "replica.log")
+    log.write_text("attempt 1 said this\n")
+    since = log.stat().st_size
+    assert log_tail(log, since=since) == []
+    with open(log, "a") as f:
+        f.write("double free or corruption (!prev)\nFatal Python error: Aborted\n")
+    assert log_tail(log, since=since) == ["double free or corruption (!prev)", "Fatal Python error: Aborted"]
 
 
 # --- the live display -------------------------------------------------------------------------

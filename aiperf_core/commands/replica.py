@@ -13,8 +13,19 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from aiperf_core.replica import run_replica
+    import faulthandler
 
+    from aiperf_core.replica import run_replica
+    from aiperf_core.workflow.executors.base import STACKS_SIGNAL
+
+    # A crash (SIGSEGV, SIGABRT from a corrupted heap, ...) writes the Python stack of every thread to
+    # stderr, which is replica.log: the primary's replica_exit carries its tail. STACKS_SIGNAL does the
+    # same on request: the primary sends it to a stalled replica before stopping it.
+    try:
+        faulthandler.enable(all_threads=True)
+        faulthandler.register(STACKS_SIGNAL, all_threads=True)
+    except (RuntimeError, ValueError, OSError, AttributeError):  # stderr is no file (run in-process, captured)
+        pass
     reason = run_replica(args.run_dir, args.replica_id)
     print(f"replica {args.replica_id}: stopped ({reason})", flush=True)
     return 0

@@ -17,6 +17,8 @@ def run(args) -> int:
     html_path, summary_path = write_report(args.run_dir)
     summary = json.loads(summary_path.read_text())
     label = "official" if summary["valid"] else "unofficial"
+    if summary["failure"] is not None:
+        print(f"FAILED: the run produced nothing: {summary['failure']['message']}")
     print(f"score {summary['score']}, regulated {summary['regulated']} ({label})")
     print(f"wrote {html_path}")
     print(f"wrote {summary_path}")

@@ -40,6 +40,9 @@ def add_arguments(p) -> None:
                    help="restarts of a crashed replica before it is given up (default 3)")
     p.add_argument("--heartbeat-timeout", default=None, metavar="DURATION",
                    help="a running replica silent this long is lost and restarted (default 10m)")
+    p.add_argument("--stall-timeout", default=None, metavar="DURATION",
+                   help="a training replica that finishes no step for this long, or for 20 times its longest step "
+                   "if that is more, is lost and restarted; a trial's first step gets 20m more (default 10m)")
     p.add_argument("--stop-grace", default=None, metavar="DURATION",
                    help="how long replicas may take to stop after the deadline before they are killed (default 30s)")
     p.add_argument("--stop-after-trials", type=positive_int, default=None, metavar="N",
@@ -82,15 +85,19 @@ def _prepare_fresh(args, config, request):
     name, path = plan.data_choice(request)
     policy = plan.build_policy(request, name)
     watch = plan.watch_settings(request)
-    with plan.BackendProbe(backend_name) as probe:
+    # A SLURM primary does not run where replicas train: their precisions are not probed here.
+    with plan.BackendProbe(backend_name, precisions=executor_kind == "local") as probe:
         dataset = plan.describe_dataset(name, path, policy["image_size"])
-        devices = probe.devices()
-    replicas, devices_per_replica, environments = _layout(executor_kind, devices, request.replicas,
+        facts = probe.facts()
+    replicas, devices_per_replica, environments = _layout(executor_kind, facts.devices, request.replicas,
                                                           request.devices_per_replica, watch)
+    plan.check_parallelism(backend_name, facts, devices_per_replica,
+                           "--devices-per-replica" if executor_kind == "local" else "--slurm-gpus-per-node")
+    precision = plan.resolve_precision(policy["precision"], facts, backend_name)
     record = plan.run_record(backend=backend_name, executor=executor_kind, replicas=replicas,
                              devices_per_replica=devices_per_replica, seed=request.seed or 0,
                              time_budget_s=time_budget_s, policy=policy, dataset=dataset,
-                             stop_after_trials=request.stop_after_trials, watch=watch)
+                             stop_after_trials=request.stop_after_trials, watch=watch, precision=precision)
     root = Path(request.run_dir or Path("runs") / record["run_id"]).expanduser().resolve()
     executor = _executor(executor_kind, root, record, watch, environments)
     run_dir = plan.prepare_run_dir(root)
@@ -115,7 +122,10 @@ def _prepare_resume(args, config, request):
     devices = []
     if run["executor"] == "local":
         with plan.BackendProbe(run["backend"]) as probe:
-            devices = probe.devices()
+            facts = probe.facts()
+        plan.check_parallelism(run["backend"], facts, run["devices_per_replica"], "--devices-per-replica")
+        plan.check_recorded_precision(run, facts)
+        devices = facts.devices
     _, _, environments = _layout(run["executor"], devices, run["replicas"], run["devices_per_replica"], watch)
     executor = _executor(run["executor"], run_dir.root, run, watch, environments)
     return run_dir, run, executor, watch, True
@@ -166,7 +176,8 @@ def _run_primary(run_dir, run, executor, watch, resume: bool) -> int:
     verb = "resuming" if resume else "starting"
     display.note(f"{verb} run {run['run_id']} in {run_dir.root}: backend {run['backend']}, executor "
                  f"{run['executor']}, {run['replicas']} replica(s) x {run['devices_per_replica']} device(s), "
-                 f"dataset {run['dataset'].get('name')}, budget {run['time_budget_s']:.0f} s")
+                 f"precision {_precision_text(run)}, dataset {run['dataset'].get('name')}, "
+                 f"budget {run['time_budget_s']:.0f} s")
     primary = Primary(run_dir, run, executor, watch, resume=resume, notify=display.note, tick=display.tick)
     try:
         reason = primary.run_to_end()
@@ -175,25 +186,32 @@ def _run_primary(run_dir, run, executor, watch, resume: bool) -> int:
     if reason == "interrupted":
         print(f"interrupted; continue with: aiperf run --resume {run_dir.root}", file=sys.stderr)
         return 130
-    _score_and_report(run_dir.root)
-    if reason == "all_replicas_failed":
-        print(f"every replica failed; see {run_dir.root}/replicas/<I>/replica.log and the replica_exit events "
-              "of primary/events.jsonl", file=sys.stderr)
+    result = _score_and_report(run_dir.root)
+    if result.failure is not None or reason == "all_replicas_failed":
+        what = ("every replica failed" if result.failure is None
+                else f"the run produced nothing: {result.failure.describe()}")
+        print(f"{what}; see {run_dir.root}/replicas/<I>/replica.log and the replica_exit events of "
+              "primary/events.jsonl", file=sys.stderr)
         return 1
     return 0
 
 
-def _score_and_report(root: Path) -> None:
-    """Score and report once the run has ended, with whatever of scoring and reporting is installed."""
-    try:
-        from aiperf_core.commands import score as score_command
-    except ImportError:
-        return
-    score_command.run(argparse.Namespace(run_dir=str(root), json=False, verify=False))
-    try:
-        from aiperf_core.report import write_report
-    except ImportError:
-        return
+def _precision_text(run) -> str:
+    """'bf16 (auto)', 'fp32', or how a SLURM run resolves auto."""
+    asked, resolved = run["policy"].get("precision"), run.get("precision")
+    if resolved is None:
+        return f"{asked}, resolved by each replica on its node"
+    return f"{resolved} (auto)" if asked == "auto" else resolved
+
+
+def _score_and_report(root: Path):
+    """Score (printing the summary) and write the report once the run has ended; the ScoreResult."""
+    from aiperf_core.commands import score as score_command
+    from aiperf_core.report import write_report
+
+    result, _, _ = score_command.score_and_record(root)
+    print(score_command.render(result))
     html_path, summary_path = write_report(root)
     print(f"wrote {html_path}")
     print(f"wrote {summary_path}")
+    return result

@@ -21,20 +21,26 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from aiperf_core.scoring import score_run, verify_run
-
-    result = score_run(args.run_dir)
-    out = result.to_dict()
-    problems = None
-    if args.verify:
-        problems = verify_run(args.run_dir)
-        out["verify"] = {"intact": not problems, "problems": problems}
-    try:
-        write_text_atomic(Path(args.run_dir) / "score.json", json.dumps(out, indent=1) + "\n")
-    except OSError as exc:  # a read-only copy of someone else's run can still be scored
-        print(f"aiperf: warning: score.json not written: {exc}", file=sys.stderr)
+    result, out, problems = score_and_record(args.run_dir, args.verify)
     print(json.dumps(out) if args.json else render(result, problems))
     return EXIT_TAMPERED if problems else 0
+
+
+def score_and_record(run_dir, verify: bool = False):
+    """(ScoreResult, its JSON form, --verify's problems or None); score.json written when it can be."""
+    from aiperf_core.scoring import score_run, verify_run
+
+    result = score_run(run_dir)
+    out = result.to_dict()
+    problems = None
+    if verify:
+        problems = verify_run(run_dir)
+        out["verify"] = {"intact": not problems, "problems": problems}
+    try:
+        write_text_atomic(Path(run_dir) / "score.json", json.dumps(out, indent=1) + "\n")
+    except OSError as exc:  # a read-only copy of someone else's run can still be scored
+        print(f"aiperf: warning: score.json not written: {exc}", file=sys.stderr)
+    return result, out, problems
 
 
 def render(result, problems: list[str] | None = None) -> str:
@@ -43,7 +49,8 @@ def render(result, problems: list[str] | None = None) -> str:
     accuracy = ("no validation accuracy yet" if result.best_accuracy is None else
                 f"best validation accuracy {result.best_accuracy:.2%} (error {result.best_error:.2%})")
     statuses = ", ".join(f"{status} {n}" for status, n in result.trials_by_status.items())
-    lines = [
+    lines = [f"FAILED: the run produced nothing: {result.failure.describe()}"] if result.failure else []
+    lines += [
         f"score      {format_ops(result.score_ops)}  ({result.score_ops:.6g} OPS)",
         f"regulated  {format_ops(result.regulated_ops)}  ({result.regulated_ops:.6g} OPS)",
         f"{accuracy}",

@@ -4,6 +4,9 @@
 
 Both are recomputed from the run directory alone (event logs, trial graphs, monitor samples,
 run.json) and written atomically, so a report of a run still going can be rewritten at any time.
+Next to the score they give the precision trained at, the energy of the run with the analytic
+operations per joule (aiperf_core.report.energy), the time spent compiling training steps, and,
+for a run that produced nothing, its first failure.
 """
 
 from __future__ import annotations
@@ -12,11 +15,13 @@ import datetime as _dt
 import json
 import os
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from aiperf_core.atomic import write_text_atomic
 from aiperf_core.monitor import read_monitor
+from aiperf_core.report.energy import Energy, EnergyTally
 from aiperf_core.report.page import render_page
 from aiperf_core.rundir import RunDir
 from aiperf_core.scoring.ledger import RunLedger
@@ -31,11 +36,11 @@ def write_report(run_dir: str | os.PathLike) -> tuple[Path, Path]:
     ledger = RunLedger(run)
     ledger.refresh()
     result = score_ledger(ledger)
-    host_records, utilisation = read_monitors(run, ledger, result)
-    summary = build_summary(ledger, result, node_descriptions(ledger, host_records))
+    monitors = read_monitors(run, ledger, result)
+    summary = build_summary(ledger, result, node_descriptions(ledger, monitors.host_records), monitors.energy)
     html_path, summary_path = run.root / "report.html", run.root / "summary.json"
     write_text_atomic(summary_path, json.dumps(summary, indent=1) + "\n")
-    write_text_atomic(html_path, render_page(summary, result, ledger, utilisation))
+    write_text_atomic(html_path, render_page(summary, result, ledger, monitors.utilisation, monitors.power))
     return html_path, summary_path
 
 
@@ -52,13 +57,15 @@ def node_descriptions(ledger: RunLedger, host_records: dict[int, dict[str, Any]]
             "framework_version": start.get("framework_version"), "attempts": len(state.starts),
             "cpus": host_record.get("cpus"), "memory_total": host_record.get("memory_total"),
             "accelerators": [a.get("name") for a in host_record.get("accelerators") or []],
-            "nvml": host_record.get("nvml"),
+            "nvml": host_record.get("nvml"), "rapl": host_record.get("rapl"),
             "step_seconds": state.step_seconds, "busy_fraction": state.busy_fraction(),
+            "compile_seconds": state.compile_seconds,
         })
     return nodes
 
 
-def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, Any]]) -> dict[str, Any]:
+def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, Any]],
+                  energy: Energy) -> dict[str, Any]:
     run = ledger.info.run
     accelerators: dict[str, int] = {}
     for node in nodes:
@@ -68,6 +75,9 @@ def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, 
         "schema_version": SUMMARY_SCHEMA_VERSION,
         "generated": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         **result.to_dict(),
+        "precision": precision_summary(ledger),
+        "energy": energy.to_dict(result.total_ops),
+        "compile": compile_summary(ledger),
         "machine": {
             "replicas": len(nodes), "replicas_configured": run.get("replicas"),
             "devices_per_replica": run.get("devices_per_replica"), "executor": run.get("executor"),
@@ -84,10 +94,31 @@ def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, 
     }
 
 
+def precision_summary(ledger: RunLedger) -> dict[str, Any]:
+    """What the policy asked (`auto` or a precision), what run.json resolved it to (null where each
+    replica resolves it: SLURM), and the trials per precision they trained at."""
+    run = ledger.info.run
+    trials: dict[str, int] = {}
+    for trial in ledger.trials.values():
+        trials[str(trial.precision)] = trials.get(str(trial.precision), 0) + 1
+    policy = run.get("policy") if isinstance(run.get("policy"), dict) else {}
+    return {"policy": policy.get("precision"), "resolved": run.get("precision"), "trials": dict(sorted(trials.items()))}
+
+
+def compile_summary(ledger: RunLedger) -> dict[str, Any]:
+    """Seconds spent tracing and compiling training steps (epoch_end.compile_seconds), for the run
+    and as a share of the replicas' summed lives (the busy fraction's denominator); null when no
+    backend measured it."""
+    measured = [s for s in ledger.replicas.values() if s.compile_seconds is not None]
+    seconds = sum(s.compile_seconds for s in measured) if measured else None
+    lives = sum(s.life_seconds() or 0.0 for s in ledger.replicas.values())
+    return {"seconds": seconds, "share": seconds / lives if seconds is not None and lives > 0 else None,
+            "trials_measured": sum(t.compile_seconds is not None for t in ledger.trials.values())}
+
+
 def busy_fraction(ledger: RunLedger) -> float | None:
     """All replicas' time in train and eval steps over the sum of their lives (ReplicaState)."""
-    lives = [(s.step_seconds, s.last_time - s.starts[0]["time"]) for s in ledger.replicas.values()
-             if s.busy_fraction() is not None]
+    lives = [(s.step_seconds, s.life_seconds()) for s in ledger.replicas.values() if s.busy_fraction() is not None]
     return sum(a for a, _ in lives) / sum(b for _, b in lives) if lives else None
 
 
@@ -100,10 +131,18 @@ def _aiperf_version() -> str | None:
         return None
 
 
-def read_monitors(run: RunDir, ledger: RunLedger, result: ScoreResult
-                  ) -> tuple[dict[int, dict[str, Any]], dict[str, list[tuple[float, float]]]]:
-    """One pass over every replica's monitor.jsonl: its first 'host' record, and the mean
-    utilisation over all replicas in time buckets (label -> [(hours, percent)]).
+@dataclass
+class Monitors:
+    host_records: dict[int, dict[str, Any]]  # replica -> its first 'host' record
+    utilisation: dict[str, list[tuple[float, float]]]  # label -> [(hours, percent)]
+    power: dict[str, list[tuple[float, float]]]  # label -> [(hours, watts)]
+    energy: Energy
+
+
+def read_monitors(run: RunDir, ledger: RunLedger, result: ScoreResult) -> Monitors:
+    """One pass over every replica's monitor.jsonl: its first 'host' record, the mean utilisation
+    over all replicas in time buckets, mean power in the same buckets, and the energy of the
+    scored window (EnergyTally).
 
     Buckets keep the plot the same size for a 10-minute run on a laptop and a 12-hour run on
     4096 nodes; a bucket averages every sample of every node that falls in it. Files are read one
@@ -112,6 +151,7 @@ def read_monitors(run: RunDir, ledger: RunLedger, result: ScoreResult
     span = max(result.end_time - start, 1.0)
     width = max(span / UTILISATION_BUCKETS, 30.0)
     sums: dict[str, dict[int, list[float]]] = {k: {} for k in ("CPU", "memory", "accelerator", "accelerator memory")}
+    energy = EnergyTally(start, result.end_time, bucket_width=width)
 
     def add(label: str, bucket: int, value) -> None:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -121,7 +161,9 @@ def read_monitors(run: RunDir, ledger: RunLedger, result: ScoreResult
 
     host_records: dict[int, dict[str, Any]] = {}
     for replica in ledger.replicas:
+        energy.new_file()
         for record in read_monitor(run.monitor_log(replica)):
+            energy.add(record)
             if record.get("kind") == "host":
                 host_records.setdefault(replica, record)
             if record.get("kind") != "sample" or not isinstance(record.get("time"), (int, float)):
@@ -139,4 +181,4 @@ def read_monitors(run: RunDir, ledger: RunLedger, result: ScoreResult
                     add("accelerator memory", bucket, 100.0 * used / total)
     utilisation = {label: [((b + 0.5) * width / 3600, s / n) for b, (s, n) in sorted(cells.items())]
                    for label, cells in sums.items() if cells}
-    return host_records, utilisation
+    return Monitors(host_records, utilisation, energy.power(), energy.result())

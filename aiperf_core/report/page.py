@@ -35,7 +35,8 @@ pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; font-size: 12px; }
 
 
 def render_page(summary: dict[str, Any], result: ScoreResult, ledger: RunLedger,
-                utilisation: dict[str, list[tuple[float, float]]]) -> str:
+                utilisation: dict[str, list[tuple[float, float]]],
+                power: dict[str, list[tuple[float, float]]] | None = None) -> str:
     run_id = summary.get("run_id") or ledger.run_dir.root.name
     label = "official" if result.valid else "unofficial"
     parts = [
@@ -45,7 +46,9 @@ def render_page(summary: dict[str, Any], result: ScoreResult, ledger: RunLedger,
         f"<style>{_CSS}</style></head><body>",
         f"<h1>aiperf run {escape(str(run_id))}</h1>",
         f'<p class="big">Score {escape(format_ops(result.score_ops))} &middot; regulated score '
-        f'{escape(format_ops(result.regulated_ops))} &middot; <span class="{label}">{label}</span></p>',
+        f'{escape(format_ops(result.regulated_ops))}{_efficiency_headline(summary)} &middot; '
+        f'<span class="{label}">{label}</span></p>',
+        _failure(result),
         _facts_table(summary, result),
         _validity(result),
         "<h2>Score over time</h2>",
@@ -54,6 +57,8 @@ def render_page(summary: dict[str, Any], result: ScoreResult, ledger: RunLedger,
         _timeline(result, ledger),
         "<h2>Utilisation</h2>",
         _utilisation_chart(utilisation),
+        "<h2>Power</h2>",
+        _power_chart(power or {}),
         "<h2>Machine and software</h2>",
         _machine(summary),
         "<h2>Configuration (run.json)</h2>",
@@ -67,6 +72,63 @@ def render_page(summary: dict[str, Any], result: ScoreResult, ledger: RunLedger,
 
 def _row(name: str, value: str) -> str:
     return f"<tr><th>{escape(name)}</th><td>{value}</td></tr>"
+
+
+def _failure(result: ScoreResult) -> str:
+    if result.failure is None:
+        return ""
+    return (f'<p class="unofficial">Failed: the run produced nothing: {escape(result.failure.describe())}</p>')
+
+
+def _precision(summary: dict[str, Any]) -> str:
+    precision = summary.get("precision", {})
+    asked, resolved = precision.get("policy"), precision.get("resolved")
+    if resolved is None:
+        text = f"{asked}, resolved by each replica on its node"
+    else:
+        text = f"{resolved} (auto: the fastest the backend declares on the run's device)" if asked == "auto" \
+            else str(resolved)
+    trained = ", ".join(f"{name} {n}" for name, n in precision.get("trials", {}).items())
+    return escape(text) + (f" &mdash; trials: {escape(trained)}" if trained else "")
+
+
+def _efficiency_headline(summary: dict[str, Any]) -> str:
+    """OPS/W next to the score: against the total energy, else the accelerators' alone."""
+    per_joule = summary.get("energy", {}).get("ops_per_joule", {})
+    for key, suffix in (("total", ""), ("accelerators", " (accelerators)")):
+        if per_joule.get(key) is not None:
+            return f" &middot; {escape(format_ops(per_joule[key]))}/W{suffix}"
+    return ""
+
+
+def _joules(value: float | None) -> str:
+    if value is None:
+        return "not measured"
+    for divisor, unit in ((3.6e6, "kWh"), (1e3, "kJ")):
+        if value >= divisor:
+            return f"{value / divisor:.3g} {unit} ({value:.4g} J)"
+    return f"{value:.3g} J"
+
+
+def _energy_rows(summary: dict[str, Any]) -> list[str]:
+    energy = summary.get("energy", {})
+    per_joule = energy.get("ops_per_joule", {})
+    coverage = energy.get("coverage", {})
+
+    def measured(key: str) -> str:
+        share = coverage.get(key)
+        return _joules(energy.get(f"{key}_j")) + ("" if share is None else f", sampled over {share:.0%} of the window")
+
+    def efficiency(key: str) -> str:
+        value = per_joule.get(key)
+        return "not measured" if value is None else f"{escape(format_ops(value))}/W ({value:.4g} operations per joule)"
+
+    rows = [_row("energy: accelerators", measured("accelerators")), _row("energy: host CPU+DRAM", measured("host")),
+            _row("energy: total", _joules(energy.get("total_j"))),
+            _row("OPS/W (analytic operations per joule)", efficiency("total")),
+            _row("OPS/W, accelerators only", efficiency("accelerators"))]
+    rows += [_row("energy not measured", escape(line)) for line in energy.get("missing", [])]
+    return rows
 
 
 def _facts_table(summary: dict[str, Any], result: ScoreResult) -> str:
@@ -89,6 +151,9 @@ def _facts_table(summary: dict[str, Any], result: ScoreResult) -> str:
         _row("replicas", str(summary.get("machine", {}).get("replicas"))),
         _row("time in train and eval steps", _fraction(summary.get("machine", {}).get("busy_fraction"))
              + " of the replicas' wall time"),
+        _row("time compiling training steps", _compile(summary.get("compile", {}))),
+        _row("precision", _precision(summary)),
+        *_energy_rows(summary),
     ]
     return "<table>" + "".join(rows) + "</table>"
 
@@ -139,7 +204,8 @@ def _timeline(result: ScoreResult, ledger: RunLedger) -> str:
         status = trial.status or "running"
         end = trial.ended if trial.ended is not None else max(result.end_time, trial.last_epoch_time or trial.started)
         accuracy = "-" if trial.best_accuracy is None else f"{trial.best_accuracy:.2%}"
-        tooltip = f"{trial.id}: {status}, {trial.epochs} epochs, best accuracy {accuracy}"
+        compiled = "" if trial.compile_seconds is None else f", {trial.compile_seconds:.1f} s compiling"
+        tooltip = f"{trial.id}: {status}, {trial.epochs} epochs, best accuracy {accuracy}{compiled}"
         by_replica.setdefault(trial.replica, []).append(
             Bar((trial.started - start) / 3600, (end - start) / 3600, STATUS_COLORS.get(status, "#555555"), tooltip))
     replicas = sorted(by_replica)
@@ -162,6 +228,20 @@ def _utilisation_chart(utilisation: dict[str, list[tuple[float, float]]]) -> str
     if "accelerator" not in utilisation:
         chart += "<p>No accelerator samples: NVML was not available on the replica nodes.</p>"
     return chart
+
+
+def _compile(compiled: dict[str, Any]) -> str:
+    seconds = compiled.get("seconds")
+    if seconds is None:
+        return "not measured"
+    return f"{seconds:.1f} s ({_fraction(compiled.get('share'))} of the replicas' wall time)"
+
+
+def _power_chart(power: dict[str, list[tuple[float, float]]]) -> str:
+    if not power:
+        return "<p>No power samples: neither NVML power nor RAPL energy was readable on the replica nodes.</p>"
+    series = [Series(label, points) for label, points in power.items()]
+    return line_chart("Mean power draw (monitor samples)", series, "hours since start", "watts")
 
 
 def _fraction(value: float | None) -> str:

@@ -212,7 +212,8 @@ class Trial:
     """One trial as its replica's log tells it."""
 
     __slots__ = ("id", "replica", "round", "parent", "graph_sha256", "precision", "started", "ended",
-                 "status", "reason", "epochs", "last_epoch", "last_epoch_time", "best_accuracy", "per_image", "problem")
+                 "status", "reason", "epochs", "last_epoch", "last_epoch_time", "best_accuracy", "per_image", "problem",
+                 "compile_seconds")
 
     def __init__(self, trial_id: str, replica: int, event: dict[str, Any]):
         hyper = event.get("hyper") if isinstance(event.get("hyper"), dict) else {}
@@ -232,17 +233,20 @@ class Trial:
         self.best_accuracy: float | None = None
         self.per_image: tuple[int, int] | None = None  # (FP, BP) once the graph is resolved
         self.problem: str | None = None  # why per_image is None
+        self.compile_seconds: float | None = None  # summed epoch_end.compile_seconds; None: none measured
 
     def to_dict(self) -> dict[str, Any]:
         return {"trial": self.id, "replica": self.replica, "round": self.round, "parent": self.parent,
                 "started": self.started, "ended": self.ended, "status": self.status, "epochs": self.epochs,
-                "best_accuracy": self.best_accuracy, "precision": self.precision}
+                "best_accuracy": self.best_accuracy, "precision": self.precision,
+                "compile_seconds": self.compile_seconds}
 
 
 class ReplicaState:
     """What the live display and the report show per replica."""
 
-    __slots__ = ("replica", "starts", "stop", "trials_done", "running", "last_time", "step_seconds")
+    __slots__ = ("replica", "starts", "stop", "trials_done", "running", "last_time", "step_seconds",
+                 "compile_seconds")
 
     def __init__(self, replica: int):
         self.replica = replica
@@ -252,13 +256,19 @@ class ReplicaState:
         self.running: Trial | None = None
         self.last_time: float | None = None
         self.step_seconds = 0.0  # summed epoch_end.step_seconds: time in train and eval steps
+        self.compile_seconds: float | None = None  # summed epoch_end.compile_seconds; None: none measured
 
     def busy_fraction(self) -> float | None:
         """Time in train and eval steps over the replica's life, from its first replica_start to
         its last event (restarts and their downtime included): None before any epoch."""
+        life = self.life_seconds()
+        return self.step_seconds / life if life and self.step_seconds else None
+
+    def life_seconds(self) -> float | None:
+        """From the replica's first replica_start to its last event, restarts and downtime included."""
         if not self.starts or self.last_time is None or self.last_time <= self.starts[0]["time"]:
             return None
-        return self.step_seconds / (self.last_time - self.starts[0]["time"]) if self.step_seconds else None
+        return self.last_time - self.starts[0]["time"]
 
 
 # An epoch as scoring needs it: (time, trial, train_images, val_images, val_accuracy or None).
@@ -397,6 +407,10 @@ class RunLedger:
         seconds = event.get("step_seconds")
         if type(seconds) in (float, int) and seconds > 0:  # absent or null: the backend did not measure
             state.step_seconds += seconds
+        compiling = event.get("compile_seconds")
+        if type(compiling) in (float, int) and compiling >= 0:  # 0.0: nothing compiled; null: not measured
+            trial.compile_seconds = (trial.compile_seconds or 0.0) + compiling
+            state.compile_seconds = (state.compile_seconds or 0.0) + compiling
         self.epochs.append((time, trial, train_images, val_images, accuracy))
 
     def _resolve_new_trials(self) -> None:

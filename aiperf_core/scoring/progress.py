@@ -28,6 +28,7 @@ class ReplicaProgress:
     running_epochs: int  # epochs that trial has finished
     stopped: bool  # replica_stop logged
     last_event_time: float | None
+    running_per_image: tuple[int, int] | None = None  # (FP, BP) per image of the running trial, once counted
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,8 @@ def snapshot(run_dir: str | os.PathLike, now: float | None = None) -> Progress:
             replica=replica, host=state.starts[-1].get("host") if state.starts else None,
             attempts=len(state.starts), trials_done=state.trials_done,
             running=running.id if running else None, running_epochs=running.epochs if running else 0,
-            stopped=state.stop is not None, last_event_time=state.last_time))
+            stopped=state.stop is not None, last_event_time=state.last_time,
+            running_per_image=running.per_image if running else None))
     return Progress(
         now=now, elapsed_s=now - info.start_time, budget_s=info.budget_s,
         remaining_s=max(info.deadline - now, 0.0), ended=ledger.run_end is not None,

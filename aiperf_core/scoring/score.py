@@ -8,6 +8,11 @@ is sampled at start + 0.1 h, start + 0.2 h, ... and at the end of the run; the l
 score. The regulated score is -ln(error) * OPS(t), with the best validation error reached by t.
 Everything is recomputed from the event logs and the trial graphs: nothing a backend reports
 about operations is used.
+
+A run *produced nothing* (`ScoreResult.failure`) when no trial succeeded (ended ok or
+early_stopped), no trial still open at the end had finished an epoch, and something failed: a
+trial ended failed, or a replica attempt crashed or was lost. `aiperf run` then exits non-zero,
+and the failure names the first cause.
 """
 
 from __future__ import annotations
@@ -27,9 +32,30 @@ from aiperf_core.scoring.rules import validity_reasons
 from aiperf_core.scoring.units import format_ops
 
 SAMPLE_INTERVAL_S = 360.0  # 0.1 h, the paper's step
+SUCCEEDED = ("ok", "early_stopped")
 
 
 CURVE_POINTS = 1000
+
+
+@dataclass(frozen=True)
+class RunFailure:
+    """Why a run produced nothing: what failed, and the first failure in time."""
+
+    failed_trials: int
+    failed_attempts: int  # replica attempts that crashed or were lost
+    first_where: str  # "trial r0000-t00000" or "replica 0, attempt 1"
+    first_cause: str  # one line
+    first_time: float
+
+    def describe(self) -> str:
+        return (f"no trial succeeded ({self.failed_trials} failed trial(s), {self.failed_attempts} failed replica "
+                f"attempt(s)); first failure, {self.first_where}: {self.first_cause}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"message": self.describe(), "failed_trials": self.failed_trials,
+                "failed_attempts": self.failed_attempts, "first_where": self.first_where,
+                "first_cause": self.first_cause, "first_time": self.first_time}
 
 
 @dataclass
@@ -56,6 +82,7 @@ class ScoreResult:
     # OPS(t) at each counted epoch's end, thinned to at most CURVE_POINTS: the report's fine curve
     # between the 0.1 h samples. Same tuples as `samples`; it never changes the score.
     curve: list[tuple[float, float, float, float | None]] = field(default_factory=list)
+    failure: RunFailure | None = None  # the run produced nothing (see the module's docstring)
 
     @property
     def elapsed_s(self) -> float:
@@ -87,6 +114,7 @@ class ScoreResult:
             "trials_by_status": dict(self.trials_by_status),
             "sample_interval_s": SAMPLE_INTERVAL_S,
             "samples": [list(s) for s in self.samples],
+            "failure": None if self.failure is None else self.failure.to_dict(),
         }
 
 
@@ -203,7 +231,30 @@ def score_ledger(ledger: RunLedger, now: float | None = None) -> ScoreResult:
         best_accuracy=best_accuracy, best_error=best, samples=samples, total_ops=total,
         epochs_counted=len(counted), epochs_after_deadline=after_deadline, epochs_uncountable=uncountable,
         trials=len(trials), trials_by_status=dict(sorted(by_status.items())), valid=not reasons,
-        reasons=reasons, notes=list(ledger.problems), curve=curve)
+        reasons=reasons, notes=list(ledger.problems), curve=curve, failure=run_failure(ledger, trials))
+
+
+def run_failure(ledger: RunLedger, trials: list[Trial]) -> RunFailure | None:
+    """Why the run produced nothing, or None when it produced something or nothing failed (a
+    budget that ended before the first epoch is not a failure)."""
+    if any(t.status in SUCCEEDED or (t.status is None and t.epochs) for t in trials):
+        return None
+    failures = [(t.ended, f"trial {t.id}", str(t.reason or "no reason recorded")) for t in trials
+                if t.status == "failed" and t.ended is not None]
+    attempts = 0
+    for event in ledger.primary_events:
+        if event.get("event") == "replica_exit" and event.get("status") in ("crashed", "lost"):
+            attempts += 1
+            cause = str(event.get("reason"))
+            logged = event.get("log_tail")
+            tail = [str(line).strip() for line in logged if str(line).strip()] if isinstance(logged, list) else []
+            if tail:  # the replica's last words: the exception, or aiperf's one-line error
+                cause += f"; its log ends: {tail[-1]}"
+            failures.append((event["time"], f"replica {event.get('replica')}, attempt {event.get('attempt')}", cause))
+    if not failures:
+        return None
+    when, where, cause = min(failures, key=lambda f: f[0])
+    return RunFailure(sum(t.status == "failed" for t in trials), attempts, where, cause, when)
 
 
 def _fill_precision_from_trial_files(ledger: RunLedger, trials: list[Trial]) -> None:

@@ -5,6 +5,11 @@ $AIPERF_BACKEND between the flag and the file). On `--resume` the run's own run.
 for the defaults, and any fixed setting the user gives again must agree with it: the fixed
 configuration (CONFIG_KEYS) is hashed into run.json's `config_sha256`, and a resume whose
 configuration hashes differently is refused before anything starts.
+
+The backend is probed in a child process (BackendProbe) for what the checks need: its devices,
+whether it trains data-parallel, and the precisions it declares on the run's device. The policy's
+`precision` (default `auto`) is resolved against them here, once, and the result is recorded as
+run.json's `precision`, part of the fixed configuration: a resume trains at the recorded precision.
 """
 
 from __future__ import annotations
@@ -20,16 +25,17 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from aiperf_core.errors import AiperfError
-from aiperf_core.rundir import RunDir, RunDirError
+from aiperf_core.rundir import Lease, RunDir, RunDirError
 from aiperf_core.workflow.duration import parse_duration
 
 # What makes two runs the same run. Executor options (SLURM partition, restart limit, heartbeat
 # timeout) are not in it: they may change on --resume, for example to move to another partition.
-CONFIG_KEYS = ("backend", "executor", "model", "dataset", "policy", "replicas", "devices_per_replica", "seed",
-               "time_budget_s", "stop_after_trials")
+CONFIG_KEYS = ("backend", "executor", "model", "dataset", "policy", "precision", "replicas", "devices_per_replica",
+               "seed", "time_budget_s", "stop_after_trials")
 DEFAULT_TIME_BUDGET = "1h"
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_HEARTBEAT_TIMEOUT = "10m"
+DEFAULT_STALL_TIMEOUT = "10m"  # the floor of the stall timeout (aiperf_core.workflow.primary.stall_limit)
 DEFAULT_STOP_GRACE = "30s"
 SLURM_OPTIONS = ("partition", "account", "time_limit", "gpus_per_node", "cpus_per_task", "extra_args")
 
@@ -55,6 +61,7 @@ class RunRequest:
     seed: int | None = None
     max_restarts: int | None = None
     heartbeat_timeout: str | None = None
+    stall_timeout: str | None = None
     stop_grace: str | None = None
     stop_after_trials: int | None = None
     policy: dict[str, Any] = field(default_factory=dict)
@@ -65,7 +72,7 @@ def merge_request(flags: Mapping[str, Any], config: Mapping[str, Any]) -> RunReq
     """Flags (None when not given) over the config file's values."""
     request = RunRequest(policy=dict(config.get("policy", {})), slurm=dict(config.get("slurm", {})))
     for name in ("backend", "executor", "replicas", "devices_per_replica", "time_budget", "data", "run_dir", "seed",
-                 "max_restarts", "heartbeat_timeout", "stop_after_trials"):
+                 "max_restarts", "heartbeat_timeout", "stall_timeout", "stop_after_trials"):
         value = flags.get(name)
         setattr(request, name, value if value is not None else config.get(name))
     request.data_workers = flags.get("data_workers")
@@ -84,10 +91,11 @@ class WatchSettings:
     heartbeat_timeout_s: float
     stop_grace_s: float
     slurm: dict[str, Any]
+    stall_timeout_s: float = 600.0  # the floor; see aiperf_core.workflow.primary.stall_limit
 
     def to_json(self) -> dict[str, Any]:
         return {"max_restarts": self.max_restarts, "heartbeat_timeout_s": self.heartbeat_timeout_s,
-                "stop_grace_s": self.stop_grace_s, "slurm": self.slurm}
+                "stall_timeout_s": self.stall_timeout_s, "stop_grace_s": self.stop_grace_s, "slurm": self.slurm}
 
 
 def watch_settings(request: RunRequest, recorded: Mapping[str, Any] | None = None) -> WatchSettings:
@@ -99,12 +107,14 @@ def watch_settings(request: RunRequest, recorded: Mapping[str, Any] | None = Non
         raise AiperfError(f"--max-restarts: must be a whole number >= 0, got {max_restarts!r}")
     timeout = (parse_duration(request.heartbeat_timeout, "--heartbeat-timeout") if request.heartbeat_timeout
                else recorded.get("heartbeat_timeout_s") or parse_duration(DEFAULT_HEARTBEAT_TIMEOUT))
+    stall = (parse_duration(request.stall_timeout, "--stall-timeout") if request.stall_timeout
+             else recorded.get("stall_timeout_s") or parse_duration(DEFAULT_STALL_TIMEOUT))
     grace = (parse_duration(request.stop_grace, "--stop-grace") if request.stop_grace
              else recorded.get("stop_grace_s") or parse_duration(DEFAULT_STOP_GRACE))
     slurm = {**recorded.get("slurm", {}), **request.slurm}
     if slurm.get("time_limit") is not None:
         slurm["time_limit_s"] = parse_duration(slurm.pop("time_limit"), "--slurm-time-limit")
-    return WatchSettings(max_restarts, float(timeout), float(grace), slurm)
+    return WatchSettings(max_restarts, float(timeout), float(grace), slurm, stall_timeout_s=float(stall))
 
 
 def data_choice(request: RunRequest) -> tuple[str, str | None]:
@@ -153,31 +163,59 @@ def describe_dataset(name: str, path: str | None, image_size: int) -> dict[str, 
     return {key: described.get(key, spec.get(key)) for key in keep}
 
 
+def run_device(devices: list[str]) -> str:
+    """The device whose precisions a run uses: the first accelerator (replica 0's first device in
+    the local layout), else the first device, a CPU. A node's accelerators are taken to be alike."""
+    return next((d for d in devices if not d.startswith("cpu")), devices[0])
+
+
+@dataclass(frozen=True)
+class BackendFacts:
+    """What the primary's checks need to know about the backend on this machine."""
+
+    devices: list[str]
+    data_parallel: bool  # Backend.parallelism().data_parallel
+    device: str | None = None  # run_device(devices); None when precisions were not probed
+    precisions: tuple[str, ...] | None = None  # Backend.precisions(device)
+    fastest_precision: str | None = None  # Backend.fastest_precision(device): what `auto` gives
+
+
 # Run in a child process: initialising a framework's devices can take GPU memory for as long as
 # the process lives (JAX preallocates most of it), and the primary lives as long as the run.
 _PROBE = """
 import json, sys
 from aiperf_core.errors import AiperfError
 from aiperf_core.registry import load_backend
+from aiperf_core.workflow.plan import run_device
 try:
-    print(json.dumps({"devices": list(load_backend(sys.argv[1]).devices())}))
+    backend = load_backend(sys.argv[1])
+    devices = list(backend.devices())
+    facts = {"devices": devices, "data_parallel": bool(backend.parallelism().data_parallel)}
+    if sys.argv[2] == "precisions":
+        device = run_device(devices)
+        facts.update(device=device, precisions=list(backend.precisions(device)),
+                     fastest_precision=backend.fastest_precision(device))
+    print(json.dumps(facts))
 except AiperfError as exc:
     print(json.dumps({"error": str(exc)}))
 """
 
 
 class BackendProbe:
-    """The devices backend `name` sees on this machine, found by a child process that runs while
-    the primary does its other checks. An unknown or unavailable backend is an AiperfError naming
-    --backend."""
+    """What backend `name` is on this machine (BackendFacts), found by a child process that runs
+    while the primary does its other checks. With `precisions`, the precisions of the run's device
+    are probed too (a short step per mixed precision); without, only devices and parallelism (a
+    SLURM primary, whose node is not where replicas train). An unknown or unavailable backend is an
+    AiperfError naming --backend."""
 
-    def __init__(self, name: str, timeout_s: float = 600):
+    def __init__(self, name: str, precisions: bool = True, timeout_s: float = 600):
         import subprocess
         import sys
 
         self.name, self.timeout_s = name, timeout_s
-        self.process = subprocess.Popen([sys.executable, "-c", _PROBE, name], stdin=subprocess.DEVNULL,
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen([sys.executable, "-c", _PROBE, name, "precisions" if precisions else "devices"],
+                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
 
     def __enter__(self) -> "BackendProbe":
         return self
@@ -187,7 +225,7 @@ class BackendProbe:
             self.process.kill()
             self.process.communicate()
 
-    def devices(self) -> list[str]:
+    def facts(self) -> BackendFacts:
         import subprocess
 
         try:
@@ -201,7 +239,43 @@ class BackendProbe:
             raise AiperfError(f"--backend {self.name}: loading it failed: {last}") from None
         if "error" in result:
             raise AiperfError(f"--backend {self.name}: {result['error']}")
-        return result["devices"]
+        precisions = result.get("precisions")
+        return BackendFacts(devices=result["devices"], data_parallel=result["data_parallel"],
+                            device=result.get("device"), fastest_precision=result.get("fastest_precision"),
+                            precisions=None if precisions is None else tuple(precisions))
+
+
+def resolve_precision(asked: str, facts: BackendFacts, backend: str) -> str | None:
+    """The precision the run trains at (run.json `precision`): `auto` resolved to the fastest the
+    backend declares on the run's device, or the precision asked for, which that device must
+    declare. Where precisions were not probed (SLURM: the devices are on the compute nodes), an
+    explicit precision is recorded as asked and `auto` as None: each replica resolves it on its node."""
+    from aiperf_core.backend import AUTO_PRECISION
+
+    if facts.precisions is None:
+        return None if asked == AUTO_PRECISION else asked
+    if asked == AUTO_PRECISION:
+        return facts.fastest_precision
+    if asked not in facts.precisions:
+        raise AiperfError(f"policy.precision: backend '{backend}' does not declare {asked} on {facts.device} "
+                          f"(it declares {', '.join(facts.precisions)}; auto picks the fastest)")
+    return asked
+
+
+def check_recorded_precision(run: Mapping[str, Any], facts: BackendFacts) -> None:
+    """On --resume: the precision the run trains at must still be declared on the run's device."""
+    recorded = run.get("precision")
+    if recorded is not None and facts.precisions is not None and recorded not in facts.precisions:
+        raise AiperfError(f"--resume: the run trains at {recorded} (run.json precision), which backend "
+                          f"'{run.get('backend')}' does not declare on {facts.device} here "
+                          f"(it declares {', '.join(facts.precisions)})")
+
+
+def check_parallelism(backend: str, facts: BackendFacts, devices_per_replica: int, option: str) -> None:
+    """A backend that declares no data parallelism gets one device per replica, never more."""
+    if devices_per_replica > 1 and not facts.data_parallel:
+        raise AiperfError(f"--backend {backend}: trains on one device only (it declares no data parallelism), "
+                          f"but each replica would get {devices_per_replica} devices; give {option} 1")
 
 
 def new_run_id(now: float) -> str:
@@ -232,11 +306,19 @@ def check_resumable(run_dir: RunDir) -> dict[str, Any]:
         run = run_dir.read_run()
     except RunDirError as exc:
         raise AiperfError(f"--resume: {exc}") from None
+    if "precision" not in run:
+        raise AiperfError(f"--resume {run_dir.root}: run.json records no resolved precision: the run was made by "
+                          f"aiperf {run.get('aiperf_version', 'unknown')}, older than this one; resume it with "
+                          "that version")
     if run.get("config_sha256") != config_sha256(run):
         raise AiperfError(f"--resume {run_dir.root}: run.json's configuration does not match its config_sha256 "
                           "(the file was edited)")
     if not os.access(run_dir.root, os.W_OK):
         raise AiperfError(f"--resume {run_dir.root}: not writable")
+    try:  # the primary takes the lease when it starts; refuse now, before anything else is done
+        Lease(run_dir.primary_lease, "primary").check()
+    except RunDirError as exc:
+        raise AiperfError(f"--resume {run_dir.root}: {exc}") from None
     return run
 
 
@@ -278,10 +360,16 @@ def resumed_configuration(run: Mapping[str, Any], request: RunRequest, backend_g
 
 def run_record(*, backend: str, executor: str, replicas: int, devices_per_replica: int, seed: int,
                time_budget_s: float, policy: dict[str, Any], dataset: dict[str, Any],
-               stop_after_trials: int | None, watch: WatchSettings, now: float | None = None) -> dict[str, Any]:
-    """run.json's content (schema_version is added by RunDir.write_run)."""
+               stop_after_trials: int | None, watch: WatchSettings, precision: str | None = None,
+               now: float | None = None) -> dict[str, Any]:
+    """run.json's content (schema_version is added by RunDir.write_run). `precision` is the resolved
+    one (resolve_precision); None only where each replica resolves `auto` on its node."""
+    from aiperf_core.backend import AUTO_PRECISION, PRECISIONS
     from aiperf_core.policy import Policy
 
+    asked = policy["precision"]
+    if precision is not None and (precision not in PRECISIONS or asked not in (AUTO_PRECISION, precision)):
+        raise AiperfError(f"precision {precision!r} is not a resolution of policy.precision {asked!r}")
     now = time.time() if now is None else now
     run = {
         "run_id": new_run_id(now),
@@ -298,6 +386,7 @@ def run_record(*, backend: str, executor: str, replicas: int, devices_per_replic
         "dataset": dataset,
         "policy": policy,
         "policy_overridden_fixed": Policy(policy).overridden_fixed(),
+        "precision": precision,
         "stop_after_trials": stop_after_trials,
         "watch": watch.to_json(),
         "aiperf_version": _version(),

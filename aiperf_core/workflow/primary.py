@@ -3,9 +3,10 @@ the deadline. It never trains and never writes a replica's files.
 
 What it knows of a replica comes from three places: the executor (is the process or job still
 there, and how did it end), the replica's event log (did it log `replica_stop`, i.e. finish; which
-trial was in flight) and its heartbeat (is it still making progress). Everything it decides goes
-to primary/events.jsonl, which is also what `--resume` reads to pick up where a killed primary
-left off (docs/workflow.md).
+trial was in flight) and its heartbeat (is it alive, and are its training steps still finishing).
+Everything it decides goes to primary/events.jsonl, which is also what `--resume` reads to pick up
+where a killed primary left off (docs/workflow.md). It holds the run's lease (primary/lease.json)
+while it runs, so that no second primary ever watches, or writes to, the same run.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 import os
 import signal
 import socket
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -21,15 +24,36 @@ from typing import Any, Callable
 from aiperf_core.atomic import write_text_atomic
 from aiperf_core.clock import SYSTEM_CLOCK, Clock
 from aiperf_core.errors import AiperfError
-from aiperf_core.rundir import EventLog, RunDir, chain_head, read_events
-from aiperf_core.workflow.executors.base import Executor, ProcessEnd, ReplicaCommand, ReplicaHandle, replica_argv
+from aiperf_core.rundir import LEASE_RENEW_S, EventLog, Lease, LeaseHeld, RunDir, chain_head, read_events
+from aiperf_core.workflow.duration import format_duration
+from aiperf_core.workflow.executors.base import (Executor, ProcessEnd, ReplicaCommand, ReplicaHandle, log_tail,
+                                                 replica_argv)
 from aiperf_core.workflow.plan import WatchSettings
 
-LOG_TAIL_LINES = 20
-LOG_TAIL_CHARS = 400  # per line: a runaway line must not bloat the primary log
 ENDED_REASONS = ("deadline", "all_replicas_finished", "all_replicas_failed")  # a resume has nothing left to do
 FAILURES = ("crashed", "lost")  # what the restart limit counts
 LAUNCH_RETRY_S = 10.0
+# Stalls (docs/workflow.md): a training replica is lost when no step finished for its stall limit,
+# max(--stall-timeout, STALL_STEPS x the longest step seen on it); before a trial's first step ends
+# (lowering, the data pipeline's start, compilation) it gets the start-up allowance on top.
+STALL_STEPS = 20
+STARTUP_ALLOWANCE_S = 1200.0
+STARTUP_FACTOR = 3  # the allowance is at least this many times the longest trial start-up seen on it
+STACKS_WAIT_S = 2.0  # for a stalled replica to write its threads' stacks before it is stopped
+
+
+def stall_limit(floor_s: float, longest_step_s: float) -> float:
+    """Seconds without a finished step after which a training replica is lost."""
+    return max(floor_s, STALL_STEPS * longest_step_s)
+
+
+def startup_allowance(longest_startup_s: float) -> float:
+    """Seconds added to the stall limit before a trial's first step has ended."""
+    return max(STARTUP_ALLOWANCE_S, STARTUP_FACTOR * longest_startup_s)
+
+
+def _seconds(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 @dataclass
@@ -46,22 +70,17 @@ class ReplicaSlot:
     running_since: float | None = None  # when the executor first saw it run
     last_life: float | None = None  # the latest sign of life of this attempt seen so far
     not_before: float = 0.0  # no launch before this time (after a failed launch)
+    log_bytes: int = 0  # size of replica.log when the latest attempt was launched: its own output follows
+    progress_due: float | None = None  # the heartbeat need not be read for progress before this time
+    longest_step_s: float = 0.0  # seen on this replica, over its attempts
+    longest_startup_s: float = 0.0
+    first_step_s: float | None = None  # of the current trial: stands in for the longest step until one is seen
+    last_progress: dict | None = None  # the progress of the latest heartbeat read
 
 
 def stop_file(run_dir: RunDir) -> Path:
     """Its existence tells every replica to stop after its current epoch (docs/run-directory.md)."""
     return run_dir.primary_dir / "stop"
-
-
-def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> list[str]:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 64 * 1024))
-            text = f.read().decode("utf-8", errors="replace")
-    except OSError:
-        return []
-    return [line[:LOG_TAIL_CHARS] for line in text.splitlines()[-lines:]]
 
 
 def in_flight_trial(events: list[dict[str, Any]]) -> str | None:
@@ -89,22 +108,56 @@ class Primary:
         self.clock = clock  # the system's; a virtual one in the scale simulation
         self.deadline = float(run["deadline"])
         self.slots = [ReplicaSlot(i) for i in range(int(run["replicas"]))]
-        self.log = EventLog(run_dir.primary_log, clock)
+        self.lease = Lease(run_dir.primary_lease, "primary")
+        self.log = EventLog(run_dir.primary_log, clock, lease=self.lease)
         self._interrupted: int | None = None
+        self._lease_lost = False
 
     # --- the run ----------------------------------------------------------------------------
     def run_to_end(self) -> str:
         """Run until the deadline, until every replica has finished or failed, or until SIGINT or
-        SIGTERM; returns run_end's reason."""
+        SIGTERM; returns run_end's reason. AiperfError, before anything is written, while another
+        live primary holds the run's lease."""
+        try:
+            self.lease.acquire()
+        except LeaseHeld as exc:
+            option = "--resume" if self.resume else "--run-dir"
+            raise AiperfError(f"{option} {self.run_dir.root}: {exc}") from None
+        keeping = threading.Event()
+        keeper = threading.Thread(target=self._keep_lease, args=(keeping,), name="primary-lease", daemon=True)
+        keeper.start()
+        try:
+            return self._run_owned()
+        finally:
+            keeping.set()
+            keeper.join()
+            self.lease.release()
+
+    def _keep_lease(self, stopping: threading.Event) -> None:
+        while not stopping.wait(LEASE_RENEW_S):
+            try:
+                if not self.lease.renew():
+                    self._lease_lost = True
+                    return
+            except OSError as exc:  # a flaky shared disk: try again at the next renewal
+                print(f"aiperf: the run's lease was not renewed: {exc}", file=sys.stderr, flush=True)
+
+    def _run_owned(self) -> str:
         history = read_events(self.run_dir.primary_log)
         ended = [e for e in history if e.get("event") == "run_end"]
         if self.resume and ended and ended[-1].get("reason") in ENDED_REASONS:
             self.notify(f"the run already ended ({ended[-1]['reason']}); nothing to resume")
             return ended[-1]["reason"]
+        taken = self.lease.taken_over
+        if taken:
+            why = "its process is gone" if taken["verdict"] == "gone" else "its lease was stale"
+            self.notify(f"took the run over from the primary pid {taken.get('pid')} on host {taken.get('host')} ({why})")
         self.log.open()
         previous = self._install_signal_handlers()
         try:
-            self.log.append("run_start", resume=self.resume, pid=os.getpid(), host=socket.gethostname())
+            lease_from = {key: taken.get(key) for key in ("host", "pid", "verdict")} if taken else None
+            self.log.append("run_start", resume=self.resume, pid=os.getpid(), host=socket.gethostname(),
+                            lease_taken_from=lease_from)
             self._recover(history)
             if self.resume:
                 self.executor.end_strays({slot.handle.job for slot in self.slots if slot.handle is not None})
@@ -118,6 +171,8 @@ class Primary:
     def _watch(self) -> str:
         while True:
             now = self.clock.time()
+            if self._lease_lost:
+                self.lease.verify()  # LeaseLost, naming the new holder: nothing more is written
             if self._interrupted is not None:
                 return self._end_all("interrupted", f"the primary got {signal.Signals(self._interrupted).name}")
             if now >= self.deadline:
@@ -144,6 +199,10 @@ class Primary:
         slot.attempt += 1
         slot.log_offset = len(read_events(self.run_dir.replica_log(slot.replica)))
         try:
+            slot.log_bytes = (self.run_dir.replica_dir(slot.replica) / "replica.log").stat().st_size
+        except OSError:
+            slot.log_bytes = 0
+        try:
             slot.handle = self.executor.launch(self._command(slot))
         except AiperfError as exc:  # sbatch refused, fork failed: a failed attempt, retried after a pause
             if not any(s.handle for s in self.slots) and slot.attempt == 1 and not self.resume:
@@ -154,6 +213,9 @@ class Primary:
         slot.launched_at = self.clock.time()
         slot.running_since = None
         slot.last_life = None
+        slot.progress_due = None
+        slot.first_step_s = None
+        slot.last_progress = None
         self.log.append("replica_launch", replica=slot.replica, attempt=slot.attempt, job=slot.handle.job,
                         log_seq=slot.log_offset)
         self.notify(f"replica {slot.replica}: attempt {slot.attempt} launched ({self.executor.name} job {slot.handle.job})")
@@ -172,29 +234,75 @@ class Primary:
                 continue
             if slot.running_since is None and slot.handle.started():
                 slot.running_since = now
-            silent_for = self._silence(slot, now)
-            if silent_for is not None and silent_for > self.watch.heartbeat_timeout_s:
-                self.executor.stop([slot.handle], grace_s=5)
-                self._record_exit(slot, ProcessEnd(False, f"no heartbeat for {silent_for:.0f} s"), lost=True)
+            lost = self._lost(slot, now)
+            if lost is None:
+                continue
+            kind, why = lost
+            if kind == "stall" and self.executor.request_stacks(slot.handle):
+                self._sleep(STACKS_WAIT_S)  # its threads' stacks go to replica.log, then to log_tail
+            self.executor.stop([slot.handle], grace_s=5)
+            extra = {"last_progress": slot.last_progress} if kind == "stall" else {}
+            self._record_exit(slot, ProcessEnd(False, why), lost=True, extra=extra)
 
-    def _silence(self, slot: ReplicaSlot, now: float) -> float | None:
-        """Seconds since the running replica last showed life; None while it is queued."""
+    def _lost(self, slot: ReplicaSlot, now: float) -> tuple[str, str] | None:
+        """("heartbeat" or "stall", why) when a running replica counts as lost: its heartbeat is too
+        old, or it trains and no step finished for too long; None otherwise. Queued replicas are
+        never lost."""
         if slot.running_since is None:
             return None
-        # Heartbeats only move forward, so the silence since the last beat seen bounds the true one
-        # from above: while that is within the timeout the decision is the same, and the file (the
-        # primary's main cost per poll at thousands of replicas, docs/performance.md) is not read.
-        if slot.last_life is not None and now - slot.last_life <= self.watch.heartbeat_timeout_s:
-            return now - slot.last_life
+        # Heartbeat and progress times only move forward, so the silences since the last ones seen
+        # bound the true ones from above: while both are within their limits the decision is the
+        # same, and the file (the primary's main cost per poll at thousands of replicas,
+        # docs/performance.md) is not read.
+        alive = slot.last_life is not None and now - slot.last_life <= self.watch.heartbeat_timeout_s
+        if alive and slot.progress_due is not None and now <= slot.progress_due:
+            return None
         beat = self.run_dir.read_heartbeat(slot.replica) or {}
-        beat_time = beat.get("time") if isinstance(beat.get("time"), (int, float)) else 0.0
-        slot.last_life = max(slot.running_since, beat_time if beat_time >= slot.launched_at else 0.0)
-        return now - slot.last_life
+        beat_time = _seconds(beat.get("time")) or 0.0
+        fresh = beat_time >= slot.launched_at
+        slot.last_life = max(slot.running_since, beat_time if fresh else 0.0)
+        if now - slot.last_life > self.watch.heartbeat_timeout_s:
+            return "heartbeat", f"no heartbeat for {now - slot.last_life:.0f} s"
+        if not fresh:  # this attempt has not beaten yet
+            slot.progress_due = now + self.watch.stall_timeout_s
+            return None
+        stalled = self._stalled(slot, beat, beat_time)
+        return None if stalled is None else ("stall", stalled)
+
+    def _stalled(self, slot: ReplicaSlot, beat: dict[str, Any], beat_time: float) -> str | None:
+        """Whether the heartbeat proves a stall: silence is measured on the replica's own clock, from
+        its last finished step (or, before a trial's first step, from the trial's start) to the
+        heartbeat, so a late heartbeat never makes a healthy replica look stalled."""
+        slot.longest_step_s = max(slot.longest_step_s, _seconds(beat.get("longest_step_s")) or 0.0)
+        slot.longest_startup_s = max(slot.longest_startup_s, _seconds(beat.get("longest_startup_s")) or 0.0)
+        progress = beat.get("progress") if isinstance(beat.get("progress"), dict) else None
+        slot.last_progress = progress
+        if progress is not None and _seconds(progress.get("first_step_s")) is not None:
+            slot.first_step_s = _seconds(progress.get("first_step_s"))
+        # Until a step after a first one is seen on this replica, its first step (compilation
+        # included) is the best guess of a step's length.
+        limit = stall_limit(self.watch.stall_timeout_s, slot.longest_step_s or slot.first_step_s or 0.0)
+        since = _seconds(beat.get("since"))
+        if beat.get("state") != "training" or since is None:
+            slot.progress_due = beat_time + limit
+            return None
+        last_step = _seconds(progress.get("time")) if progress is not None else None
+        if last_step is not None:
+            silent, allowed = beat_time - last_step, limit
+            why = f"no step finished for {format_duration(silent)} (stall limit {format_duration(allowed)})"
+        else:
+            extra = startup_allowance(slot.longest_startup_s)
+            silent, allowed = beat_time - since, limit + extra
+            why = (f"no first step {format_duration(silent)} after the trial started (stall limit "
+                   f"{format_duration(limit)} + start-up allowance {format_duration(extra)})")
+        slot.progress_due = beat_time - silent + allowed
+        return why if silent > allowed else None
 
     def _replica_events_since(self, slot: ReplicaSlot) -> list[dict[str, Any]]:
         return read_events(self.run_dir.replica_log(slot.replica))[slot.log_offset:]
 
-    def _record_exit(self, slot: ReplicaSlot, end: ProcessEnd, lost: bool = False, stopped: str | None = None) -> None:
+    def _record_exit(self, slot: ReplicaSlot, end: ProcessEnd, lost: bool = False, stopped: str | None = None,
+                     extra: dict[str, Any] | None = None) -> None:
         """Classify how an attempt ended, log replica_exit, and decide whether it runs again."""
         all_events = read_events(self.run_dir.replica_log(slot.replica))
         stops = [e for e in all_events[slot.log_offset:] if e.get("event") == "replica_stop"]
@@ -208,7 +316,11 @@ class Primary:
             status = "lost" if lost else "crashed"
             trial = in_flight_trial(all_events)
             reason = end.description + (f" during trial {trial}" if trial else "")
-            fields.update(trial=trial, log_tail=log_tail(self.run_dir.replica_dir(slot.replica) / "replica.log"))
+            fields.update(trial=trial, **(extra or {}),
+                          log_tail=log_tail(self.run_dir.replica_dir(slot.replica) / "replica.log", since=slot.log_bytes))
+            job_tail = self.executor.job_log_tail(slot.handle) if slot.handle is not None else []
+            if job_tail:
+                fields["job_log_tail"] = job_tail
             slot.failures += 1
             restart = slot.failures <= self.watch.max_restarts and self.clock.time() < self.deadline
             fields["restart"] = restart

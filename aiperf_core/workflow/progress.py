@@ -1,24 +1,87 @@
 """The live display of `aiperf run`: a block redrawn in place on a terminal (every ~2 s), plain
 log lines when stdout is a file or a pipe (every 30 s), so that a batch job's log stays readable.
 
-Figures come from aiperf_core.scoring.progress.snapshot, which reads the run directory
-incrementally and uses the score's own definitions.
+Scored figures come from aiperf_core.scoring.progress.snapshot, which reads the run directory
+incrementally and uses the score's own definitions: they move only when epochs end. Live figures
+(training images/s and the analytic OPS they mean) come from the replicas' heartbeats, which
+carry the progress of their steps: they show a working run from its first step, and are never
+part of the score.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 from aiperf_core.workflow.duration import format_duration
 
 TTY_INTERVAL_S = 2.0
 LOG_INTERVAL_S = 30.0
+LIVE_INTERVAL_S = 10.0  # heartbeats are read for the live figures at most this often
+LIVE_FRESH_S = 60.0  # an older heartbeat gives no live figure: its replica may be gone
+QUIET_STEP_S = 60.0  # a replica whose last step is older than this says how long ago it was
 
 
-def render(progress: Any) -> list[str]:
-    """The display's lines for one snapshot (an aiperf_core.scoring.progress.Progress)."""
+@dataclass(frozen=True)
+class LiveReplica:
+    """One training replica's live progress, from its heartbeat."""
+
+    images_per_s: float | None  # training images per second over its current epoch so far
+    ops_per_s: float | None  # images_per_s x the running trial's analytic FP+BP per image
+    last_step_age_s: float | None  # seconds since its last step ended; None before the trial's first
+    trial_age_s: float | None  # seconds since it entered its current trial
+
+
+@dataclass(frozen=True)
+class Live:
+    replicas: dict[int, LiveReplica] = field(default_factory=dict)
+
+    @property
+    def images_per_s(self) -> float:
+        return sum(r.images_per_s or 0.0 for r in self.replicas.values())
+
+    @property
+    def ops_per_s(self) -> float:
+        return sum(r.ops_per_s or 0.0 for r in self.replicas.values())
+
+
+def live_figures(run_dir: Any, progress: Any) -> Live:
+    """Live progress of every training replica of a snapshot (a scoring.progress.Progress), from
+    its heartbeat (docs/run-directory.md, heartbeat.json)."""
+    figures = {}
+    for replica in progress.replicas:
+        if replica.stopped or not replica.running:
+            continue
+        beat = run_dir.read_heartbeat(replica.replica) or {}
+        beat_time, since = _number(beat.get("time")), _number(beat.get("since"))
+        if beat.get("state") != "training" or beat_time is None or progress.now - beat_time > LIVE_FRESH_S:
+            continue
+        step = beat.get("progress") if isinstance(beat.get("progress"), dict) else {}
+        last_step, epoch_start = _number(step.get("time")), _number(step.get("epoch_start"))
+        images = _number(step.get("images")) or 0.0
+        rate = images / (last_step - epoch_start) if last_step and epoch_start and last_step > epoch_start else None
+        per_image = replica.running_per_image if beat.get("trial") == replica.running else None
+        ops = rate * (per_image[0] + per_image[1]) if rate is not None and per_image else None
+        figures[replica.replica] = LiveReplica(
+            images_per_s=rate or None, ops_per_s=ops or None,
+            last_step_age_s=None if last_step is None else max(progress.now - last_step, 0.0),
+            trial_age_s=None if since is None else max(progress.now - since, 0.0))
+    return Live(figures)
+
+
+def _number(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _rate(images_per_s: float) -> str:
+    return f"{images_per_s:,.0f}" if images_per_s >= 100 else f"{images_per_s:.1f}"
+
+
+def render(progress: Any, live: Live | None = None) -> list[str]:
+    """The display's lines for one snapshot (an aiperf_core.scoring.progress.Progress): summary
+    lines first, then one indented line per replica."""
     from aiperf_core.scoring import format_ops
 
     accuracy = "-" if progress.best_accuracy is None else f"{progress.best_accuracy:.2%}"
@@ -29,11 +92,24 @@ def render(progress: Any) -> list[str]:
         f"best accuracy {accuracy}  trials done {progress.trials_done}, running {progress.trials_running}  "
         f"epochs {progress.epochs_counted}",
     ]
+    if live is not None and progress.trials_running:
+        lines.append(f"live, not scored: {_rate(live.images_per_s)} images/s  "
+                     f"{format_ops(live.ops_per_s)} analytic ({len(live.replicas)} of "
+                     f"{progress.trials_running} training replicas reporting)")
     for replica in progress.replicas:
         if replica.stopped:
             doing = "stopped"
         elif replica.running:
-            doing = f"training {replica.running} (epoch {replica.running_epochs + 1})"
+            doing = f"training {replica.running} (epoch {replica.running_epochs + 1}"
+            now = (live.replicas.get(replica.replica) if live is not None else None)
+            if now is not None and now.last_step_age_s is None:
+                doing += f", no step yet after {format_duration(now.trial_age_s or 0.0)}"
+            elif now is not None:
+                if now.images_per_s is not None:
+                    doing += f", {_rate(now.images_per_s)} images/s"
+                if now.last_step_age_s >= QUIET_STEP_S:
+                    doing += f", last step {format_duration(now.last_step_age_s)} ago"
+            doing += ")"
         else:
             doing = "planning"
         lines.append(f"  replica {replica.replica} on {replica.host or '?'}: attempt {replica.attempts}, "
@@ -51,6 +127,8 @@ class LiveDisplay:
         self.interval = TTY_INTERVAL_S if self.interactive else LOG_INTERVAL_S
         self._drawn = 0  # lines of the block on screen
         self._last = float("-inf")
+        self._live: Live | None = None
+        self._live_read = float("-inf")  # monotonic time the heartbeats were last read
 
     def note(self, text: str) -> None:
         self._erase()
@@ -69,7 +147,8 @@ class LiveDisplay:
             self.stream.write("".join(line + "\n" for line in lines))
             self._drawn = len(lines)
         else:
-            self.stream.write(f"{time.strftime('%H:%M:%S')} " + " | ".join(line.strip() for line in lines[:2]) + "\n")
+            summary = [line for line in lines if not line.startswith(" ")]
+            self.stream.write(f"{time.strftime('%H:%M:%S')} " + " | ".join(summary) + "\n")
         self.stream.flush()
 
     def close(self) -> None:
@@ -81,9 +160,13 @@ class LiveDisplay:
 
     def _lines(self, now: float) -> list[str]:
         try:
+            from aiperf_core.rundir import RunDir
             from aiperf_core.scoring.progress import snapshot
 
-            return render(snapshot(self.run_dir, now))
+            progress = snapshot(self.run_dir, now)
+            if time.monotonic() - self._live_read >= LIVE_INTERVAL_S:
+                self._live, self._live_read = live_figures(RunDir(self.run_dir), progress), time.monotonic()
+            return render(progress, self._live)
         except Exception as exc:  # the display must never stop the run
             return [f"(progress unavailable: {type(exc).__name__}: {exc})"]
 

@@ -294,7 +294,7 @@ class SimulatedReplica:
             patience = policy.patience_for(round_number)
             hyper = {"batch_size": batch, "kernel_size": 3, "epochs": policy.epochs_for(round_number),
                      "learning_rate": policy.learning_rate_for(batch), "patience": patience,
-                     "label_smoothing": policy["label_smoothing"], "precision": policy["precision"]}
+                     "label_smoothing": policy["label_smoothing"], "precision": sim.precision}
             self._append("trial_start", t, trial=trial, round=round_number, parent=None, morph=None, hyper=hyper,
                          graph_sha256=graph.sha256)
             sim.trials_started += 1
@@ -368,6 +368,7 @@ class SimulatedExecutor(Executor):
         self.model = model
         self.pool = list(pool)
         self.policy = Policy(run["policy"])
+        self.precision = run["precision"]
         self.backend = run["backend"]
         self.deadline = float(run["deadline"])
         self.stop_after_trials = run.get("stop_after_trials")
@@ -456,9 +457,12 @@ def simulate(root: Path, replicas: int, time_budget_s: float, model: ReplicaMode
     run_dir = RunDir(root, clock)
     watch = watch or WatchSettings(max_restarts=3, heartbeat_timeout_s=600.0, stop_grace_s=30.0, slurm={})
     policy_json = Policy(policy or {}).to_json()
+    # `auto` as it resolves on the accelerators the simulation models (GPUs: bf16 first).
+    precision = "bf16" if policy_json["precision"] == "auto" else policy_json["precision"]
     run = run_record(backend="simulated", executor="simulated", replicas=replicas,
                      devices_per_replica=model.devices, seed=0, time_budget_s=time_budget_s, policy=policy_json,
-                     dataset=dict(IMAGENET), stop_after_trials=stop_after_trials, watch=watch, now=start_time)
+                     dataset=dict(IMAGENET), stop_after_trials=stop_after_trials, watch=watch, now=start_time,
+                     precision=precision)
     run_dir.write_run(run)
     run_dir.primary_dir.mkdir(parents=True, exist_ok=True)
     executor = SimulatedExecutor(run_dir, run, clock, model, pool, weights_path, poll_interval_s=poll_interval_s,

@@ -9,10 +9,17 @@ replicas/<I>/replica.log, and reports how the process ended. Whether a replica *
 from __future__ import annotations
 
 import abc
+import os
 import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# A replica answers it by writing every thread's Python stack to its stderr (replica.log): the
+# primary sends it to a stalled replica before stopping it, so that the stall can be diagnosed.
+STACKS_SIGNAL = signal.SIGUSR1
+LOG_TAIL_LINES = 40  # enough for a crash's message and the stack faulthandler writes
+LOG_TAIL_CHARS = 400  # per line: a runaway line must not bloat the primary log
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,16 @@ class Executor(abc.ABC):
     def stop(self, handles: list[ReplicaHandle], grace_s: float) -> None:
         """Ask the replicas to end (SIGTERM), and force them (SIGKILL, scancel) after grace_s."""
 
+    def job_log_tail(self, handle: ReplicaHandle) -> list[str]:
+        """The last lines of what the executor's own job wrapper wrote about an ended replica (a
+        batch system's messages: out of memory, time limit, node failure), apart from replica.log."""
+        return []
+
+    def request_stacks(self, handle: ReplicaHandle) -> bool:
+        """Ask a running replica to write every thread's Python stack to its replica.log (before a
+        stalled one is stopped); True if asked. Executors that cannot reach the process say False."""
+        return False
+
     def adopt(self, command: ReplicaCommand, job: str) -> ReplicaHandle | None:
         """A handle on a replica an earlier primary of this run launched (job as logged) if it still
         runs and this executor can watch it from here; None otherwise (then end_leftover)."""
@@ -91,6 +108,20 @@ class Executor(abc.ABC):
     def end_strays(self, keep: set[str]) -> None:
         """On --resume, end every job of this run but `keep` (the adopted ones), logged or not: a
         primary killed between submitting a job and logging it leaves one nobody knows of."""
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES, since: int = 0) -> list[str]:
+    """The last lines of a log written after byte `since` (where a replica's attempt began), each
+    cut at LOG_TAIL_CHARS; [] when there is no such log."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            end = f.tell()
+            f.seek(max(min(since, end), end - 64 * 1024))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    return [line[:LOG_TAIL_CHARS] for line in text.splitlines()[-lines:]]
 
 
 def describe_exit_code(code: int) -> ProcessEnd:
@@ -107,5 +138,7 @@ def describe_exit_code(code: int) -> ProcessEnd:
 
 
 def replica_argv(run_dir: Path, replica: int) -> list[str]:
-    """The command every executor runs: this Python, this aiperf, the same run directory."""
-    return [sys.executable, "-m", "aiperf_core", "replica", "--run-dir", str(run_dir), "--replica-id", str(replica)]
+    """The command every executor runs: this Python, this aiperf, the same run directory. Unbuffered
+    (-u), so that what a replica printed last is in replica.log even when it dies by a signal."""
+    return [sys.executable, "-u", "-m", "aiperf_core", "replica", "--run-dir", str(run_dir), "--replica-id",
+            str(replica)]

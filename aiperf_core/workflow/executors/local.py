@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiperf_core.errors import AiperfError
-from aiperf_core.workflow.executors.base import (Executor, ProcessEnd, ReplicaCommand, ReplicaHandle,
+from aiperf_core.workflow.executors.base import (STACKS_SIGNAL, Executor, ProcessEnd, ReplicaCommand, ReplicaHandle,
                                                  describe_exit_code)
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -139,6 +139,15 @@ class LocalExecutor(Executor):
             except subprocess.TimeoutExpired:
                 _signal_group(handle.process.pid, signal.SIGKILL)
                 handle.process.wait()
+
+    def request_stacks(self, handle: ReplicaHandle) -> bool:
+        if not isinstance(handle, LocalHandle) or handle.process.poll() is not None:
+            return False
+        try:  # the replica process alone: its helpers (data loader workers) would die of the signal
+            handle.process.send_signal(STACKS_SIGNAL)
+        except ProcessLookupError:
+            return False
+        return True
 
     def end_leftover(self, replica: int, job: str) -> None:
         import psutil

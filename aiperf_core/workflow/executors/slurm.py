@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from aiperf_core.errors import AiperfError
-from aiperf_core.workflow.executors.base import Executor, ProcessEnd, ReplicaCommand, ReplicaHandle
+from aiperf_core.workflow.executors.base import Executor, ProcessEnd, ReplicaCommand, ReplicaHandle, log_tail
 
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING",
                  "STAGE_OUT", "SIGNALING", "RESV_DEL_HOLD", "REQUEUE_FED", "REQUEUE_HOLD"}
@@ -206,6 +206,12 @@ class SlurmExecutor(Executor):
         _scancel(jobs)
         self._wait_gone(jobs, 60)
         self.refresh(handles)
+
+    def job_log_tail(self, handle: ReplicaHandle) -> list[str]:
+        """The job's own stderr (submitit's `<job>_0_log.err` in executor/): where slurmstepd says
+        that it killed the job (out of memory, time limit, cancelled) and submitit why the job
+        function failed; the replica's own output is in replica.log."""
+        return log_tail(self.folder / f"{handle.job}_0_log.err")
 
     def job_name(self, replica: int) -> str:
         """Names a replica's jobs by run and replica, so that a resume finds even a job whose
