@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Callable, IO
 
 
-def write_atomic(path, write: Callable[[IO[bytes]], None]) -> None:
+def write_atomic(path, write: Callable[[IO[bytes]], None], exclusive: bool = False) -> None:
+    """Write `path` whole or not at all. With `exclusive`, FileExistsError if it exists: the complete
+    file is linked into place (link(2) fails on an existing name, also on NFS), so of two writers
+    racing to create it exactly one succeeds."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
@@ -21,7 +24,11 @@ def write_atomic(path, write: Callable[[IO[bytes]], None]) -> None:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, target)
+        if exclusive:
+            os.link(tmp, target)
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, target)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -40,9 +47,9 @@ def write_atomic(path, write: Callable[[IO[bytes]], None]) -> None:
         os.close(dir_fd)
 
 
-def write_bytes_atomic(path, data: bytes) -> None:
-    write_atomic(path, lambda fh: fh.write(data))
+def write_bytes_atomic(path, data: bytes, exclusive: bool = False) -> None:
+    write_atomic(path, lambda fh: fh.write(data), exclusive)
 
 
-def write_text_atomic(path, text: str) -> None:
-    write_bytes_atomic(path, text.encode("utf-8"))
+def write_text_atomic(path, text: str, exclusive: bool = False) -> None:
+    write_bytes_atomic(path, text.encode("utf-8"), exclusive)

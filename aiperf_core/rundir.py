@@ -111,9 +111,14 @@ class RunDir:
         return sorted(int(p.name) for p in base.iterdir() if p.is_dir() and p.name.isdigit())
 
     # run.json ---------------------------------------------------------------------------------
-    def write_run(self, run: dict[str, Any]) -> None:
-        write_text_atomic(self.run_file, json.dumps({"schema_version": SCHEMA_VERSION, **run}, indent=2,
-                                                    sort_keys=True) + "\n")
+    def write_run(self, run: dict[str, Any], new: bool = False) -> None:
+        """Write run.json; with `new`, only if there is none yet (RunDirError otherwise): of two
+        fresh runs started on one directory at once, exactly one gets it."""
+        text = json.dumps({"schema_version": SCHEMA_VERSION, **run}, indent=2, sort_keys=True) + "\n"
+        try:
+            write_text_atomic(self.run_file, text, exclusive=new)
+        except FileExistsError:
+            raise RunDirError(f"{self.root}: already holds a run; continue it with --resume {self.root}") from None
 
     def read_run(self) -> dict[str, Any]:
         try:

@@ -60,3 +60,28 @@ def test_run_file_round_trip_and_errors(tmp_path):
     with pytest.raises(RunDirError, match="schema_version"):
         run.read_run()
     assert trial_id(3, 12) == "r0003-t00012"
+
+
+def test_a_new_run_json_is_created_by_exactly_one_of_racing_writers(tmp_path):
+    import threading
+
+    from aiperf_core.rundir import RunDir, RunDirError
+
+    run_dir = RunDir(tmp_path)
+    outcomes: list[str] = []
+
+    def write(i: int) -> None:
+        try:
+            run_dir.write_run({"writer": i}, new=True)
+            outcomes.append("written")
+        except RunDirError as exc:
+            assert "already holds a run" in str(exc)
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["refused"] * 7 + ["written"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # no temporary file left

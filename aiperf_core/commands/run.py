@@ -101,7 +101,7 @@ def _prepare_fresh(args, config, request):
     root = Path(request.run_dir or Path("runs") / record["run_id"]).expanduser().resolve()
     executor = _executor(executor_kind, root, record, watch, environments)
     run_dir = plan.prepare_run_dir(root)
-    run_dir.write_run(record)
+    run_dir.write_run(record, new=True)
     return run_dir, run_dir.read_run(), executor, watch, False
 
 
