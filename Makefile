@@ -4,12 +4,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/pip install --disable-pip-version-check -q -c constraints.txt
 # What `make test` exercises: test tools, ONNX, search, and every backend the kit runs on.
-EXTRAS ?= dev,torch,tensorflow,jax,mindspore
+EXTRAS ?= dev,torch,tensorflow,jax,mindspore,dali
 PLUGINS := plugins/aiperf-numpy
 comma  := ,
 STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: run test bench install clean
+.PHONY: run test test-gpu bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The GPU tier, on a CUDA machine: the tests marked `gpu`, then the kit at every declared precision for
+# every backend that sees the accelerator. It runs in the current Python environment (no .venv, no
+# install: the CUDA machines cannot download) and fails when no accelerator is visible.
+test-gpu:
+	$(PYTHON) tests/gpu_tier.py
 
 # Every script in benchmarks/ (about 35 min on 2 cores), or BENCH="name ...", then one table.
 bench: $(STAMP)

@@ -5,6 +5,8 @@ import json
 import os
 import random
 import shutil
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -15,7 +17,8 @@ from aiperf_core.data import describe, load_dataset
 from aiperf_core.data import tfrecord
 from aiperf_core.data.crc32c import NATIVE_CRC32C, TABLE, crc32c, masked_crc32c, numpy_crc32c
 from aiperf_core.data.imagenet import open_imagenet
-from aiperf_core.data.preprocess import CorruptImage, augmentation_rng, random_crop_box, train_image, val_image
+from aiperf_core.data.preprocess import (INV_STD, MEAN, CorruptImage, augmentation_rng, model_input, normalise,
+                                        random_crop_box, train_image, val_image)
 from aiperf_core.data.samples import digits_tree, photo_tree
 from aiperf_core.data.stream import shard
 from aiperf_core.data.tools import check, convert
@@ -115,7 +118,7 @@ def test_both_layouts_give_identical_batches(trees):
         for x, y in zip(a.iterate(split, 1, 5, 16), b.iterate(split, 1, 5, 16)):
             np.testing.assert_array_equal(x.x, y.x)
             np.testing.assert_array_equal(x.y, y.y)
-            assert x.x.shape[1:] == (32, 32, 3) and x.x.dtype == np.float32
+            assert x.x.shape[1:] == (32, 32, 3)
 
 
 def test_tfrecord_labels_are_one_based_with_synsets_and_convert_back(trees, tmp_path):
@@ -159,13 +162,15 @@ def test_missing_empty_and_mismatched_splits_are_named(trees, tmp_path):
         load_dataset({"name": "cifar"})
 
 
-def test_digits_stays_in_memory_and_synthetic_is_imagenet_shaped():
-    assert isinstance(load_dataset({"name": "digits"}), Dataset)
+def test_digits_stays_in_memory_float32_and_synthetic_is_imagenet_shaped():
+    digits = load_dataset({"name": "digits"})
+    assert isinstance(digits, Dataset) and digits.x_train.dtype == np.float32
+    assert abs(float(digits.x_train.mean())) < 0.1  # normalised
     assert describe({"name": "digits"})["train_images"] + describe({"name": "digits"})["val_images"] == 1797
     synthetic = load_dataset({"name": "synthetic", "train_images": 10, "val_images": 4})
     assert synthetic.describe()["classes"] == 1000 and synthetic.image_shape == (224, 224, 3)
     batch = next(synthetic.iterate("train", 0, 0, 4))
-    assert batch.x.shape == (4, 224, 224, 3) and batch.skipped == 0
+    assert batch.x.shape == (4, 224, 224, 3) and batch.x.dtype == np.uint8 and batch.skipped == 0
     assert describe({"name": "synthetic"})["train_images"] == 1_281_167
 
 
@@ -178,12 +183,12 @@ def test_preprocessing_shapes_determinism_and_normalisation(tmp_path):
     a = train_image(data, 64, augmentation_rng(0, 0, 7))
     b = train_image(data, 64, augmentation_rng(0, 0, 7))
     c = train_image(data, 64, augmentation_rng(0, 1, 7))
-    assert a.shape == (64, 64, 3) and a.dtype == np.float32
+    assert a.shape == (64, 64, 3) and a.dtype == np.uint8
     np.testing.assert_array_equal(a, b)
     assert not np.array_equal(a, c)
     v = val_image(data, 224)
-    assert v.shape == (224, 224, 3)
-    assert np.all(np.abs(v.reshape(-1, 3).mean(0)) < 2.5)  # normalised per channel
+    assert v.shape == (224, 224, 3) and v.dtype == np.uint8
+    assert np.all(np.abs(normalise(v).reshape(-1, 3).mean(0)) < 2.5)  # normalised per channel
     rng = np.random.default_rng(0)
     for _ in range(200):
         left, top, w, h = random_crop_box(500, 375, rng)
@@ -199,7 +204,60 @@ def test_validation_crop_is_central(tmp_path):
     path = tmp_path / "halves.png"
     Image.fromarray(pixels).save(path)
     out = val_image(path.read_bytes(), 32)
-    assert out[:, :15].max() < 0 and out[:, 17:].min() > 0  # the centre column splits the halves
+    assert out[:, :15].max() < 128 and out[:, 17:].min() > 128  # the centre column splits the halves
+
+
+def reference_normalise(pixels: np.ndarray) -> np.ndarray:
+    """The textbook ImageNet normalisation in float64, with the constants written out."""
+    mean = np.array([0.485, 0.456, 0.406]) * 255.0
+    std = np.array([0.229, 0.224, 0.225]) * 255.0
+    return (pixels.astype(np.float64) - mean) / std
+
+
+def test_normalise_is_the_float32_arithmetic_every_backend_runs():
+    rng = np.random.default_rng(1)
+    batch = rng.integers(0, 256, (5, 7, 9, 3), dtype=np.uint8)
+    expected = (batch.astype(np.float32) - MEAN) * INV_STD  # what a backend's step computes on its device
+    got = normalise(batch)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(normalise(batch[2]), expected[2])
+    np.testing.assert_allclose(got, reference_normalise(batch), rtol=0, atol=1e-6)
+    out = np.empty(batch.shape, np.float32)
+    assert normalise(batch, out) is out
+    np.testing.assert_array_equal(model_input(batch), expected)
+    arrays = expected.copy()
+    assert model_input(arrays) is arrays  # in-memory float32 arrays are already normalised
+    with pytest.raises(AiperfError, match="expected uint8"):
+        normalise(expected)
+    with pytest.raises(AiperfError, match="float64"):
+        model_input(expected.astype(np.float64))
+
+
+def float32_delivery(image: np.ndarray) -> np.ndarray:
+    """How the pipeline delivered an image before batches became uint8: preprocess.normalise as it
+    was, flat arithmetic against tiled float32 constants, on the host."""
+    flat = np.subtract(image.reshape(-1), np.tile(MEAN, image.size // 3))
+    flat *= np.tile(INV_STD, image.size // 3)
+    return flat.reshape(image.shape)
+
+
+def test_uint8_batches_normalised_equal_the_float32_delivery(trees):
+    """The uint8 path, normalised (on any device: the same float32 arithmetic), gives the numbers of
+    the float32 delivery it replaced, to 1e-6, for training and validation batches of both layouts."""
+    for path in trees:
+        data = load_dataset({"name": "imagenet", "path": str(path), "image_size": 32}, workers=2)
+        for split, epoch in (("train", 3), ("val", 0)):
+            batches = list(data.iterate(split, epoch, 5, 16))
+            assert batches
+            for batch in batches:
+                assert batch.x.dtype == np.uint8 and batch.x.shape[1:] == (32, 32, 3)
+                before = np.stack([float32_delivery(image) for image in batch.x])
+                on_device = (batch.x.astype(np.float32) - MEAN) * INV_STD  # what each backend's step runs
+                np.testing.assert_allclose(on_device, before, rtol=0, atol=1e-6)
+                np.testing.assert_allclose(normalise(batch.x), before, rtol=0, atol=1e-6)
+                np.testing.assert_allclose(reference_normalise(batch.x), before, rtol=0, atol=1e-6)
+        data.close()
 
 
 def test_corrupt_bytes_raise_corrupt_image():
@@ -284,3 +342,119 @@ def test_cli_check_and_convert(trees, tmp_path, capsys):
     assert main(["data", "convert", str(folder), str(tmp_path / "shards"), "--to", "tfrecord"]) == 2
     assert "refusing to overwrite" in capsys.readouterr().err
     assert main(["data", "check", str(tmp_path / "missing")]) == 2
+
+
+# -- synthetic data on the device -------------------------------------------------------------
+
+
+def test_synthetic_pool_is_deterministic_uint8_with_labels():
+    from aiperf_core.data import synthetic
+
+    a = synthetic.SyntheticSource(classes=7, train_images=200, val_images=10)
+    b = synthetic.SyntheticSource(classes=7, train_images=200, val_images=10)
+    assert a.pool(16).dtype == np.uint8 and a.pool(16).shape == (synthetic.POOL, 16, 16, 3)
+    np.testing.assert_array_equal(a.pool(16), b.pool(16))
+    np.testing.assert_array_equal(a.pool_labels, b.pool_labels)
+    assert a.pool_labels.min() >= 0 and a.pool_labels.max() < 7 and len(set(a.pool_labels.tolist())) > 1
+    assert not np.array_equal(a.pool(16), synthetic.SyntheticSource(7, 100, 10, seed=1).pool(16))
+    np.testing.assert_array_equal(a.labels("train")[:3 * synthetic.POOL].reshape(3, -1), np.tile(a.pool_labels, (3, 1)))
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_synthetic_device_windows_give_the_host_batches(world):
+    """A backend that uploads device_pool once and slices its windows trains on exactly the batches
+    the host pipeline delivers, rank by rank, the short last batch included."""
+    from aiperf_core.data import synthetic
+
+    data = load_dataset({"name": "synthetic", "classes": 10, "train_images": 150, "val_images": 41,
+                         "image_size": 8}, workers=0)
+    pool = synthetic.device_pool(data, 32)
+    assert pool.pixels.shape == (synthetic.POOL + 31, 8, 8, 3) and pool.labels.shape == (synthetic.POOL + 31,)
+    for split, batch in (("train", 32), ("val", 13)):
+        for rank in range(world):
+            for epoch in (0, 1):
+                host = list(data.iterate(split, epoch, 7, batch, rank, world))
+                device = list(synthetic.windows(data, split, batch, rank, world))
+                assert len(host) == len(device) == -(-data.source.count(split) // batch)
+                for h, w in zip(host, device):
+                    assert w.offset + w.length <= len(pool.labels) and w.size == h.size
+                    np.testing.assert_array_equal(pool.pixels[w.offset:w.offset + w.length], h.x)
+                    np.testing.assert_array_equal(pool.labels[w.offset:w.offset + w.length], h.y)
+    with pytest.raises(AiperfError, match="not synthetic"):
+        synthetic.device_pool(load_dataset({"name": "digits"}), 8)
+
+
+# -- the host pipeline's worker processes -------------------------------------------------------
+
+
+def test_workers_fork_unless_a_framework_is_loaded(monkeypatch):
+    from aiperf_core.data import stream
+
+    for name in stream.FORK_UNSAFE:
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert stream.start_method() == "fork"
+    monkeypatch.setitem(sys.modules, "jax", types.ModuleType("jax"))
+    assert stream.start_method() == "forkserver"
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_worker_processes_give_the_inline_batches_and_persist(trees, monkeypatch, method):
+    import pickle
+
+    from aiperf_core.data import stream
+
+    monkeypatch.setattr(stream, "start_method", lambda: method)
+    folder, _ = trees
+    spec = {"name": "imagenet", "path": str(folder), "image_size": 16}
+    inline, pooled = load_dataset(spec, workers=0), load_dataset(spec, workers=2)
+    try:
+        for epoch in (0, 1):
+            a, b = list(inline.iterate("train", epoch, 3, 12)), list(pooled.iterate("train", epoch, 3, 12))
+            assert len(a) == len(b) == 7
+            for x, y in zip(a, b):
+                np.testing.assert_array_equal(x.x, y.x)
+                np.testing.assert_array_equal(x.y, y.y)
+            if epoch == 0:
+                pool = pooled._pool
+            assert pooled._pool is pool  # made once, kept across epochs
+        assert pickle.loads(pickle.dumps(pooled))._pool is None
+        partial = pooled.iterate("val", 0, 0, 4)
+        next(partial)
+        partial.close()  # a consumer that stops early cancels the rest
+        assert len(list(pooled.iterate("val", 0, 0, 4))) == 5
+    finally:
+        pooled.close()
+    assert pooled._pool is None
+
+
+ORPHAN_SCRIPT = """
+import sys, time
+from aiperf_core.data import load_dataset
+data = load_dataset({"name": "imagenet", "path": sys.argv[1], "image_size": 16}, workers=2)
+next(iter(data.iterate("train", 0, 0, 8)))
+print(" ".join(str(p) for p in data._pool._executor._processes), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("framework_loaded", [False, True], ids=["fork", "forkserver"])
+def test_workers_leave_when_their_process_is_killed(trees, framework_loaded):
+    """A replica killed with SIGKILL leaves no decoding processes behind."""
+    import signal
+    import subprocess
+    import time
+
+    script = ("import torch\n" if framework_loaded else "") + ORPHAN_SCRIPT
+    proc = subprocess.Popen([sys.executable, "-c", script, str(trees[0])], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    deadline = time.time() + 20
+    alive = pids
+    while alive and time.time() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
+    assert not alive, f"data workers {alive} outlived their process"

@@ -32,7 +32,7 @@ def add_arguments(p) -> None:
     for action in (c, v):
         action.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
         action.add_argument("--workers", type=non_negative_int, default=DEFAULT_WORKERS, metavar="N",
-                            help=f"threads reading and decoding images (default {DEFAULT_WORKERS})")
+                            help=f"worker processes reading and decoding images (default {DEFAULT_WORKERS})")
         action.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 

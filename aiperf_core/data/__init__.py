@@ -43,12 +43,22 @@ def _workers(spec: Mapping[str, Any], workers: int | None) -> int:
     return value
 
 
-def load_dataset(spec: Mapping[str, Any], workers: int | None = None):
+def load_dataset(spec: Mapping[str, Any], workers: int | None = None, loader: str | None = None):
     """The dataset `spec` names: a Dataset (digits) or a StreamingDataset (imagenet, synthetic).
-    `workers` (the --data-workers setting) overrides spec['data_workers'] (default 1)."""
+    `workers` (the --data-workers setting) overrides spec['data_workers'] (default 1); `loader`
+    (the policy item data_loader: native or dali) overrides spec['data_loader'] (default native)."""
+    from aiperf_core.data.stream import LOADERS, NATIVE
+
     name = spec.get("name")
+    loader = loader or spec.get("data_loader") or NATIVE
+    if loader not in LOADERS:
+        raise AiperfError(f"data_loader: must be one of {', '.join(LOADERS)}, got {loader!r}")
     if name == "digits":
         from aiperf_core.data.digits import load_digits
+
+        if loader != NATIVE:
+            raise AiperfError(f"data_loader: {loader} decodes stored images; the digits dataset is in memory "
+                              f"(use data_loader = \"native\")")
         return load_digits(size=_image_size(spec, name))
     if name not in NAMES:
         raise AiperfError(f"dataset.name: unknown dataset {name!r} (known: {', '.join(NAMES)})")
@@ -67,7 +77,7 @@ def load_dataset(spec: Mapping[str, Any], workers: int | None = None):
         source = synthetic.SyntheticSource(int(spec.get("classes") or synthetic.IMAGENET_CLASSES),
                                            int(spec.get("train_images") or synthetic.IMAGENET_TRAIN_IMAGES),
                                            int(spec.get("val_images") or synthetic.IMAGENET_VAL_IMAGES))
-    return StreamingDataset(source, _image_size(spec, name), _workers(spec, workers))
+    return StreamingDataset(source, _image_size(spec, name), _workers(spec, workers), loader=loader)
 
 
 def describe(spec: Mapping[str, Any]) -> dict:

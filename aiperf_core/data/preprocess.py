@@ -3,7 +3,11 @@
 Training: random-resized crop (area 8%-100% of the image, aspect ratio 3/4-4/3, ten tries, then a
 central crop) to size x size, and a horizontal flip with probability 1/2.
 Validation: resize the shorter side to size / 0.875, then a central size x size crop.
-Both: per-channel normalisation with the ImageNet mean and standard deviation.
+Both give uint8 RGB pixels (HxWx3). Normalisation, per channel with the ImageNet mean and standard
+deviation, is not done here: each backend runs it on its device inside its step, as
+`(float32(x) - MEAN) * INV_STD`, so that a quarter of the bytes crosses worker IPC and PCIe.
+`normalise` is that arithmetic on the host (the NumPy backend, tests, the transitional float32
+delivery).
 
 JPEGs are decoded at a reduced scale (Pillow's draft mode, libjpeg's DCT scaling) whenever the
 crop still has at least `size` pixels each way: that is most of the decoding time saved on
@@ -23,8 +27,10 @@ import numpy as np
 
 from aiperf_core.errors import AiperfError
 
+# The one definition of the normalisation constants (0-255 scale); every backend reads them here.
 MEAN = np.array([0.485, 0.456, 0.406], np.float32) * 255.0
 STD = np.array([0.229, 0.224, 0.225], np.float32) * 255.0
+INV_STD = (1.0 / STD).astype(np.float32)
 CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)
 CROP_TRIES = 10
@@ -35,28 +41,39 @@ class CorruptImage(AiperfError):
     """An image that cannot be decoded (truncated, not an image, bad checksum)."""
 
 
-INV_STD = (1.0 / STD).astype(np.float32)
-
-
 @lru_cache(maxsize=8)
 def _tiled(pixels: int) -> tuple[np.ndarray, np.ndarray]:
-    """MEAN and 1 / STD repeated over `pixels` RGB pixels, as flat arrays."""
+    """MEAN and INV_STD repeated over `pixels` RGB pixels, as flat arrays."""
     return np.tile(MEAN, pixels), np.tile(INV_STD, pixels)
 
 
 def normalise(pixels: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """uint8 HxWx3 -> float32 (x - mean) / std per channel, written into `out` when given (a slot
-    of the batch: no copy when stacking). The arithmetic runs on flat arrays against tiled
-    constants: broadcasting over a last axis of 3 makes NumPy's inner loop three elements long,
-    several times slower."""
+    """uint8 pixels (an image HxWx3 or a batch NxHxWx3) -> float32 `(float32(x) - MEAN) * INV_STD`
+    per channel, the arithmetic every backend runs on its device; written into `out` when given.
+    The arithmetic runs per image on flat arrays against tiled constants: broadcasting over a last
+    axis of 3 makes NumPy's inner loop three elements long, several times slower."""
+    if pixels.dtype != np.uint8 or pixels.ndim not in (3, 4) or pixels.shape[-1] != 3:
+        raise AiperfError(f"normalise: expected uint8 pixels (..., H, W, 3), got {pixels.dtype} {pixels.shape}")
     src = np.ascontiguousarray(pixels)
     if out is None:
         out = np.empty(src.shape, np.float32)
-    mean, inv_std = _tiled(src.size // 3)
-    flat = out.reshape(-1)  # a view: `out` is a contiguous image
-    np.subtract(src.reshape(-1), mean, out=flat)
+    per_image = src.shape[-3] * src.shape[-2]
+    mean, inv_std = _tiled(per_image)
+    rows = src.reshape(-1, per_image * 3)
+    flat = out.reshape(rows.shape)  # a view: `out` is contiguous
+    np.subtract(rows, mean, out=flat)
     flat *= inv_std
     return out
+
+
+def model_input(x: np.ndarray) -> np.ndarray:
+    """A batch as a model takes it on the host: streamed uint8 pixels normalised (`normalise`),
+    in-memory float32 arrays (a Dataset, already normalised) as they are."""
+    if x.dtype == np.uint8:
+        return normalise(x)
+    if x.dtype != np.float32:
+        raise AiperfError(f"batch images: expected uint8 pixels or float32 arrays, got {x.dtype}")
+    return x
 
 
 def augmentation_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
@@ -114,9 +131,16 @@ def _draft(image, want_w: int, want_h: int) -> None:
         image.draft("RGB", (max(want_w, 1), max(want_h, 1)))
 
 
+def _pixels(image, out: np.ndarray | None) -> np.ndarray:
+    if out is None:
+        return np.asarray(image)
+    out[...] = np.asarray(image)
+    return out
+
+
 def train_image(encoded: bytes, size: int, rng: np.random.Generator, where: str = "image",
                 out: np.ndarray | None = None) -> np.ndarray:
-    """Decode, random-resized crop to size x size, random flip, normalise: float32 HxWx3 (into `out`)."""
+    """Decode, random-resized crop to size x size, random flip: uint8 HxWx3 (into `out`)."""
     from PIL import Image
 
     image = _open(encoded, where)
@@ -131,11 +155,11 @@ def train_image(encoded: bytes, size: int, rng: np.random.Generator, where: str 
     resized = image.resize((size, size), Image.BILINEAR, box=box)
     if flip:
         resized = resized.transpose(Image.FLIP_LEFT_RIGHT)
-    return normalise(np.asarray(resized), out)
+    return _pixels(resized, out)
 
 
 def val_image(encoded: bytes, size: int, where: str = "image", out: np.ndarray | None = None) -> np.ndarray:
-    """Decode, resize the shorter side to size / 0.875, central crop, normalise: float32 HxWx3 (into `out`)."""
+    """Decode, resize the shorter side to size / 0.875, central crop: uint8 HxWx3 (into `out`)."""
     from PIL import Image
 
     image = _open(encoded, where)
@@ -150,7 +174,7 @@ def val_image(encoded: bytes, size: int, where: str = "image", out: np.ndarray |
     sx, sy = image.size[0] / new_w, image.size[1] / new_h
     box = (left * sx, top * sy, (left + size) * sx, (top + size) * sy)
     resized = image.resize((size, size), Image.BILINEAR, box=box)
-    return normalise(np.asarray(resized), out)
+    return _pixels(resized, out)
 
 
 def check_size(size: int) -> int:

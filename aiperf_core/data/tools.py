@@ -55,9 +55,10 @@ def _chunks(n: int) -> list[range]:
     return [range(start, min(start + CHUNK, n)) for start in range(0, n, CHUNK)]
 
 
-def _read_chunk(source, split: str, indices: range) -> list[tuple[int, bytes | None, str, str | None]]:
-    """(index, encoded bytes or None, stored file name, error or None) for each image, each one
-    checked by decoding it fully."""
+def _read_chunk(source, task: tuple[str, range]) -> list[tuple[int, bytes | None, str, str | None]]:
+    """(index, encoded bytes or None, stored file name, error or None) for each image of the
+    task's (split, indices), each one checked by decoding it fully."""
+    split, indices = task
     out = []
     for i in indices:
         try:
@@ -70,10 +71,10 @@ def _read_chunk(source, split: str, indices: range) -> list[tuple[int, bytes | N
 
 
 def _each_image(source, split: str, workers: int, progress: Progress | None):
-    """Every image of a split in order, read and decoded by `workers` threads."""
+    """Every image of a split in order, read and decoded by `workers` worker processes."""
     total = source.count(split)
     done = 0
-    for chunk in prefetch_map(lambda r: _read_chunk(source, split, r), _chunks(total), workers):
+    for chunk in prefetch_map(_read_chunk, source, ((split, r) for r in _chunks(total)), workers):
         for item in chunk:
             yield item
         done += len(chunk)
