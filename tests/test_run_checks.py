@@ -219,6 +219,14 @@ def test_data_workers_at_the_top_of_the_config_points_to_the_policy(tmp_path, ca
         f"aiperf: error: config file {path}: unknown setting 'data_workers': it is a policy item, set it under [policy]"
 
 
+def test_dali_for_in_memory_digits_is_refused_before_the_start(tmp_path, capsys):
+    path = _config(tmp_path, 'data_loader = "dali"\n')
+    err = _error(capsys, ["run", "--backend", "numpy", "--data", "digits", "--config", path,
+                          "--run-dir", str(tmp_path / "r")])
+    assert "data_loader: dali decodes stored images; the digits dataset is in memory" in err, err
+    assert not (tmp_path / "r").exists()
+
+
 # --- a run that produced nothing ----------------------------------------------------------------
 def test_a_run_whose_every_trial_fails_exits_non_zero_and_names_the_cause(tmp_path, on_path):
     run_dir = tmp_path / "run"

@@ -87,7 +87,7 @@ def _prepare_fresh(args, config, request):
     watch = plan.watch_settings(request)
     # A SLURM primary does not run where replicas train: their precisions are not probed here.
     with plan.BackendProbe(backend_name, precisions=executor_kind == "local") as probe:
-        dataset = plan.describe_dataset(name, path, policy["image_size"])
+        dataset = plan.describe_dataset(name, path, policy["image_size"], policy["data_loader"])
         facts = probe.facts()
     replicas, devices_per_replica, environments = _layout(executor_kind, facts.devices, request.replicas,
                                                           request.devices_per_replica, watch)

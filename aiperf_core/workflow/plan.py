@@ -150,11 +150,12 @@ def build_policy(request: RunRequest, dataset: str, base: Mapping[str, Any] | No
     return Policy(values, source="policy").to_json()
 
 
-def describe_dataset(name: str, path: str | None, image_size: int) -> dict[str, Any]:
-    """run.json's `dataset`: the data is opened and checked now, so a bad one fails before the start."""
+def describe_dataset(name: str, path: str | None, image_size: int, data_loader: str = "native") -> dict[str, Any]:
+    """run.json's `dataset`: the data is opened and checked now, with the loader the policy names,
+    so a bad one (or DALI asked for where it has nothing to decode) fails before the start."""
     from aiperf_core import data
 
-    spec = {"name": name, "path": path, "image_size": image_size}
+    spec = {"name": name, "path": path, "image_size": image_size, "data_loader": data_loader}
     try:
         described = data.describe(spec)
     except AiperfError as exc:
