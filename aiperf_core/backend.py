@@ -79,6 +79,13 @@ class TrainConfig:
     # The devices to train on, a subset of Backend.devices() in its order; None: all of them. More
     # than one needs a backend whose parallelism() declares data parallelism.
     devices: tuple[str, ...] | None = None
+    # Whether the training step is compiled (torch.compile, XLA, jit_compile): 'auto' is the
+    # backend's documented rule (compile where the trial is long enough to pay for it), 'always' or
+    # 'never' override it. The policy item `compile`.
+    compile: str = "auto"
+
+
+COMPILE_MODES = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -128,32 +135,87 @@ class StepClock:
     sum is a lower bound on the device's busy time: host work that overlaps a running step is not
     counted. The first step of a trial includes the framework's tracing or compilation, if any.
     Single-threaded: one clock per epoch loop. Diagnostic only: the report shows it, the score
-    never reads it (the core keeps the clock that scores)."""
+    never reads it (the core keeps the clock that scores).
 
-    __slots__ = ("seconds", "images", "_start")
+    Live progress: where the environment variable PROGRESS_FILE_ENV names a file (a replica sets it
+    before it trains, and the processes a backend spawns inherit it), the clock writes its progress
+    there, atomically and at most once every PROGRESS_INTERVAL_S: when the last step ended, the
+    training images of the epoch so far (count()), and how long steps take. The replica's heartbeat
+    carries it to the primary, which restarts a replica that stops making progress and shows live
+    throughput (docs/workflow.md, "Stalls"). Without the variable nothing is written."""
+
+    PROGRESS_FILE_ENV = "AIPERF_PROGRESS_FILE"
+    PROGRESS_INTERVAL_S = 1.0
+
+    __slots__ = ("seconds", "images", "_start", "_progress_file", "_steps", "_epoch_start", "_last_end",
+                 "_first_step_s", "_first_step_end", "_longest_step_s", "_written", "_written_steps")
 
     def __init__(self) -> None:
+        import os
+
         self.seconds = 0.0
         self.images = 0  # training images of the epoch so far (count())
         self._start = 0.0
+        self._progress_file = os.environ.get(self.PROGRESS_FILE_ENV) or None
+        self._steps = 0  # steps ended since the clock was made (one clock per trial and process)
+        self._epoch_start: float | None = None  # wall time the epoch's first step began
+        self._last_end: float | None = None  # wall time the last step ended
+        self._first_step_s: float | None = None  # tracing and compilation included
+        self._first_step_end: float | None = None
+        self._longest_step_s = 0.0  # of the steps after the first
+        self._written = float("-inf")  # monotonic time of the last progress write
+        self._written_steps = -1  # steps the last write counted
 
     def __enter__(self) -> "StepClock":
+        if self._progress_file is not None and self._epoch_start is None:
+            self._epoch_start = time.time()
         self._start = time.perf_counter()
         return self
 
-    def __exit__(self, *exc) -> bool:
-        self.seconds += time.perf_counter() - self._start
+    def __exit__(self, exc_type, *exc) -> bool:
+        seconds = time.perf_counter() - self._start
+        self.seconds += seconds
+        if self._progress_file is not None and exc_type is None:  # a step that raised made no progress
+            now = time.time()
+            self._steps += 1
+            if self._steps == 1:
+                self._first_step_s, self._first_step_end = seconds, now
+            else:
+                self._longest_step_s = max(self._longest_step_s, seconds)
+            self._last_end = now
+            self._write_progress(force=self._steps == 1)  # the end of compilation shows at once
         return False
 
     def count(self, images: int) -> None:
         """After each training step: the images of the global batch it trained on (live progress;
         the report's train_images stays the backend's exact count)."""
         self.images += int(images)
+        if self._progress_file is not None:  # a write at this step's end lacks its images: write again
+            self._write_progress(force=self._written_steps == self._steps)
 
     def lap(self) -> float:
         """The seconds since the last lap (for one epoch's report), and start again from zero."""
         seconds, self.seconds, self.images = self.seconds, 0.0, 0
+        self._epoch_start = None
         return seconds
+
+    def _write_progress(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self._last_end is None or (not force and now - self._written < self.PROGRESS_INTERVAL_S):
+            return
+        self._written, self._written_steps = now, self._steps
+        import json
+        import os
+
+        from aiperf_core.atomic import write_text_atomic
+
+        record = {"time": self._last_end, "images": self.images, "epoch_start": self._epoch_start,
+                  "steps": self._steps, "first_step_s": self._first_step_s, "first_step_end": self._first_step_end,
+                  "longest_step_s": self._longest_step_s, "pid": os.getpid()}
+        try:
+            write_text_atomic(self._progress_file, json.dumps(record) + "\n")
+        except OSError:  # live progress must never stop training; the next write tries again
+            pass
 
 
 @dataclass(frozen=True)
@@ -228,17 +290,19 @@ class Backend(abc.ABC):
     def devices(self) -> list[str]:
         """Local devices this backend would train on, e.g. ['cpu'] or ['cuda:0', 'cuda:1']."""
 
-    _precisions_found: dict[tuple[str, str], tuple[str, ...]] = {}  # (backend, device) -> precisions
+    _probes: dict[tuple[str, str, str], bool] = {}  # (backend, device, precision) -> runs_precision
 
     def precisions(self, device: str | None = None) -> tuple[str, ...]:
         """Precisions `device` (default: the first local device) runs, probed once per process and
         device, in PRECISIONS order; lower() and train() reject the others."""
         device = device or self.devices()[0]
-        key = (self.name, device)
-        if key not in Backend._precisions_found:
-            found = tuple(p for p in MIXED_PRECISIONS if self.runs_precision(device, p))
-            Backend._precisions_found[key] = ("fp32",) + tuple(p for p in PRECISIONS if p in found)
-        return Backend._precisions_found[key]
+        return ("fp32",) + tuple(p for p in MIXED_PRECISIONS if self._runs(device, p))
+
+    def _runs(self, device: str, precision: str) -> bool:
+        key = (self.name, device, precision)
+        if key not in Backend._probes:
+            Backend._probes[key] = bool(self.runs_precision(device, precision))
+        return Backend._probes[key]
 
     def runs_precision(self, device: str, precision: str) -> bool:
         """Whether `device` runs `precision` (one of MIXED_PRECISIONS) natively and a short probe step
@@ -257,8 +321,8 @@ class Backend(abc.ABC):
         """What `auto` resolves to on `device` (default: the first local device): the first of
         precision_preference() that the device declares (fp32 when none is)."""
         device = device or self.devices()[0]
-        declared = self.precisions(device)
-        return next((p for p in self.precision_preference(device) if p in declared), "fp32")
+        # Probed in order of preference and no further: on a CPU that prefers fp32 nothing is probed.
+        return next((p for p in self.precision_preference(device) if p == "fp32" or self._runs(device, p)), "fp32")
 
     def parallelism(self) -> Parallelism:
         """How this backend trains over several devices; SINGLE_DEVICE unless a backend says more."""
@@ -356,16 +420,20 @@ class Backend(abc.ABC):
         return None
 
     # -- helpers shared by every backend ------------------------------------
-    @staticmethod
-    def import_availability(module: str, extra: str) -> Availability:
-        """Available if `module` imports; otherwise the import error and the install hint."""
+    @classmethod
+    def import_availability(cls, module: str, extra: str | None = None) -> Availability:
+        """Available if `module` imports; otherwise the import error and an install hint that names
+        the distribution registering this backend (aiperf_core.registry.install_hint): `aiperf[extra]`
+        for a first-party backend, the plugin's own distribution (with `extra` if given) for a plugin."""
         import importlib
 
         try:
             importlib.import_module(module)
         except Exception as exc:  # ImportError, or a broken install raising anything else
+            from aiperf_core.registry import install_hint
+
             detail = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            return Availability(False, f"{module} is not installed: {detail} (pip install 'aiperf[{extra}]')")
+            return Availability(False, f"{module} is not installed: {detail} ({install_hint(cls, module, extra)})")
         return Availability(True)
 
     def starting_weights(self, graph: Graph, weights: Weights | None, precision: str) -> Weights:
@@ -463,6 +531,8 @@ def check_label_smoothing(label_smoothing: float) -> None:
 
 
 def check_train_config(config: TrainConfig) -> None:
+    if config.compile not in COMPILE_MODES:
+        raise BackendError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {config.compile!r}")
     if config.epochs < 0:
         raise BackendError(f"epochs must be >= 0, got {config.epochs}")
     if config.batch_size < 1:

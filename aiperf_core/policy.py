@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-from aiperf_core.backend import AUTO_PRECISION, PRECISIONS
+from aiperf_core.backend import AUTO_PRECISION, COMPILE_MODES, PRECISIONS
 from aiperf_core.data.stream import check_loader
 from aiperf_core.errors import AiperfError
 
@@ -139,6 +139,8 @@ ITEMS: tuple[PolicyItem, ...] = (
                check_loader),
     PolicyItem("precision", AUTO_PRECISION, False, "training precision: auto (the fastest the backend declares "
                "on the run's device), fp32, tf32, bf16 or fp16", _choice(AUTO_PRECISION, *PRECISIONS)),
+    PolicyItem("compile", "auto", False, "compile the training step: auto (the backend's rule, "
+               "docs/backends/<backend>.md), always or never", _choice(*COMPILE_MODES)),
     # Search settings the paper leaves open.
     PolicyItem("warmup_epochs", [15, 30, 45], False, "epochs of each warm-up round (rounds before HPO)",
                _int_list(1)),

@@ -27,10 +27,12 @@ class BackendInfo:
     devices: list[str] = field(default_factory=list)
     precisions: list[str] = field(default_factory=list)
     module: str | None = None
+    distribution: str | None = None  # the installed distribution that registers it
 
     def to_dict(self) -> dict:
         return {"name": self.name, "available": self.available, "reason": self.reason, "version": self.version,
-                "devices": self.devices, "precisions": self.precisions, "module": self.module}
+                "devices": self.devices, "precisions": self.precisions, "module": self.module,
+                "distribution": self.distribution}
 
 
 def _one_line(exc: BaseException) -> str:
@@ -58,14 +60,17 @@ def list_backends() -> list[BackendInfo]:
     infos: dict[str, BackendInfo] = {}
     for ext in manager:
         infos[ext.name] = _probe(ext.name, ext.plugin, ext.entry_point.value)
-    for ep in _entry_points():
+    for ep in backend_entry_points():
         if ep.name in failures:
             infos[ep.name] = BackendInfo(ep.name, False, f"import failed: {_one_line(failures[ep.name])}",
                                          module=ep.value)
+        if ep.name in infos and getattr(ep, "dist", None) is not None:
+            infos[ep.name].distribution = ep.dist.metadata["Name"]
     return [infos[k] for k in sorted(infos)]
 
 
-def _entry_points():
+def backend_entry_points():
+    """Every installed entry point of the group (whether or not it imports)."""
     from importlib.metadata import entry_points
 
     return list(entry_points(group=NAMESPACE))
@@ -88,6 +93,32 @@ def _probe(name: str, plugin: Any, module: str) -> BackendInfo:
         return BackendInfo(name, False, f"probe failed: {_one_line(exc)}", module=module)
 
 
+def distribution_of(backend_cls: type) -> str | None:
+    """The name of the installed distribution whose `aiperf.backends` entry point names this class
+    (e.g. 'aiperf' for the first-party backends, 'aiperf-numpy'), or None when none does. Only entry
+    points whose module is already imported are compared, so that asking never imports a framework."""
+    import sys
+
+    for ep in backend_entry_points():
+        module = sys.modules.get(ep.module)
+        target = module
+        for part in (ep.attr or "").split("."):
+            target = getattr(target, part, None) if part else target
+        if module is not None and target is backend_cls:
+            dist = getattr(ep, "dist", None)
+            return dist.metadata["Name"] if dist is not None else None
+    return None
+
+
+def install_hint(backend_cls: type, module: str, extra: str | None = None) -> str:
+    """How to install what a backend needs: through the distribution that registers it."""
+    dist = distribution_of(backend_cls)
+    if dist is None:
+        return f"install the package that provides '{module}'"
+    requirement = f"{dist}[{extra}]" if extra else dist
+    return f"pip install '{requirement}'"
+
+
 def load_backend(name: str) -> Backend:
     """Instantiate a backend by name, or raise BackendError saying why not and what is installed."""
     from stevedore import DriverManager
@@ -97,7 +128,7 @@ def load_backend(name: str) -> Backend:
     try:
         plugin = DriverManager(NAMESPACE, name, invoke_on_load=False).driver
     except NoMatches:
-        installed = ", ".join(sorted(ep.name for ep in _entry_points())) or "none"
+        installed = ", ".join(sorted(ep.name for ep in backend_entry_points())) or "none"
         raise BackendError(f"no backend named '{name}' is installed (installed: {installed})") from None
     except Exception as exc:
         raise BackendError(f"backend '{name}' failed to import: {_one_line(exc)}") from exc

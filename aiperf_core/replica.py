@@ -392,7 +392,8 @@ class Replica:
         config = TrainConfig(epochs=hyper["epochs"], batch_size=batch,
                              schedule=Schedule(hyper["learning_rate"], policy["final_lr_fraction"]),
                              momentum=policy["momentum"], label_smoothing=hyper["label_smoothing"],
-                             precision=hyper["precision"], seed=_seed(self.spec.seed, self.id, plan.round, 1 << 20))
+                             precision=hyper["precision"], seed=_seed(self.spec.seed, self.id, plan.round, 1 << 20),
+                             compile=policy["compile"])
         weights = None
         try:
             model = self.backend.lower(plan.graph, plan.weights, hyper["precision"])

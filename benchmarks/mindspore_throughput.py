@@ -4,7 +4,7 @@ Both are the Keras layout (stride on the first 1x1 conv of a downsampling bottle
 batch norm after every conv, epsilon 1.001e-5, momentum 0.99), 128x128x3 inputs, 1000 classes,
 batch 16, fp32, SGD with momentum 0.9 (nn.Momentum), same initial weights, on MindSpore's device
 (CPU here). The lowered model trains through the backend's own step (training.Stepper, which
-also takes the NHWC batch and makes the one-hot targets, as train() does); the hand-written one is
+also takes the NHWC batch, after the one-hot targets are made, as train() does); the hand-written one is
 nn.Conv2d / nn.BatchNorm2d / nn.Dense cells trained by ms.value_and_grad and nn.Momentum, written
 the way a MindSpore user would, on an NCHW batch prepared once.
 
@@ -121,7 +121,7 @@ def main() -> int:
     from aiperf_core.backend import TrainConfig
     from aiperf_core.builders import resnet50
     from aiperf_backends.mindspore import MindSporeBackend
-    from aiperf_backends.mindspore.training import Stepper
+    from aiperf_backends.mindspore.training import Stepper, targets
 
     backend = MindSporeBackend()
     graph = resnet50((SIZE, SIZE, 3), CLASSES)
@@ -155,7 +155,7 @@ def main() -> int:
     y_hand = Tensor(labels.astype(np.int32))
 
     def lowered_step():
-        stepper.step(x_nhwc, labels, BATCH)
+        stepper.step(x_nhwc, targets(labels, CLASSES, 0.0), BATCH)
 
     def hand_step(mode):
         steps[mode](x_hand, y_hand).asnumpy()  # asnumpy waits for the step to finish

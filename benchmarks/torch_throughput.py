@@ -5,8 +5,11 @@ batch norm after every conv), 128x128x3 inputs, 1000 classes, batch 16, fp32, SG
 same initial weights, a couple of warm-up steps each. The lowered model trains through the
 backend's own step (training.Stepper), the hand-written one through a plain torch loop.
 
-The hand-written model runs in both memory formats (contiguous NCHW and channels_last) and the
-lowered one is compared with the faster of the two (_common.compare_training_throughput: timed
+The hand-written model gets the lowered model's CPU conv workaround (issue 18.1): where the
+backend's start-up probe finds this CPU's channels_last kernel wrong for a conv geometry, that conv
+of the hand-written model runs in the same fallback form (conv_probe.run_conv), so like is compared
+with like. The hand-written model runs in both memory formats (contiguous NCHW and channels_last)
+and the lowered one is compared with the faster of the two (_common.compare_training_throughput: timed
 step pairs, median of the pairs' ratios). AIPERF_BENCH_STEPS sets the number of pairs (default
 24, about a minute on 2 idle CPU cores).
 
@@ -79,6 +82,27 @@ def hand_written_resnet50(torch, classes: int):
     return ResNet50()
 
 
+def probed_convs(torch, hand, device) -> list[str]:
+    """Run each conv of the hand-written model in the form the backend's CPU probe chose for its
+    geometry (channels_last unless this CPU's kernel is wrong there); returns what was changed."""
+    from aiperf_backends.torch import conv_probe
+
+    if device.type != "cpu":
+        return []
+    convs = [m for m in hand.modules() if isinstance(m, torch.nn.Conv2d)]
+    geometry = {id(m): conv_probe.ConvGeometry(m.in_channels, m.out_channels, tuple(m.kernel_size),
+                                               tuple(m.stride), tuple(m.padding)) for m in convs}
+    forms = conv_probe.conv_forms(geometry.values(), torch.float32)
+    changed = []
+    for m in convs:
+        form = forms[geometry[id(m)]]
+        if form != conv_probe.CHANNELS_LAST:
+            m.forward = (lambda x, m=m, form=form: conv_probe.run_conv(
+                torch.nn.functional.conv2d, form, x, m.weight, m.bias, m.stride, m.padding))
+            changed.append(f"{geometry[id(m)].describe()}: {form}")
+    return changed
+
+
 def copy_weights(torch, hand, lowered) -> None:
     """Give the hand-written model the lowered model's weights (same architecture, same order)."""
     src = [m for m in lowered.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.BatchNorm2d, torch.nn.Linear))]
@@ -117,6 +141,8 @@ def main() -> int:
         copy_weights(torch, hand, lowered)
         if fmt == "channels_last":
             hand = hand.to(memory_format=torch.channels_last)
+            for change in probed_convs(torch, hand, device):
+                print(f"hand-written (channels_last) conv {change}, as the lowered model's")
         hands[fmt] = (hand, torch.optim.SGD(hand.parameters(), lr=LR, momentum=0.9))
 
     rng = np.random.default_rng(0)

@@ -1,12 +1,16 @@
-"""The MindSpore backend beyond the conformance kit: lazy import, precisions, exact image counts,
-early stopping, an unchanged model after loss_and_grads, the mixed-precision path, and data
-parallelism over two CPU workers (MindSpore's MCCL) equal to one process.
+"""The MindSpore backend beyond the conformance kit: lazy import, precisions, exact image counts
+and live progress, early stopping, an unchanged model after loss_and_grads, the mixed-precision
+path, uint8 pixels normalised on the device, synthetic data made on the device, and data
+parallelism over two CPU workers (MindSpore's MCCL, AIPERF_CPU_DEVICES=2) equal to one process.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +28,7 @@ def test_import_without_using_mindspore():
 
 import mindspore  # noqa: E402,F401  (`make test` installs mindspore: missing it is a failure, never a skip)
 
-from aiperf_core.backend import BackendError, Dataset, Schedule, TrainConfig  # noqa: E402
+from aiperf_core.backend import BackendError, Dataset, Schedule, StepClock, TrainConfig  # noqa: E402
 from aiperf_core.builders import resnet_small  # noqa: E402
 from aiperf_core.ir import Graph, Node  # noqa: E402
 from aiperf_backends.mindspore import MindSporeBackend  # noqa: E402
@@ -54,7 +58,19 @@ def test_availability_and_precisions_on_cpu():
         backend.lower(graph, precision="int8")
 
 
-def test_train_counts_images_exactly_with_a_short_last_batch():
+class RecordingClock(StepClock):
+    counted: list = []
+
+    def count(self, images: int) -> None:
+        RecordingClock.counted.append(images)
+        super().count(images)
+
+
+def test_train_counts_images_exactly_with_a_short_last_batch(monkeypatch):
+    from aiperf_backends.mindspore import training
+
+    monkeypatch.setattr(training, "StepClock", RecordingClock)
+    RecordingClock.counted = []
     backend = MindSporeBackend()
     graph = resnet_small((8, 8, 3), 3)
     x, y = _data(graph, 23, 0)
@@ -64,6 +80,8 @@ def test_train_counts_images_exactly_with_a_short_last_batch():
     assert [r.train_images for r in reports] == [23, 23]
     assert [r.val_images for r in reports] == [5, 5]
     assert all(np.isfinite(r.loss) and np.isfinite(r.val_loss) for r in reports)
+    assert RecordingClock.counted == [8, 8, 7, 8, 8, 7]  # live progress: each step's images
+    assert [r.compile_seconds for r in reports] == [0.0, 0.0]  # PyNative on a CPU compiles no step
 
 
 def test_on_epoch_returning_true_stops_training():
@@ -86,11 +104,13 @@ def test_learning_rate_changes_take_effect_between_steps():
     model = backend.lower(graph)
     model.set_train(True)
     stepper = Stepper(model, TrainConfig(epochs=2, batch_size=2, schedule=Schedule(initial=0.1)))
+    from aiperf_backends.mindspore.training import targets
+
     x, y = _data(graph, 2, 3)
-    stepper.step(x, y, 2)
+    stepper.step(x, targets(y, 3, 0.0), 2)
     before = backend.export_weights(model)
     stepper.set_lr(0.0)
-    stepper.step(x, y, 2)
+    stepper.step(x, targets(y, 3, 0.0), 2)
     after = backend.export_weights(model)
     assert all(np.array_equal(after[n]["kernel"], before[n]["kernel"]) for n in before if "kernel" in before[n])
 
@@ -140,25 +160,107 @@ def test_half_precision_path_runs_close_to_fp32():
     assert np.max(np.abs(half - full)) < 0.05
 
 
-def test_data_parallel_two_cpu_workers_matches_one_process(monkeypatch):
+def test_uint8_pixels_are_normalised_on_the_device_as_on_the_host():
+    from aiperf_core.data.preprocess import normalise
+    from aiperf_backends.mindspore.training import Stepper, targets
+
     backend = MindSporeBackend()
+    graph = resnet_small((8, 8, 3), 3)
+    model = backend.lower(graph, trained_looking_weights(graph, 4))
+    pixels = np.random.default_rng(4).integers(0, 256, (3, 8, 8, 3), dtype=np.uint8)
+    host = normalise(pixels)
+    on_device = model.to_cell_layout(pixels).asnumpy()
+    np.testing.assert_allclose(on_device, model.to_cell_layout(host).asnumpy(), rtol=1e-6, atol=1e-6)
+    # a training step on the pixels is the step on the host-normalised floats
+    losses = []
+    for x in (pixels, host):
+        model = backend.lower(graph, trained_looking_weights(graph, 4))
+        model.set_train(True)
+        losses.append(Stepper(model, TrainConfig(epochs=1, batch_size=3)).step(x, targets(np.array([0, 1, 2]), 3, 0.0), 3))
+        model.set_train(False)
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_synthetic_data_is_made_on_the_device(monkeypatch):
+    from aiperf_core.data.stream import StreamingDataset, train_batches, val_batches
+    from aiperf_core.data.synthetic import SyntheticSource
+    from aiperf_backends.mindspore.training import PREDICT_BATCH, DeviceSynthetic
+
+    data = StreamingDataset(SyntheticSource(classes=3, train_images=75, val_images=5, seed=2), image_size=8,
+                            workers=0)
+    feed = DeviceSynthetic(data, 3, 0.1, 16)
+    device = list(feed.train(16))
+    host = list(train_batches(data, 0, 0, 16))
+    assert [len(x) for x, _ in device] == [len(b.y) for b in host] == [16] * 4 + [11]
+    for (pixels, target), batch in zip(device, host):
+        assert np.array_equal(pixels.asnumpy(), batch.x)
+        np.testing.assert_array_equal(target.asnumpy().argmax(axis=1), batch.y)
+    ((pixels, labels, skipped),) = feed.val()
+    (batch,) = val_batches(data, PREDICT_BATCH)
+    assert np.array_equal(pixels.asnumpy(), batch.x) and np.array_equal(labels, batch.y) and skipped == 0
+    # Training never reads the host stream: the pool went to the device once.
+    for method in ("iterate", "load"):
+        monkeypatch.setattr(StreamingDataset, method, lambda *a, **k: pytest.fail("host work per batch"))
+    backend = MindSporeBackend()
+    reports = backend.train(backend.lower(resnet_small((8, 8, 3), 3)), data,
+                            TrainConfig(epochs=1, batch_size=16, schedule=Schedule(initial=0.01)))
+    assert [(r.train_images, r.val_images, r.skipped_images) for r in reports] == [(75, 5, 0)]
+    assert np.isfinite(reports[0].loss)
+
+
+def test_cpu_devices_variable_is_checked(monkeypatch):
+    from aiperf_backends.mindspore.backend import requested_cpu_devices
+
+    for bad, message in (("two", "whole number"), ("-1", ">= 1")):
+        monkeypatch.setenv("AIPERF_CPU_DEVICES", bad)
+        with pytest.raises(BackendError, match=f"AIPERF_CPU_DEVICES must be .*{message}"):
+            requested_cpu_devices()
+    monkeypatch.setenv("AIPERF_CPU_DEVICES", "3")
+    assert requested_cpu_devices() == 3
+
+
+_DP_SCRIPT = """
+    import json
+    import numpy as np
+    from aiperf_core.backend import Dataset, Schedule, TrainConfig
+    from aiperf_core.builders import resnet_small
+    from aiperf_backends.mindspore import MindSporeBackend
+    from aiperf_conformance.cases import trained_looking_weights
+
+    backend = MindSporeBackend()
+    devices = backend.devices()
     graph = resnet_small((8, 8, 3), 5)
     weights = trained_looking_weights(graph, 3)
     # 17 images in batches of 8: two batches split 4 + 4, then a short one of 1, which each worker
     # computes whole.
-    x, y = _data(graph, 17, 5)
+    rng = np.random.default_rng(5)
+    x = rng.normal(0, 1, (17,) + graph.input_shape).astype(np.float32)
+    y = rng.integers(0, 5, 17)
     data = Dataset(x, y, x[:7], y[:7], 5)
-    config = TrainConfig(epochs=2, batch_size=8, schedule=Schedule(initial=0.05), label_smoothing=0.1)
-    one = backend.lower(graph, weights)
-    one_reports = backend.train(one, data, config)
-    monkeypatch.setenv("AIPERF_MINDSPORE_CPU_WORKERS", "2")
-    assert backend.devices() == ["cpu:0", "cpu:1"]
-    two = backend.lower(graph, weights)
-    two_reports = backend.train(two, data, config)
-    assert [r.train_images for r in two_reports] == [17, 17]
-    a, b = backend.export_weights(two), backend.export_weights(one)
+    runs = {}
+    for name, chosen in (("one", ("cpu:1",)), ("two", None)):  # None: every device
+        config = TrainConfig(epochs=2, batch_size=8, schedule=Schedule(initial=0.05), label_smoothing=0.1,
+                             devices=chosen)
+        model = backend.lower(graph, weights)
+        runs[name] = (backend.export_weights(model), backend.train(model, data, config), backend.export_weights(model))
+    a, b = runs["two"][2], runs["one"][2]
     worst = max(float(np.max(np.abs(a[n][p] - b[n][p])) / max(np.max(np.abs(b[n][p])), 1e-12)) for n in b for p in b[n])
+    print(json.dumps({"devices": devices, "worst": worst,
+                      **{f"{k}_{f}": [getattr(r, f) for r in v[1]] for k, v in runs.items()
+                         for f in ("train_images", "loss", "val_accuracy")}}))
+"""
+
+
+def test_data_parallel_two_cpu_workers_matches_one_process():
+    env = {k: v for k, v in os.environ.items() if k != "AIPERF_CPU_DEVICES"}
+    env["AIPERF_CPU_DEVICES"] = "2"  # read once, when the backend first loads MindSpore: a fresh process
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_DP_SCRIPT)], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["devices"] == ["cpu:0", "cpu:1"]
+    assert result["two_train_images"] == result["one_train_images"] == [17, 17]
     # Both runs are float32; they differ only in summation order (per-rank partial sums).
-    assert worst < 1e-4, worst
-    np.testing.assert_allclose([r.loss for r in two_reports], [r.loss for r in one_reports], rtol=1e-5)
-    np.testing.assert_allclose([r.val_accuracy for r in two_reports], [r.val_accuracy for r in one_reports])
+    assert result["worst"] < 1e-4, result["worst"]
+    np.testing.assert_allclose(result["two_loss"], result["one_loss"], rtol=1e-5)
+    np.testing.assert_allclose(result["two_val_accuracy"], result["one_val_accuracy"])

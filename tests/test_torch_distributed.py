@@ -1,12 +1,22 @@
 """Data-parallel training of the torch backend equals single-process training on the global batch.
 
-Two CPU processes with gloo (MASTER_ADDR 127.0.0.1, a free port) run the small ResNet. Batch norm
-is synchronised across the ranks (backends/torch/distributed.py), so a data-parallel step is the
-same computation as a single-process step on the combined batch, up to float32 summation order:
-the gradients and the updated weights must agree to ~1e-5.
+The ranks are every CUDA device where there are two or more (NCCL), else two CPU processes with
+gloo (MASTER_ADDR 127.0.0.1, a free port); they run the small ResNet. Batch norm is synchronised
+across the ranks (backends/torch/distributed.py), so a data-parallel step is the same computation
+as a single-process step on the combined batch, up to float32 summation order (fp32 is IEEE fp32
+on GPUs too: no TF32): the gradients and the updated weights must agree to ~1e-5. Training over
+devices goes through the contract: AIPERF_CPU_DEVICES=2 (in a subprocess: it is read when the
+backend first initialises) and TrainConfig.devices.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +30,7 @@ from aiperf_core.backend import Dataset, Schedule, TrainConfig  # noqa: E402
 from aiperf_core.builders import resnet_small  # noqa: E402
 from aiperf_backends.torch import TorchBackend  # noqa: E402
 from aiperf_backends.torch.distributed import make_job, run_rank_steps  # noqa: E402
-from aiperf_backends.torch.training import Stepper  # noqa: E402
+from aiperf_backends.torch.training import Stepper, device_of  # noqa: E402
 from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
 
 # float32 throughout: the two runs differ only in summation order (BN statistics summed per rank
@@ -28,7 +38,11 @@ from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
 # the float64 reference (conformance train/gradients_match_reference), hence ~1e-5 between two
 # float32 computations.
 TOL = 2e-5
-WORLD = 2
+# Every GPU where there are several, else two CPU processes.
+DEVICES = ([f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.device_count() >= 2
+           else ["cpu"] * 2)
+WORLD = len(DEVICES)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rel_err(a, b) -> float:
@@ -75,7 +89,7 @@ def test_ddp_steps_match_single_process(setup):
 
     backend = TorchBackend()
     model = backend.lower(graph, weights)
-    stepper = Stepper(model, "cpu", config)
+    stepper = Stepper(model, device_of(model), config)
     stepper.set_lr(config.schedule.initial)
     single_losses, single_grads = [], []
     for xb, yb in global_batches:
@@ -83,7 +97,7 @@ def test_ddp_steps_match_single_process(setup):
         single_grads.append(model.canonical_grads())
     single_weights = model.export_canonical()
 
-    job = make_job(backend.lower(graph, weights), config, ["cpu"] * WORLD, batches=global_batches,
+    job = make_job(backend.lower(graph, weights), config, DEVICES, batches=global_batches,
                    results=mp.get_context("spawn").Queue())
     results = spawn(run_rank_steps, job, WORLD)
 
@@ -99,39 +113,57 @@ def test_ddp_steps_match_single_process(setup):
         assert total == pytest.approx(single_losses[step], rel=TOL)
 
 
-class TwoCPUs(TorchBackend):
-    """The torch backend as it behaves on a machine with two devices, using two CPU processes."""
+_TRAIN_SCRIPT = """
+import json, sys
+import numpy as np
+from aiperf_core.backend import Dataset, Schedule, TrainConfig
+from aiperf_core.builders import resnet_small
+from aiperf_backends.torch import TorchBackend
+from aiperf_conformance.cases import trained_looking_weights
 
-    def devices(self) -> list[str]:
-        return ["cpu"] * WORLD
-
-
-def test_train_data_parallel_matches_single_process(setup):
-    graph, weights, x, y = setup
-    # 37 images in batches of 12: the last global batch has one image, so rank 1 gets none.
-    data = Dataset(x[:37], y[:37], x[37:], y[37:], 5)
-    config = TrainConfig(epochs=3, batch_size=12, schedule=Schedule(initial=0.05), seed=4)
-    stop_after = 2
+graph = resnet_small((16, 16, 3), 5)
+weights = trained_looking_weights(graph, 3)
+rng = np.random.default_rng(5)
+x = rng.normal(0, 1, (40,) + graph.input_shape).astype(np.float32)
+y = rng.integers(0, 5, 40)
+# 37 images in batches of 12: the last global batch has one image, so rank 1 gets none.
+data = Dataset(x[:37], y[:37], x[37:], y[37:], 5)
+config = dict(epochs=3, batch_size=12, schedule=Schedule(initial=0.05), seed=4)
+backend = TorchBackend()
+out = {"devices": backend.devices(), "runs": {}}
+for name, devices in (("one", (backend.devices()[0],)), ("all", None)):
+    model = backend.lower(graph, weights)
     seen = []
-
     def on_epoch(report):
-        seen.append(report)
-        return report.epoch + 1 >= stop_after  # stops early: the decision must reach every rank
+        seen.append(report.epoch)
+        return report.epoch + 1 >= 2  # stops early: the decision must reach every rank
+    reports = backend.train(model, data, TrainConfig(devices=devices, **config), on_epoch=on_epoch)
+    out["runs"][name] = {"reports": [r.__dict__ for r in reports], "seen": seen,
+                         "weights": {n: {p: a.tolist() for p, a in ps.items()}
+                                     for n, ps in backend.export_weights(model).items()}}
+print(json.dumps(out))
+"""
 
-    single = TorchBackend()
-    m_single = single.lower(graph, weights)
-    r_single = single.train(m_single, data, config, on_epoch=lambda r: r.epoch + 1 >= stop_after)
 
-    parallel = TwoCPUs()
-    m_parallel = parallel.lower(graph, weights)
-    r_parallel = parallel.train(m_parallel, data, config, on_epoch=on_epoch)
-
-    assert len(r_parallel) == len(r_single) == stop_after == len(seen)
-    for a, b in zip(r_parallel, r_single):
-        assert a.train_images == b.train_images == 37
-        assert a.val_images == b.val_images == 3
-        assert a.loss == pytest.approx(b.loss, rel=TOL)
-        assert a.val_loss == pytest.approx(b.val_loss, rel=1e-4)
-        assert a.val_accuracy == b.val_accuracy
-    err, where = worst(parallel.export_weights(m_parallel), single.export_weights(m_single))
+def test_train_over_cpu_devices_matches_one_device():
+    """AIPERF_CPU_DEVICES=2: devices() lists two CPU devices, train() on both (gloo processes)
+    equals train() on the first alone (TrainConfig.devices), early stop and an empty shard included."""
+    env = {k: v for k, v in os.environ.items() if k != "AIPERF_CPU_DEVICES"}
+    env["AIPERF_CPU_DEVICES"] = "2"
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_TRAIN_SCRIPT)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["devices"] == ["cpu:0", "cpu:1"]
+    one, both = out["runs"]["one"], out["runs"]["all"]
+    assert one["seen"] == both["seen"] == [0, 1]
+    for a, b in zip(both["reports"], one["reports"]):
+        assert a["train_images"] == b["train_images"] == 37
+        assert a["val_images"] == b["val_images"] == 3
+        assert a["loss"] == pytest.approx(b["loss"], rel=TOL)
+        assert a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-4)
+        assert a["val_accuracy"] == b["val_accuracy"]
+    as_arrays = [{n: {p: np.asarray(a, np.float32) for p, a in ps.items()} for n, ps in run["weights"].items()}
+                 for run in (both, one)]
+    err, where = worst(*as_arrays)
     assert err <= TOL, f"weight {where} differs by {err:.3g} after data-parallel training"

@@ -3,48 +3,134 @@
 jax is imported lazily, inside functions, so that `import aiperf_backends.jax` and listing backends work
 where jax is not installed; availability() then says why not.
 
-* devices: jax.local_devices() of the default platform ('cpu:0', 'gpu:0', 'tpu:0', ...).
-* precisions: fp32 everywhere; bf16 (bfloat16 compute, float32 master weights and BN
-  statistics) on GPUs and TPUs, where XLA runs it natively and a small probe trains finitely.
-  On CPUs XLA emulates bfloat16 convolutions by converting to float32 (slower than fp32), so
-  bf16 is not offered there. fp16 is not offered: it would need loss scaling, which this backend
-  does not implement; check_precision rejects it loudly.
-* model: a pure function over a parameter pytree (lowering.py), jit-compiled per model.
-* train: SGD with momentum in a jitted step; data parallel over the local devices by sharding
-  the batch axis (distributed.py).
+* devices: jax.local_devices() of the default platform ('cpu:0', 'gpu:0', 'tpu:0', ...). With
+  AIPERF_CPU_DEVICES=N (the contract's CPU_DEVICES_ENV) and no accelerator platform asked for in
+  JAX_PLATFORMS, XLA's host platform is split into N devices ('cpu:0' ... 'cpu:N-1') by
+  --xla_force_host_platform_device_count=N in XLA_FLAGS, set before jax first initialises
+  (`initialise`), so that the data-parallel path can be certified on a CPU machine.
+* precisions: fp32 everywhere (IEEE: Precision.HIGHEST on every conv and dot, lowering.py); tf32
+  on CUDA GPUs of compute capability 8.0 and newer; bf16 (bfloat16 compute, float32 master
+  weights and BN statistics) on GPUs and TPUs. Each mixed precision also needs a small probe to
+  train finitely on the device. On CPUs XLA emulates bfloat16 convolutions by converting to
+  float32 (slower than fp32), so bf16 is not offered there. fp16 is not offered: it would need
+  loss scaling, which this backend does not implement; check_precision rejects it loudly.
+* model: a pure function over a parameter pytree (lowering.py), jit-compiled per model, on the
+  devices of its placement (distributed.py).
+* train: SGD with momentum in a jitted step; data parallel over TrainConfig.devices (default: every
+  local device) by sharding the batch axis over a mesh of exactly those devices (distributed.py).
+* native counter: XLA's cost analysis, always compiled for the CPU client of this process, whatever
+  the training device (counter.py).
 """
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 import numpy as np
 
-from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter,
-                                 Parallelism, TrainConfig)
+from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, BackendError, Dataset, EpochCallback,
+                                 EpochReport, NativeCounter, Parallelism, TrainConfig)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, init_weights
 
+_HOST_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\S*)")
+_cpu_devices: int | None = None  # AIPERF_CPU_DEVICES as read when this process first initialised jax (0: unset)
 
 
-def _probe_bf16() -> bool:
-    """Whether a tiny conv/BN/dense net trains in bf16 with finite values on the default device."""
+def requested_cpu_devices() -> int:
+    """AIPERF_CPU_DEVICES as a count (0 when unset); a bad value is a one-line error."""
+    raw = os.environ.get(CPU_DEVICES_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BackendError(f"{CPU_DEVICES_ENV} must be a whole number of devices, got '{raw}'") from None
+    if value < 1:
+        raise BackendError(f"{CPU_DEVICES_ENV} must be >= 1, got {value}")
+    return value
+
+
+def _accelerator_wanted() -> bool:
+    """Whether JAX_PLATFORMS names a platform other than the host's."""
+    platforms = [p.strip().lower() for p in os.environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    return any(p != "cpu" for p in platforms)
+
+
+def initialise():
+    """jax, with AIPERF_CPU_DEVICES applied before jax creates its CPU client; read once a process.
+
+    XLA reads --xla_force_host_platform_device_count when the CPU client is created, so the flag
+    must be in XLA_FLAGS before the first jax.devices(); a process that initialised jax earlier
+    gets a one-line error instead of a silently different device count."""
+    global _cpu_devices
+    if _cpu_devices is None:
+        wanted = requested_cpu_devices()
+        if wanted and not _accelerator_wanted():
+            flags = os.environ.get("XLA_FLAGS", "")
+            found = _HOST_DEVICE_COUNT.search(flags)
+            if found and found.group(1) != str(wanted):
+                raise BackendError(f"{CPU_DEVICES_ENV}={wanted} contradicts XLA_FLAGS "
+                                   f"--xla_force_host_platform_device_count={found.group(1)}")
+            if not found:
+                os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={wanted}".strip()
+        import jax
+
+        if wanted and jax.default_backend() == "cpu" and len(jax.local_devices()) != wanted:
+            raise BackendError(f"{CPU_DEVICES_ENV}={wanted}, but jax's CPU client already has "
+                               f"{len(jax.local_devices())} device(s): jax was initialised before the variable "
+                               "could take effect (set it before the process first uses jax)")
+        _cpu_devices = wanted
+    import jax
+
+    return jax
+
+
+def cuda_compute_capability(device) -> float | None:
+    """The CUDA compute capability of a jax device (9.0 for an H100), None for any other device."""
+    if device.platform not in ("gpu", "cuda"):
+        return None
+    version = str(getattr(getattr(device, "client", None), "platform_version", "")).lower()
+    if "rocm" in version or "hip" in version:
+        return None
+    try:
+        return float(getattr(device, "compute_capability", ""))
+    except (TypeError, ValueError):
+        return None
+
+
+def device_runs_natively(device, precision: str) -> bool:
+    """Whether the hardware of a jax device runs `precision` natively (before any probe): tf32 on
+    CUDA 8.0+ (TF32 tensor cores), bf16 on GPUs and TPUs. fp16 never: no loss scaling here."""
+    if precision == "tf32":
+        capability = cuda_compute_capability(device)
+        return capability is not None and capability >= 8.0
+    if precision == "bf16":
+        return device.platform in ("gpu", "cuda", "rocm", "tpu")
+    return False
+
+
+def _probe(device, precision: str) -> bool:
+    """Whether a tiny conv/BN/dense net trains in `precision` with finite values on `device`."""
     try:
         import jax
-        import jax.numpy as jnp
 
         from aiperf_core.builders import resnet_small
+        from aiperf_backends.jax.distributed import Placement
         from aiperf_backends.jax.lowering import lower_graph
         from aiperf_backends.jax.training import summed_loss
 
+        placement = Placement([device])
         graph = resnet_small((8, 8, 3), 3)
-        model = lower_graph(graph, init_weights(graph, seed=0), "bf16")
-        x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 8, 8, 3)).astype(np.float32))
-        y = jnp.asarray(np.array([0, 2], np.int32))
-        loss, grads = jax.value_and_grad(
-            lambda p: summed_loss(graph, p, model.state, x, y, 0.0, precision="bf16")[0])(model.params)
+        model = lower_graph(graph, init_weights(graph, seed=0), precision, placement)
+        x, y = placement.put_batch(np.random.default_rng(0).standard_normal((2, 8, 8, 3)).astype(np.float32),
+                                   np.array([0, 2], np.int32))
+        loss, grads = jax.jit(jax.value_and_grad(
+            lambda p: summed_loss(graph, p, model.state, x, y, 0.0, precision=precision)[0]))(model.params)
         leaves = jax.tree_util.tree_leaves(grads)
-        return bool(jnp.isfinite(loss)) and all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+        return bool(np.isfinite(np.asarray(loss))) and all(bool(np.all(np.isfinite(np.asarray(g)))) for g in leaves)
     except Exception:  # an unsupported dtype fails in many ways; it is just not declared
         return False
 
@@ -58,33 +144,38 @@ class JaxBackend(Backend):
         return cls.import_availability("jax", "jax")
 
     def framework_version(self) -> str:
-        import jax
-
-        return jax.__version__
+        return initialise().__version__
 
     def devices(self) -> list[str]:
-        import jax
+        from aiperf_backends.jax.distributed import device_name
 
-        return [f"{d.platform}:{d.id}" for d in jax.local_devices()]
+        return [device_name(d) for d in initialise().local_devices()]
 
     def runs_precision(self, device: str, precision: str) -> bool:
-        # XLA on CPU turns bf16 convolutions back into fp32, so bf16 is offered on accelerators only.
-        platform = device.partition(":")[0]
-        return precision == "bf16" and platform in ("gpu", "cuda", "rocm", "tpu") and _probe_bf16()
+        from aiperf_backends.jax.distributed import local_device
+
+        initialise()
+        found = local_device(device)
+        return device_runs_natively(found, precision) and _probe(found, precision)
 
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True,
-                           notes="the batch axis sharded over a device mesh in one jitted step; batch statistics over the global batch array")
+                           notes="the batch axis sharded over a mesh of the training devices in one jitted step; "
+                                 "batch statistics over the global batch array")
 
     def native_counter(self) -> NativeCounter | None:
-        from aiperf_backends.jax.counter import XlaCostCounter
+        from aiperf_backends.jax.counter import XlaCostCounter, counting_device
 
-        return XlaCostCounter()
+        initialise()
+        # No CPU client (JAX_PLATFORMS without 'cpu'): XLA's GPU cost analysis cannot count cuDNN
+        # convolutions (-1 each), so the counter is declared unavailable rather than wrong.
+        return XlaCostCounter() if counting_device() is not None else None
 
     # -- models -------------------------------------------------------------
     def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> Any:
         from aiperf_backends.jax.lowering import lower_graph
 
+        initialise()
         weights = self.starting_weights(graph, weights, precision)
         return lower_graph(graph, weights, precision)
 
@@ -107,7 +198,6 @@ class JaxBackend(Backend):
     def loss_and_grads_checked(self, model: Any, x: np.ndarray, labels: np.ndarray,
                                label_smoothing: float) -> tuple[float, Weights]:
         import jax
-        import jax.numpy as jnp
 
         from aiperf_backends.jax.lowering import reference_dropout_masks
         from aiperf_backends.jax.training import summed_loss
@@ -115,7 +205,7 @@ class JaxBackend(Backend):
         graph = model.graph
         # Dropout masks are the NumPy reference's for seed 0: deterministic, and comparable.
         shapes = {n.id: (len(x),) + tuple(graph.shapes[n.id]) for n in graph.nodes if n.op == "dropout"}
-        masks = {k: jnp.asarray(v) for k, v in reference_dropout_masks(graph, shapes, 0).items()}
+        masks = reference_dropout_masks(graph, shapes, 0)
         key = ("loss_and_grads", label_smoothing)
         if key not in model.cache:
             precision = model.precision
@@ -126,8 +216,9 @@ class JaxBackend(Backend):
                 return total / xb.shape[0]
 
             model.cache[key] = jax.jit(jax.value_and_grad(loss_fn))
+        inputs = model.placement.replicate((x, labels.astype(np.int32), masks))
         # Functional: the model's parameters and BN statistics are untouched.
-        loss, grads = model.cache[key](model.params, model.state, jnp.asarray(x), jnp.asarray(labels), masks)
+        loss, grads = model.cache[key](model.params, model.state, *inputs)
         out: Weights = {}
         for node_id, params in grads.items():
             out[node_id] = {k: np.asarray(v, dtype=np.float32) for k, v in params.items()}
@@ -135,7 +226,7 @@ class JaxBackend(Backend):
 
     def train_checked(self, model: Any, data: Dataset, config: TrainConfig,
                       on_epoch: EpochCallback | None) -> list[EpochReport]:
-        from aiperf_backends.jax.distributed import make_mesh
+        from aiperf_backends.jax.distributed import Placement
         from aiperf_backends.jax.training import run_epochs
 
-        return run_epochs(model, data, config, make_mesh(), on_epoch=on_epoch)
+        return run_epochs(model, data, config, Placement.named(self.train_devices(config)), on_epoch=on_epoch)

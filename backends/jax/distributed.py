@@ -1,51 +1,96 @@
-"""Data parallelism over the local devices with jax.sharding.
+"""Where a model's arrays live, and data parallelism over local devices with jax.sharding.
 
-One process drives every local device. A 1-D mesh over jax.devices() has the axis 'batch'; each
-global batch is placed with NamedSharding(mesh, P('batch')) (its rows split over the devices) and
-the parameters, momentum buffers and batch-norm statistics are replicated (P()). The step is
-written over the global batch array, so XLA's SPMD partitioner inserts the all-reduces itself:
-the gradients are those of the global batch's mean loss and the batch-norm statistics are those
-of the whole global batch, exactly as on one device (up to float32 summation order). A batch
-whose size does not divide by the number of devices (the last, short one) is replicated instead
-of sharded: the same computation, done by every device. With one device there is no mesh and
-nothing is placed: a no-op.
+A `Placement` is the devices a model lives on: one device, or a 1-D mesh over several (axis
+'batch'). Every path that feeds a model goes through its placement: lowering and weight import
+(parameters), predict and loss_and_grads (inputs), training and evaluation (batches), so an input
+never lands on a device other than its model's (issue 15.4).
+
+With several devices one process drives them all. The parameters, momentum buffers and batch-norm
+statistics are replicated (P()), and each global batch is placed with NamedSharding(mesh,
+P('batch')) (its rows split over the devices). The step is written over the global batch array,
+so XLA's SPMD partitioner inserts the all-reduces itself: the gradients are those of the global
+batch's mean loss and the batch-norm statistics are those of the whole global batch, exactly as on
+one device (up to float32 summation order). A batch whose size does not divide by the number of
+devices (the last, short one) is replicated instead of sharded: the same computation, done by
+every device.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
+
+from aiperf_core.backend import BackendError
 
 AXIS = "batch"
 
 
-def make_mesh(devices=None):
-    """A 1-D mesh over `devices` (default: all local devices), or None for a single device."""
+def device_name(device) -> str:
+    """A jax device as the backend names it in devices(): 'cpu:0', 'gpu:1', 'tpu:0'."""
+    return f"{device.platform}:{device.id}"
+
+
+def local_device(name: str):
+    """The local jax device called `name` (as devices() lists it)."""
     import jax
-    from jax.sharding import Mesh
 
-    devices = list(jax.local_devices() if devices is None else devices)
-    if len(devices) < 2:
-        return None
-    return Mesh(np.array(devices), (AXIS,))
-
-
-def replicate(mesh, tree):
-    if mesh is None:
-        return tree
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+    for device in jax.local_devices():
+        if device_name(device) == name:
+            return device
+    raise BackendError(f"jax has no local device '{name}' (it has {', '.join(map(device_name, jax.local_devices()))})")
 
 
-def place_batch(mesh, x: np.ndarray, y: np.ndarray):
-    """The global batch on the devices: rows sharded when they split evenly, else replicated."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+class Placement:
+    """The devices a model lives on: one device, or a 1-D mesh over several."""
 
-    if mesh is None:
-        return jnp.asarray(x), jnp.asarray(y)
-    world = mesh.devices.size
-    spec = P(AXIS) if len(x) % world == 0 else P()
-    return jax.device_put(x, NamedSharding(mesh, spec)), jax.device_put(y, NamedSharding(mesh, spec))
+    def __init__(self, devices: Sequence):
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+
+        self.devices = tuple(devices)
+        if not self.devices:
+            raise BackendError("a placement needs at least one device")
+        if len(self.devices) == 1:
+            self.mesh = None
+            self._replicated = self._sharded = SingleDeviceSharding(self.devices[0])
+        else:
+            self.mesh = Mesh(np.array(self.devices), (AXIS,))
+            self._replicated = NamedSharding(self.mesh, P())
+            self._sharded = NamedSharding(self.mesh, P(AXIS))
+
+    @classmethod
+    def default(cls) -> "Placement":
+        """The first local device of the default platform (what lower() uses)."""
+        import jax
+
+        return cls(jax.local_devices()[:1])
+
+    @classmethod
+    def named(cls, names: Sequence[str]) -> "Placement":
+        return cls([local_device(n) for n in names])
+
+    @property
+    def world(self) -> int:
+        return len(self.devices)
+
+    def names(self) -> list[str]:
+        return [device_name(d) for d in self.devices]
+
+    def replicate(self, tree):
+        """A pytree (NumPy or jax arrays) on every device of the placement."""
+        import jax
+
+        return jax.device_put(tree, self._replicated)
+
+    def batch_sharding(self, rows: int):
+        """How a batch of `rows` images is laid out: its rows split over the devices when they split
+        evenly, else replicated."""
+        return self._sharded if rows % self.world == 0 else self._replicated
+
+    def put_batch(self, *arrays):
+        """Host arrays with a leading batch axis, issued to the devices (asynchronously: the copy
+        overlaps whatever step the devices are running)."""
+        import jax
+
+        sharding = self.batch_sharding(len(arrays[0]))
+        return jax.device_put(arrays, sharding)

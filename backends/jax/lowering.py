@@ -9,6 +9,8 @@ A lowered model (`JaxModel`) holds
 
 * ``params``: {node id: {kernel, bias, gamma, beta}} float32 master weights (trainable);
 * ``state``:  {node id: {moving_mean, moving_variance}} batch-norm statistics (not trainable);
+* ``placement``: the device(s) both live on (distributed.Placement: the first local device after
+  lowering, the training devices after train()); every input is put there before it is used;
 
 and `apply(graph, params, state, x, ...)` runs the graph node by node:
 
@@ -27,8 +29,23 @@ and `apply(graph, params, state, x, ...)` runs the graph node by node:
   (``masks``: node id -> keep/(1-rate) array, e.g. the NumPy reference's) or drawn from a JAX
   PRNG key folded with the node's index.
 
-Mixed precision (``compute_dtype`` bfloat16): conv and dense run in bfloat16 on bfloat16 copies
-of the float32 master weights; batch-norm statistics, the softmax and the loss stay float32.
+Precision (the contract's names; conv and dense carry an explicit ``lax.Precision`` per lowered
+function, never jax's process-wide ``jax_default_matmul_precision``, which the user owns):
+
+* fp32: ``Precision.HIGHEST``: IEEE float32 products. Without it XLA runs float32 convolutions
+  and dots on TF32 tensor cores on CUDA GPUs of compute capability 8.0 and newer (issue 15: a
+  gradient off by 3.8% against the reference on an H100);
+* tf32: float32 storage, ``Precision.DEFAULT``: what the issue measured running TF32 on an H100
+  (no precision given is DEFAULT). jax 0.10 spells ``HIGH`` 'tensorfloat32', but XLA's Triton
+  GEMM emitter uses TF32 only at DEFAULT (its cuBLAS and cuDNN paths at DEFAULT and HIGH alike),
+  so DEFAULT is the precision that means TF32 on every CUDA path;
+* bf16 (``compute_dtype`` bfloat16): conv and dense run in bfloat16 on bfloat16 copies of the
+  float32 master weights; batch-norm statistics, the softmax and the loss stay float32.
+
+Input: a float32 batch is taken as already normalised (in-memory datasets); a uint8 batch (streamed
+pixels) is normalised inside the compiled function, `normalised_input`, with exactly the host's
+arithmetic (aiperf_core.data.preprocess.normalise), so only a quarter of the bytes cross to the
+device.
 """
 
 from __future__ import annotations
@@ -53,6 +70,7 @@ class JaxModel:
 
     graph: Graph
     precision: str
+    placement: Any  # distributed.Placement: the devices the arrays live on
     params: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)
     cache: dict = field(default_factory=dict)  # jitted functions, keyed by what they compute
@@ -62,16 +80,14 @@ class JaxModel:
         return self.graph[self.graph.output_id].op == "softmax"
 
     def load_canonical(self, weights: Mapping[str, Mapping[str, np.ndarray]]) -> None:
-        import jax.numpy as jnp
-
         validate_weights(self.graph, weights)
         params: dict = {}
         state: dict = {}
         for node_id in self.graph.all_param_shapes():
             for pname, array in weights[node_id].items():
-                value = jnp.asarray(np.asarray(array, dtype=np.float32))
+                value = np.asarray(array, dtype=np.float32)
                 (params if pname in TRAINABLE else state).setdefault(node_id, {})[pname] = value
-        self.params, self.state = params, state
+        self.params, self.state = self.placement.replicate((params, state))
 
     def export_canonical(self) -> Weights:
         out: Weights = {}
@@ -84,25 +100,50 @@ class JaxModel:
 
 
 def compute_dtype(precision: str):
+    """The dtype conv and dense compute in, or None for float32 (fp32 and tf32 store float32)."""
     import jax.numpy as jnp
 
-    return {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[precision]
+    return {"fp32": None, "tf32": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}[precision]
 
 
-def conv2d(x, kernel, attrs, dtype=None):
+def lax_precision(precision: str):
+    """The lax.Precision of conv and dot at a run precision (see the module docstring)."""
+    from jax import lax
+
+    return lax.Precision.HIGHEST if precision == "fp32" else lax.Precision.DEFAULT
+
+
+def normalised_input(x):
+    """A uint8 NHWC batch normalised on the device, (float32(x) - MEAN) * INV_STD per channel: the
+    arithmetic of aiperf_core.data.preprocess.normalise, operation for operation. A float batch
+    is already normalised and passes as it is."""
+    import jax.numpy as jnp
+
+    from aiperf_core.data.preprocess import INV_STD, MEAN
+
+    if x.dtype != jnp.uint8:
+        return x
+    return (x.astype(jnp.float32) - jnp.asarray(MEAN)) * jnp.asarray(INV_STD)
+
+
+def conv2d(x, kernel, attrs, precision: str = "fp32"):
     from jax import lax
 
     pt, pb, pl, pr = attrs["padding"]
+    dtype = compute_dtype(precision)
     if dtype is not None:
         x, kernel = x.astype(dtype), kernel.astype(dtype)
     return lax.conv_general_dilated(x, kernel, tuple(attrs["strides"]), ((pt, pb), (pl, pr)),
-                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=lax_precision(precision))
 
 
-def dense(x, kernel, dtype=None):
+def dense(x, kernel, precision: str = "fp32"):
+    import jax.numpy as jnp
+
+    dtype = compute_dtype(precision)
     if dtype is not None:
         x, kernel = x.astype(dtype), kernel.astype(dtype)
-    return x @ kernel
+    return jnp.matmul(x, kernel, precision=lax_precision(precision))
 
 
 def max_pool(x, attrs):
@@ -181,12 +222,12 @@ def batch_norm(x, p, s, attrs, training: bool):
 
 def apply(graph: Graph, params, state, x, *, training: bool = False, logits: bool = False,
           precision: str = "fp32", masks: Mapping[str, Any] | None = None, key=None):
-    """Run the graph. Returns (output, new_state); new_state holds the BN updates of a training pass
-    (the old statistics where a node was not reached) and is `state` itself in inference."""
+    """Run the graph on x, a float32 (normalised) or uint8 (pixels, normalised here) NHWC batch.
+    Returns (output, new_state); new_state holds the BN updates of a training pass (the old
+    statistics where a node was not reached) and is `state` itself in inference."""
     import jax
     import jax.numpy as jnp
 
-    cdt = None if precision == "fp32" else compute_dtype(precision)
     out_node = graph[graph.output_id]
     stop = out_node.inputs[0] if logits and out_node.op == "softmax" else graph.output_id
     values: dict[str, Any] = {}
@@ -195,13 +236,13 @@ def apply(graph: Graph, params, state, x, *, training: bool = False, logits: boo
         op, a = node.op, node.attrs
         ins = [values[i] for i in node.inputs]
         if op == "input":
-            y = x
+            y = normalised_input(x)
         elif op == "conv2d":
-            y = conv2d(ins[0], params[node.id]["kernel"], a, cdt)
+            y = conv2d(ins[0], params[node.id]["kernel"], a, precision)
             if a["use_bias"]:
                 y = y + params[node.id]["bias"].astype(y.dtype)
         elif op == "dense":
-            y = dense(ins[0], params[node.id]["kernel"], cdt)
+            y = dense(ins[0], params[node.id]["kernel"], precision)
             if a["use_bias"]:
                 y = y + params[node.id]["bias"].astype(y.dtype)
         elif op == "batch_norm":
@@ -261,7 +302,11 @@ def reference_dropout_masks(graph: Graph, batch_shape_of: Mapping[str, tuple], s
     return masks
 
 
-def lower_graph(graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray]], precision: str) -> JaxModel:
-    model = JaxModel(graph, precision)
+def lower_graph(graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray]], precision: str,
+                placement=None) -> JaxModel:
+    """A JaxModel on `placement` (default: the first local device)."""
+    from aiperf_backends.jax.distributed import Placement
+
+    model = JaxModel(graph, precision, placement or Placement.default())
     model.load_canonical(weights)
     return model

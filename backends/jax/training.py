@@ -1,26 +1,41 @@
 """Loss, the jit-compiled SGD step, evaluation and the epoch loop.
 
 SGD with momentum is torch.optim.SGD's: v = momentum * v + g; w -= lr * v (v starts at zero, so
-the first step is w -= lr * g). The learning rate is a traced argument of the step, so a new rate
-per epoch (config.schedule.rate(epoch, epochs)) does not recompile.
+the first step is w -= lr * g). The learning rate and the step's index (which seeds dropout) are
+traced arguments of the step, so neither a new rate per epoch (config.schedule.rate(epoch,
+epochs)) nor a new step recompiles: the step compiles once per batch shape, that is once for the
+full batches and once more for a short last batch, per model and precision (cached on the model,
+so the next trial of the same model compiles nothing). `EpochReport.compile_seconds` is the wall
+time of the calls that traced and compiled (`Traced`, `CompileClock`).
 
 Every training image is seen once per epoch, in the order np.random.default_rng(seed + epoch)
-.permutation(n), in batches of config.batch_size; the last batch is short and not dropped (jit
-compiles the step once more for its shape), so images are counted exactly and each step's loss is
-exactly the mean over the images it saw. With several devices the batch axis is sharded over a
-1-D mesh (distributed.py); the code is written over the global batch, so the gradients and the
-batch-norm statistics are those of the global batch whatever the number of devices.
+.permutation(n), in batches of config.batch_size; the last batch is short and not dropped, so
+images are counted exactly and each step's loss is exactly the mean over the images it saw. With
+several devices the batch axis is sharded over a 1-D mesh (distributed.py); the code is written
+over the global batch, so the gradients and the batch-norm statistics are those of the global
+batch whatever the number of devices.
+
+Feeding the device (issue 17):
+
+* host batches (in-memory arrays, streamed uint8 pixels) are issued to the devices with
+  `Placement.put_batch` as soon as the previous step is dispatched, so the copy of batch k+1
+  overlaps step k; the loop then waits for step k-1, so at most two steps are in flight (the
+  device never idles for the host's dispatch, and the host never runs an epoch ahead);
+* synthetic data (a StreamingDataset over aiperf_core.data.synthetic.SyntheticSource) is uploaded
+  once, its repeated pool of pixels and their labels, and each batch is a window of them sliced on
+  the device: no image crosses from the host per step (`DeviceSynthetic`).
 """
 
 from __future__ import annotations
 
+import time
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 
 from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, is_streaming
-from aiperf_core.data.stream import train_batches, val_batches
+from aiperf_core.data.stream import TRAIN, VAL, train_batches, val_batches
 
 PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
 PREDICT_BATCH = 256
@@ -68,15 +83,58 @@ def eval_sums(graph, params, state, x, labels, valid, label_smoothing, precision
     return jnp.sum(jnp.where(valid, per, 0.0)), jnp.sum(correct)
 
 
-def make_train_step(graph, precision: str, momentum: float, label_smoothing: float):
-    """A jitted step (params, state, velocity, x, labels, lr, key) -> (params, state, velocity, summed loss).
+class Traced:
+    """jax.jit of `fn` that counts its traces. The Python function runs only while jax traces it,
+    so a call that raised `traces` traced and compiled a new executable, and a call that did not
+    ran a cached one (compile_seconds, and the test that the step never retraces)."""
 
-    params and velocity are donated: the update happens in place where the device allows."""
+    def __init__(self, fn: Callable, **jit_options):
+        import jax
+
+        self.traces = 0
+
+        def counted(*args):
+            self.traces += 1
+            return fn(*args)
+
+        self.jitted = jax.jit(counted, **jit_options)
+
+    def __call__(self, *args):
+        return self.jitted(*args)
+
+
+class CompileClock:
+    """Wall seconds of the calls that traced and compiled (EpochReport.compile_seconds). With
+    asynchronous dispatch such a call returns once its executable is built and the run enqueued,
+    so its wall time is the tracing and compilation."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def call(self, fn: Traced, *args):
+        before = fn.traces
+        start = time.perf_counter()
+        out = fn(*args)
+        if fn.traces != before:
+            self.seconds += time.perf_counter() - start
+        return out
+
+    def lap(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def make_train_step(graph, precision: str, momentum: float, label_smoothing: float) -> Traced:
+    """The jitted step (params, state, velocity, x, labels, lr, key, step index) -> (params, state,
+    velocity, summed loss). x is a float32 (normalised) or uint8 (pixels) batch; dropout draws
+    from fold_in(key, step index). params and velocity are donated: the update happens in place
+    where the device allows."""
     import jax
 
-    def step(params, state, velocity, x, labels, lr, key):
+    def step(params, state, velocity, x, labels, lr, key, index):
         def loss_fn(p):
-            total, new_state = summed_loss(graph, p, state, x, labels, label_smoothing, precision=precision, key=key)
+            total, new_state = summed_loss(graph, p, state, x, labels, label_smoothing, precision=precision,
+                                           key=jax.random.fold_in(key, index))
             return total / x.shape[0], (total, new_state)
 
         grads, (total, new_state) = jax.grad(loss_fn, has_aux=True)(params)
@@ -84,18 +142,24 @@ def make_train_step(graph, precision: str, momentum: float, label_smoothing: flo
         params = jax.tree_util.tree_map(lambda w, v: w - lr * v, params, velocity)
         return params, new_state, velocity, total
 
-    return jax.jit(step, donate_argnums=(0, 2))
+    return Traced(step, donate_argnums=(0, 2))
 
 
-def predict_fn(model):
-    import jax
-
+def predict_fn(model) -> Traced:
     from aiperf_backends.jax.lowering import apply
 
     key = ("predict",)
     if key not in model.cache:
         graph, precision = model.graph, model.precision
-        model.cache[key] = jax.jit(lambda p, s, x: apply(graph, p, s, x, training=False, precision=precision)[0])
+        model.cache[key] = Traced(lambda p, s, x: apply(graph, p, s, x, training=False, precision=precision)[0])
+    return model.cache[key]
+
+
+def eval_fn(model, label_smoothing: float) -> Traced:
+    key = ("eval", float(label_smoothing))
+    if key not in model.cache:
+        model.cache[key] = Traced(partial(eval_sums, model.graph, label_smoothing=float(label_smoothing),
+                                          precision=model.precision))
     return model.cache[key]
 
 
@@ -107,57 +171,130 @@ def bucket(n: int, cap: int = PREDICT_BATCH) -> int:
     return min(size, cap)
 
 
-def predict(model, x: np.ndarray) -> np.ndarray:
-    """Inference in chunks padded to a power of two; each image's output does not depend on the
-    others in inference mode, so the padding rows are simply dropped."""
-    import jax.numpy as jnp
+def padded(array: np.ndarray, size: int) -> np.ndarray:
+    """`array` with zero rows appended up to `size` rows, in its own dtype."""
+    out = np.zeros((size,) + array.shape[1:], array.dtype)
+    out[:len(array)] = array
+    return out
 
+
+def predict(model, x: np.ndarray) -> np.ndarray:
+    """Inference in chunks padded to a power of two, on the model's devices; each image's output
+    does not depend on the others in inference mode, so the padding rows are simply dropped."""
     fn = predict_fn(model)
     outputs = []
     for start in range(0, len(x), PREDICT_BATCH):
         chunk = x[start:start + PREDICT_BATCH]
-        size = bucket(len(chunk))
-        padded = np.zeros((size,) + chunk.shape[1:], np.float32)
-        padded[:len(chunk)] = chunk
-        out = fn(model.params, model.state, jnp.asarray(padded))
-        outputs.append(np.asarray(out, dtype=np.float32)[:len(chunk)])
-    return np.ascontiguousarray(np.concatenate(outputs), dtype=np.float32)
+        (xb,) = model.placement.put_batch(padded(chunk, bucket(len(chunk))))
+        outputs.append(fn(model.params, model.state, xb)[:len(chunk)])
+    return np.ascontiguousarray(np.concatenate([np.asarray(o, np.float32) for o in outputs]), dtype=np.float32)
 
 
-def evaluate(model, params, state, x: np.ndarray, labels: np.ndarray, label_smoothing: float) -> tuple[float, int]:
-    """(summed loss, correct predictions) over x in inference mode, in padded chunks."""
-    import jax
-    import jax.numpy as jnp
-
-    key = ("eval", float(label_smoothing))
-    if key not in model.cache:
-        model.cache[key] = jax.jit(partial(eval_sums, model.graph, label_smoothing=label_smoothing,
-                                           precision=model.precision))
-    fn = model.cache[key]
-    total, correct = 0.0, 0
-    for start in range(0, len(x), PREDICT_BATCH):
-        chunk = np.asarray(x[start:start + PREDICT_BATCH], np.float32)
-        lab = np.asarray(labels[start:start + PREDICT_BATCH], np.int32)
-        size = bucket(len(chunk))
-        xp = np.zeros((size,) + chunk.shape[1:], np.float32)
-        xp[:len(chunk)] = chunk
-        yp = np.zeros(size, np.int32)
-        yp[:len(chunk)] = lab
-        valid = np.arange(size) < len(chunk)
-        s, c = fn(params, state, jnp.asarray(xp), jnp.asarray(yp), jnp.asarray(valid))
-        total += float(s)
-        correct += int(c)
-    return total, correct
+# -- feeding the devices --------------------------------------------------------------------------
 
 
-def run_epochs(model, data: Dataset, config: TrainConfig, mesh=None,
+class HostFeed:
+    """Batches read on the host and issued to the devices one at a time, as they are: uint8 pixels
+    from a stream (normalised in the step), float32 from in-memory arrays (normalised already)."""
+
+    def __init__(self, data, placement):
+        self.data, self.placement = data, placement
+
+    def train(self, epoch: int, seed: int, batch_size: int, clock: StepClock) -> Iterator[tuple]:
+        """(x, y on the devices, images, skipped) per global batch; a batch of undecodable images
+        only (x None) still reports what it skipped."""
+        for batch in train_batches(self.data, epoch, seed, batch_size):
+            if not len(batch.y):
+                yield None, None, 0, batch.skipped
+                continue
+            x, y = batch.x, np.asarray(batch.y, np.int32)
+            with clock:  # the copy is issued here, while the devices run the previous step
+                xb, yb = self.placement.put_batch(x, y)
+            yield xb, yb, len(y), batch.skipped
+
+    def val(self, clock: StepClock) -> Iterator[tuple]:
+        """(x, y, valid on the devices, images, skipped) per batch, padded to a few shapes."""
+        for batch in val_batches(self.data, PREDICT_BATCH):
+            n = len(batch.y)
+            if not n:
+                yield None, None, None, 0, batch.skipped
+                continue
+            size = bucket(n)
+            x, y = padded(batch.x, size), padded(np.asarray(batch.y, np.int32), size)
+            with clock:
+                xb, yb, valid = self.placement.put_batch(x, y, np.arange(size) < n)
+            yield xb, yb, valid, n, batch.skipped
+
+
+SLICERS: dict = {}  # DeviceSynthetic's jitted window slicers, by output sharding
+
+
+class DeviceSynthetic:
+    """Synthetic data made once on the devices (aiperf_core.data.synthetic's device contract): the
+    repeated pool of pixels and its labels are uploaded when training starts, and every batch is a
+    window of them, sliced on the device (one offset crosses per step, never an image). The
+    windows are exactly the batches the host stream would deliver (tested)."""
+
+    def __init__(self, data, placement, compiling: CompileClock, batch_size: int):
+        from aiperf_core.data.synthetic import device_pool
+
+        pool = device_pool(data, max(batch_size, PREDICT_BATCH))
+        self.data, self.placement, self.compiling = data, placement, compiling
+        self.pixels, self.labels = placement.replicate((pool.pixels, pool.labels.astype(np.int32)))
+
+    @staticmethod
+    def applies(data) -> bool:
+        from aiperf_core.data.synthetic import is_synthetic
+
+        return is_streaming(data) and is_synthetic(data)
+
+    def _window(self, offset: int, rows: int):
+        """pixels and labels [offset, offset + rows) on the devices, laid out as a batch of `rows`."""
+        from jax import lax
+
+        sharding = self.placement.batch_sharding(rows)
+        if sharding not in SLICERS:  # one slicer per layout, for every trial; it compiles once per window length
+            SLICERS[sharding] = Traced(
+                lambda pixels, labels, start, length: (lax.dynamic_slice_in_dim(pixels, start, length),
+                                                       lax.dynamic_slice_in_dim(labels, start, length)),
+                static_argnums=(3,), out_shardings=sharding)
+        return self.compiling.call(SLICERS[sharding], self.pixels, self.labels, np.int32(offset), rows)
+
+    def train(self, epoch: int, seed: int, batch_size: int, clock: StepClock) -> Iterator[tuple]:
+        from aiperf_core.data.synthetic import windows
+
+        for window in windows(self.data, TRAIN, batch_size):
+            with clock:
+                xb, yb = self._window(window.offset, window.length)
+            yield xb, yb, window.length, 0
+
+    def val(self, clock: StepClock) -> Iterator[tuple]:
+        from aiperf_core.data.synthetic import windows
+
+        for window in windows(self.data, VAL, PREDICT_BATCH):
+            size = bucket(window.length)  # the pool repeats, so a padded window is still in it
+            with clock:
+                xb, yb = self._window(window.offset, size)
+                (valid,) = self.placement.put_batch(np.arange(size) < window.length)
+            yield xb, yb, valid, window.length, 0
+
+
+def feed_for(data, placement, compiling: CompileClock, batch_size: int):
+    if DeviceSynthetic.applies(data):
+        return DeviceSynthetic(data, placement, compiling, batch_size)
+    return HostFeed(data, placement)
+
+
+# -- the epoch loop -------------------------------------------------------------------------------
+
+
+def run_epochs(model, data: Dataset, config: TrainConfig, placement,
                on_epoch: Callable[[EpochReport], bool | None] | None = None) -> list[EpochReport]:
-    """The epoch loop; the trained parameters and BN statistics are stored back into `model`.
-    `data` is in-memory arrays or a StreamingDataset (aiperf_core.data.stream)."""
+    """The epoch loop on `placement` (distributed.Placement); the trained parameters and BN
+    statistics are stored back into `model`, which then lives on `placement`. `data` is in-memory
+    arrays or a StreamingDataset (aiperf_core.data.stream)."""
     import jax
     import jax.numpy as jnp
-
-    from aiperf_backends.jax.distributed import place_batch, replicate
 
     if not model.params:
         raise BackendError("the graph has no trainable parameters: there is nothing to train")
@@ -166,55 +303,66 @@ def run_epochs(model, data: Dataset, config: TrainConfig, mesh=None,
         model.cache[key] = make_train_step(model.graph, config.precision, float(config.momentum),
                                            float(config.label_smoothing))
     step = model.cache[key]
-    params = replicate(mesh, jax.tree_util.tree_map(jnp.array, model.params))  # copies: donation is safe
-    state = replicate(mesh, model.state)
-    velocity = replicate(mesh, jax.tree_util.tree_map(jnp.zeros_like, model.params))
+    evaluate = eval_fn(model, config.label_smoothing)
+    # Copies first: the step donates params and velocity, and the model keeps its own until the end.
+    params = placement.replicate(jax.tree_util.tree_map(jnp.array, model.params))
+    state = placement.replicate(model.state)
+    velocity = placement.replicate(jax.tree_util.tree_map(jnp.zeros_like, params))
     if not is_streaming(data):  # convert once, not per batch
         data = Dataset(np.ascontiguousarray(data.x_train, dtype=np.float32), np.asarray(data.y_train, np.int32),
-                       data.x_val, data.y_val, data.classes)
-    rng_key = jax.random.PRNGKey(config.seed)
+                       np.ascontiguousarray(data.x_val, dtype=np.float32), data.y_val, data.classes)
+    clock, compiling = StepClock(), CompileClock()
+    feed = feed_for(data, placement, compiling, config.batch_size)
+    rng_key = placement.replicate(jax.random.PRNGKey(config.seed))
     reports: list[EpochReport] = []
-    clock = StepClock()
     step_index = 0
     try:
         for epoch in range(config.epochs):
-            lr = jnp.float32(config.schedule.rate(epoch, config.epochs))
-            pending = []
+            lr = np.float32(config.schedule.rate(epoch, config.epochs))
+            totals = []
+            in_flight = None  # (summed loss, images) of the step dispatched before the current one
             images = skipped = 0
-            # Streamed batches come from the shared threaded pipeline, which decodes the next batches
-            # while the (asynchronously dispatched) step runs.
-            for batch in train_batches(data, epoch, config.seed, config.batch_size):
-                skipped += batch.skipped
-                if not len(batch.y):
+            # Advancing the feed issues batch k+1 to the devices right after step k is dispatched.
+            for xb, yb, n, batch_skipped in feed.train(epoch, config.seed, config.batch_size, clock):
+                skipped += batch_skipped
+                if not n:
                     continue
-                x_host, y_host = np.asarray(batch.x, np.float32), np.asarray(batch.y, np.int32)
-                with clock:  # from the batch's transfer, which waits while the device is busy
-                    xb, yb = place_batch(mesh, x_host, y_host)
-                    params, state, velocity, total = step(params, state, velocity, xb, yb, lr,
-                                                          jax.random.fold_in(rng_key, step_index))
-                pending.append(total)
+                with clock:
+                    params, state, velocity, total = compiling.call(step, params, state, velocity, xb, yb, lr,
+                                                                    rng_key, np.int32(step_index))
+                    if in_flight is not None:
+                        in_flight[0].block_until_ready()
+                if in_flight is not None:
+                    clock.count(in_flight[1])
+                in_flight = (total, n)
+                totals.append(total)
                 step_index += 1
-                images += len(batch.y)
-            with clock:  # waits for the asynchronously dispatched steps
-                loss_sum = float(np.sum([np.float64(t) for t in pending]))
-            val_loss, correct, val_total = 0.0, 0, 0
-            for batch in val_batches(data, PREDICT_BATCH):
-                skipped += batch.skipped
-                if len(batch.y):
+                images += n
+            if in_flight is not None:
+                with clock:
+                    in_flight[0].block_until_ready()
+                clock.count(in_flight[1])
+            with clock:
+                loss_sum = float(np.sum([np.float64(t) for t in totals]))
+            val_parts, val_total = [], 0
+            for xb, yb, valid, n, batch_skipped in feed.val(clock):
+                skipped += batch_skipped
+                if n:
                     with clock:
-                        part_loss, part_correct = evaluate(model, params, state, batch.x, batch.y,
-                                                           config.label_smoothing)
-                    val_loss, correct = val_loss + part_loss, correct + part_correct
-                    val_total += len(batch.y)
+                        val_parts.append(compiling.call(evaluate, params, state, xb, yb, valid))
+                    val_total += n
+            with clock:  # waits for the evaluation
+                val_loss = float(np.sum([np.float64(s) for s, _ in val_parts]))
+                correct = int(np.sum([int(c) for _, c in val_parts]))
             report = EpochReport(epoch=epoch, train_images=images, val_images=val_total,
                                  loss=loss_sum / max(images, 1),
                                  val_loss=val_loss / val_total if val_total else 0.0,
                                  val_accuracy=correct / val_total if val_total else 0.0,
-                                 skipped_images=skipped, step_seconds=clock.lap())
+                                 skipped_images=skipped, step_seconds=clock.lap(),
+                                 compile_seconds=compiling.lap())
             reports.append(report)
             if on_epoch is not None and on_epoch(report):
                 break
     finally:
-        model.params = params
-        model.state = state
+        model.params, model.state, model.placement = params, state, placement
     return reports

@@ -5,8 +5,12 @@ backends work where it is not installed; availability() then says why not.
 
 * devices: MindSpore picks its device target when it is imported: 'Ascend' where the Ascend
   package and a device are present (['Ascend:0', ...], one entry per NPU), else 'GPU', else 'CPU'
-  (['cpu']; ['cpu:0', 'cpu:1', ...] when AIPERF_MINDSPORE_CPU_WORKERS asks for several
-  data-parallel CPU workers).
+  (['cpu']; ['cpu:0', ..., 'cpu:N-1'] when AIPERF_CPU_DEVICES=N > 1, the contract's
+  CPU_DEVICES_ENV, read once when the backend first loads MindSpore: N data-parallel CPU worker
+  processes, so that the parallel path can be certified on a CPU machine). A MindSpore tensor has
+  no device of its own: every op runs on the context's device target and copies host inputs there,
+  so an input can never sit on another device than its model (issue 15.4); each data-parallel
+  worker process binds its own device.
 * execution: PyNative (eager), node by node (lowering.py). On CPU the lowered ResNet-50 step in
   PyNative kept pace with a hand-written one compiled by ``ms.jit`` (graph mode), whose compile
   cost minutes per network, and the search trains a new network per candidate
@@ -17,8 +21,11 @@ backends work where it is not installed; availability() then says why not.
   (AVX512-FP16/AMX-FP16, AVX512-BF16/AMX-BF16) *and* MindSpore has the kernels. MindSpore 2.10's
   CPU Conv2D has no bfloat16 kernel, so bf16 is never declared on a CPU, and fp16 only on CPUs
   with native half-precision arithmetic; lower() and train() reject the others with a clear error.
-* train: SGD with momentum (nn.Momentum) in this process; with several devices, data parallel
-  with one process per device (distributed.py: HCCL on Ascend).
+* train: SGD with momentum (nn.Momentum) in this process on TrainConfig.devices (default: every
+  device); with several devices, data parallel with one process per device (distributed.py: HCCL
+  on Ascend), and a single accelerator other than this process's in one worker bound to it.
+  Streamed batches arrive as uint8 pixels and are normalised on the device (lowering.py);
+  synthetic data is uploaded once and sliced on the device (training.py).
 * native counter: MindSpore's own ``flops_collection`` (graph mode), per conv/dense node
   (counter.py).
 """
@@ -30,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter,
-                                 Parallelism, TrainConfig, cpu_flags)
+from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, BackendError, Dataset, EpochCallback,
+                                 EpochReport, NativeCounter, Parallelism, TrainConfig, cpu_flags)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights
 
@@ -39,7 +46,27 @@ from aiperf_core.weights import Weights
 _CPU_FLAGS = {"fp16": ("avx512_fp16", "amx_fp16"), "bf16": ("avx512_bf16", "amx_bf16")}
 
 
+_cpu_devices: int | None = None  # AIPERF_CPU_DEVICES as read when the backend first loaded MindSpore (0: unset)
+
+
+def requested_cpu_devices() -> int:
+    """AIPERF_CPU_DEVICES as a count (0 when unset); a bad value is a one-line error."""
+    raw = os.environ.get(CPU_DEVICES_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BackendError(f"{CPU_DEVICES_ENV} must be a whole number of devices, got '{raw}'") from None
+    if value < 1:
+        raise BackendError(f"{CPU_DEVICES_ENV} must be >= 1, got {value}")
+    return value
+
+
 def _ms():
+    global _cpu_devices
+    if _cpu_devices is None:
+        _cpu_devices = requested_cpu_devices()
     # MindSpore logs warnings for routine events (e.g. a missing Ascend plugin on a CPU machine);
     # GLOG_v=3 keeps errors only, unless the user set it.
     os.environ.setdefault("GLOG_v", "3")
@@ -87,11 +114,8 @@ class MindSporeBackend(Backend):
 
     def devices(self) -> list[str]:
         target = device_target()
-        if target == "CPU":
-            from aiperf_backends.mindspore.distributed import cpu_workers
-
-            workers = cpu_workers()  # data-parallel CPU workers asked for (AIPERF_MINDSPORE_CPU_WORKERS)
-            return ["cpu"] if workers == 1 else [f"cpu:{i}" for i in range(workers)]
+        if target == "CPU":  # several only as data-parallel CPU workers (AIPERF_CPU_DEVICES)
+            return ["cpu"] if _cpu_devices <= 1 else [f"cpu:{i}" for i in range(_cpu_devices)]
         ms = _ms()
         context = getattr(ms.device_context, target.lower())
         return [f"{target}:{i}" for i in range(max(int(context.device_count()), 1))]
@@ -172,9 +196,9 @@ class MindSporeBackend(Backend):
                       on_epoch: EpochCallback | None) -> list[EpochReport]:
         from aiperf_backends.mindspore.training import run_epochs
 
-        devices = self.devices()
+        devices = self.train_devices(config)
         with model.computing_in(config.precision):
-            if len(devices) > 1:
+            if len(devices) > 1 or not runs_in_this_process(devices[0]):
                 from aiperf_backends.mindspore.distributed import train_data_parallel
 
                 return train_data_parallel(model, data, config, devices, on_epoch)
@@ -184,3 +208,12 @@ class MindSporeBackend(Backend):
 def device_target() -> str:
     """'Ascend', 'GPU' or 'CPU': the target MindSpore chose at import for this machine."""
     return str(_ms().get_context("device_target"))
+
+
+def runs_in_this_process(device: str) -> bool:
+    """Whether this process computes on `device`: any CPU device (CPU workers are the same host),
+    or the accelerator this process is bound to (MindSpore binds one device per process, once)."""
+    kind, _, index = device.partition(":")
+    if kind.lower() == "cpu":
+        return True
+    return int(index or 0) == int(_ms().get_context("device_id"))

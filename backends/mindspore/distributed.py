@@ -35,8 +35,10 @@ answers on rank 0's stdin; rank 0 all-reduces the decision so every rank stops t
 rank 0 writes the trained weights and the parent loads them into its model.
 
 Where it runs: Ascend (the path above, HCCL); on CPUs the same code runs over MCCL when several
-CPU workers are asked for with AIPERF_MINDSPORE_CPU_WORKERS (tests/test_mindspore_backend.py
-checks that two CPU workers train exactly as one process does).
+CPU workers are asked for with AIPERF_CPU_DEVICES=N (the contract's CPU_DEVICES_ENV: devices()
+then lists cpu:0 ... cpu:N-1; tests/test_mindspore_backend.py checks that two CPU workers train
+exactly as one process does). TrainConfig.devices picks the devices: rank r binds the r-th of
+them, and a single accelerator that is not this process's own trains in a one-worker cluster.
 """
 
 from __future__ import annotations
@@ -50,16 +52,15 @@ import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
-from aiperf_core.backend import BackendError, Dataset, EpochReport, Schedule, TrainConfig
+from aiperf_core.backend import CPU_DEVICES_ENV, BackendError, Dataset, EpochReport, Schedule, TrainConfig
 from aiperf_core.ir import Graph
 from aiperf_core.weights import load_weights, save_weights
 
 SCHED_HOST = "127.0.0.1"
-CPU_WORKERS_ENV = "AIPERF_MINDSPORE_CPU_WORKERS"
 TIMEOUT_ENV = "AIPERF_MINDSPORE_DP_TIMEOUT"  # seconds the cluster may take to form (MS_TOPO_TIMEOUT)
 
 
@@ -101,18 +102,6 @@ def synchronise_batch_norm(model, enabled: bool) -> None:
 # ---------------------------------------------------------------------------
 
 
-def cpu_workers() -> int:
-    """Data-parallel CPU workers asked for by AIPERF_MINDSPORE_CPU_WORKERS (1: no parallelism)."""
-    raw = os.environ.get(CPU_WORKERS_ENV, "1")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise BackendError(f"{CPU_WORKERS_ENV} must be a whole number, got '{raw}'") from None
-    if value < 1:
-        raise BackendError(f"{CPU_WORKERS_ENV} must be >= 1, got {value}")
-    return value
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((SCHED_HOST, 0))
@@ -122,6 +111,7 @@ def _free_port() -> int:
 def _config_to_dict(config: TrainConfig) -> dict:
     out = asdict(config)
     out["schedule"] = asdict(config.schedule)
+    out["devices"] = None  # a worker trains on the one device it was bound to, as one rank
     return out
 
 
@@ -136,8 +126,8 @@ def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list
     from aiperf_core.backend import is_streaming
 
     if is_streaming(data):
-        raise BackendError("the mindspore backend trains a streaming dataset on one device only: "
-                           f"unset {CPU_WORKERS_ENV} or use a single device")
+        raise BackendError("the mindspore backend trains a streaming dataset on one device only "
+                           f"(asked for {', '.join(devices)}): give TrainConfig.devices one device")
     world = len(devices)
     workdir = Path(tempfile.mkdtemp(prefix="aiperf-ms-dp-"))  # mode 0700: only this user reads it
     try:
@@ -147,21 +137,23 @@ def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list
                  y_train=np.asarray(data.y_train, np.int64), x_val=np.asarray(data.x_val, np.float32),
                  y_val=np.asarray(data.y_val, np.int64), classes=np.int64(data.classes))
         (workdir / "config.json").write_text(json.dumps(_config_to_dict(config)))
-        reports = _run_cluster(workdir, world, devices[0].partition(":")[0], on_epoch)
+        reports = _run_cluster(workdir, devices, on_epoch)
         model.load_canonical(load_weights(workdir / "trained.npz"))
         return reports
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run_cluster(workdir: Path, world: int, device_kind: str, on_epoch) -> list[EpochReport]:
+def _run_cluster(workdir: Path, devices: list[str], on_epoch) -> list[EpochReport]:
+    """One scheduler and one worker per device ('Ascend:3' binds NPU 3; CPU workers bind nothing)."""
+    world = len(devices)
     root = str(Path(__file__).resolve().parents[2])
     base_env = dict(os.environ)
     base_env.update({"MS_WORKER_NUM": str(world), "MS_SCHED_HOST": SCHED_HOST, "MS_SCHED_PORT": str(_free_port()),
                      "MS_TOPO_TIMEOUT": os.environ.get(TIMEOUT_ENV, "600"), "GLOG_v": base_env.get("GLOG_v", "3"),
                      "PYTHONPATH": os.pathsep.join(filter(None, [root, base_env.get("PYTHONPATH")]))})
-    base_env.pop(CPU_WORKERS_ENV, None)  # a worker trains as one rank, never spawns a cluster of its own
-    command = [sys.executable, "-m", "aiperf_backends.mindspore.distributed", str(workdir), device_kind]
+    base_env.pop(CPU_DEVICES_ENV, None)  # a worker trains as one rank, never spawns a cluster of its own
+    command = [sys.executable, "-m", "aiperf_backends.mindspore.distributed", str(workdir)]
     logs = []
     processes = []
     report_read, report_write = os.pipe()
@@ -173,8 +165,9 @@ def _run_cluster(workdir: Path, world: int, device_kind: str, on_epoch) -> list[
             log = open(workdir / f"{'scheduler' if rank is None else f'rank{rank}'}.log", "w")
             logs.append(log)
             is_rank0 = rank == 0
+            kind, _, index = devices[rank or 0].partition(":")
             processes.append(subprocess.Popen(
-                command + [str(report_write) if is_rank0 else "-1"], env=env, cwd=root, stdout=log,
+                command + [kind, index or "0", str(report_write) if is_rank0 else "-1"], env=env, cwd=root, stdout=log,
                 stderr=subprocess.STDOUT, stdin=subprocess.PIPE if is_rank0 else subprocess.DEVNULL,
                 pass_fds=(report_write,) if is_rank0 else ()))
         os.close(report_write)
@@ -219,7 +212,7 @@ def _relay(reports_in, rank0: subprocess.Popen, on_epoch) -> list[EpochReport]:
 # ---------------------------------------------------------------------------
 
 
-def _worker(workdir: Path, device_kind: str, report_fd: int) -> None:
+def _worker(workdir: Path, device_kind: str, device_id: int, report_fd: int) -> None:
     os.environ.setdefault("GLOG_v", "3")
     import mindspore as ms
     from mindspore import Tensor, nn, ops
@@ -228,9 +221,8 @@ def _worker(workdir: Path, device_kind: str, report_fd: int) -> None:
     from aiperf_backends.mindspore.lowering import lower_graph
     from aiperf_backends.mindspore.training import run_epochs
 
-    rank = int(os.environ["MS_NODE_ID"])
     if device_kind in ("Ascend", "GPU"):
-        ms.set_device(device_kind, rank)
+        ms.set_device(device_kind, device_id)
     init()  # HCCL on Ascend, NCCL on GPU, MCCL on CPU
     rank, world = get_rank(), get_group_size()
     ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
@@ -267,14 +259,14 @@ def _worker(workdir: Path, device_kind: str, report_fd: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    workdir, device_kind, report_fd = Path(argv[0]), argv[1], int(argv[2])
+    workdir, device_kind, device_id, report_fd = Path(argv[0]), argv[1], int(argv[2]), int(argv[3])
     if os.environ.get("MS_ROLE") == "MS_SCHED":
         os.environ.setdefault("GLOG_v", "3")
         from mindspore.communication import init
 
         init()  # the scheduler serves the cluster until the workers finish
         return 0
-    _worker(workdir, device_kind, report_fd)
+    _worker(workdir, device_kind, device_id, report_fd)
     return 0
 
 

@@ -29,6 +29,10 @@ Per op:
 * softmax in float32; with ``logits=True`` the softmax's input is returned, so that the loss can
   use a stable log-softmax.
 
+Input: a float32 batch is taken as already normalised (in-memory datasets); uint8 pixels (streamed
+batches, synthetic data) are normalised by MindSpore ops on the device target, with exactly the
+host's arithmetic (`normalised_pixels`), so a quarter of the bytes cross to the device.
+
 Mixed precision (fp16 / bf16): conv and dense run in the compute dtype on cast copies of the
 float32 master weights; batch norm (statistics included), the softmax and the loss stay float32.
 """
@@ -321,8 +325,18 @@ class LoweredCell(nn.Cell):
                 cell.compute_dtype = compute
 
     # -- layouts at the boundary -------------------------------------------------
-    def to_cell_layout(self, x: np.ndarray) -> Tensor:
-        """An NHWC NumPy batch as this cell's NCHW input."""
+    def to_cell_layout(self, x) -> Tensor:
+        """An NHWC batch as this cell's NCHW float32 input. A float batch (in-memory data, already
+        normalised) is transposed on the host. uint8 pixels (streamed batches; a NumPy array, or a
+        Tensor sliced from synthetic data already on the device) cross as they are, a quarter of
+        the bytes, and are normalised and transposed on the device (`normalised_pixels`)."""
+        if isinstance(x, Tensor):
+            if x.dtype != ms.uint8:
+                raise GraphError(f"a device batch must hold uint8 pixels, got {x.dtype}", self.graph.input_id)
+            return normalised_pixels(x)
+        if np.asarray(x).dtype == np.uint8:
+            return normalised_pixels(Tensor(np.ascontiguousarray(x)))
+        x = np.asarray(x)
         if x.ndim == 4:
             x = x.transpose(0, 3, 1, 2)
         return Tensor(np.ascontiguousarray(x, dtype=np.float32))
@@ -384,6 +398,21 @@ class LoweredCell(nn.Cell):
         for node_id, shapes in self.graph.all_param_shapes().items():
             out.extend(self.parameter(node_id, p) for p in shapes if p in STATE)
         return out
+
+
+_NORMALISATION: list = []  # (MEAN, INV_STD) as float32 Tensors, made on first use
+
+
+def normalised_pixels(pixels: Tensor) -> Tensor:
+    """uint8 NHWC pixels -> NCHW float32 `(float32(x) - MEAN) * INV_STD` per channel, computed by
+    MindSpore ops on the device target: the arithmetic of aiperf_core.data.preprocess.normalise,
+    operation for operation (the transpose moves values, it computes nothing)."""
+    if not _NORMALISATION:
+        from aiperf_core.data.preprocess import INV_STD, MEAN
+
+        _NORMALISATION.extend([Tensor(MEAN), Tensor(INV_STD)])
+    mean, inv_std = _NORMALISATION
+    return ((pixels.astype(ms.float32) - mean) * inv_std).transpose(0, 3, 1, 2)
 
 
 def to_canonical(pname: str, array: np.ndarray) -> np.ndarray:

@@ -14,6 +14,17 @@ over the ranks, so the gradients are exactly those of the global batch's mean lo
 
 fp16 scales the loss (mindspore.amp.DynamicLossScaler) and skips a step whose gradients are not
 finite; bf16 has float32's range and needs no scaling.
+
+Input: streamed batches are uint8 pixels, normalised on the device (lowering.normalised_pixels).
+Synthetic data (aiperf_core.data.synthetic) is uploaded once, its repeated pool of pixels and the
+one-hot targets of its labels, and each step trains on a window of them sliced on the device: no
+image crosses from the host per step (`DeviceSynthetic`, single-process training).
+
+After each training step the loop calls StepClock.count with the images of the global batch (live
+progress for stall detection), on every rank of a data-parallel run. MindSpore runs PyNative here:
+no step graph is traced or compiled, so EpochReport.compile_seconds is 0.0 on CPUs; on Ascend and
+GPUs, where kernels are built on first use inside the first steps and cannot be told apart from
+them, it is None (not measured).
 """
 
 from __future__ import annotations
@@ -95,8 +106,6 @@ class Stepper:
         if not params:
             raise BackendError("the graph has no trainable parameters: there is nothing to train")
         self.model = model
-        self.classes = model.graph.output_shape[0]
-        self.label_smoothing = config.label_smoothing
         self.optimizer = nn.Momentum(params, learning_rate=float(config.schedule.initial),
                                      momentum=float(config.momentum))
         self.grad_fn = gradient_function(model, self.optimizer.parameters)
@@ -107,14 +116,13 @@ class Stepper:
     def set_lr(self, lr: float) -> None:
         ops.assign(self.optimizer.learning_rate, Tensor(np.float32(lr)))
 
-    def step(self, x: np.ndarray, labels: np.ndarray, global_batch: int, world: int = 1, masks=None) -> float:
-        """One synchronous SGD step on this rank's shard; returns the shard's summed loss."""
+    def step(self, x, target: Tensor, global_batch: int, world: int = 1, masks=None) -> float:
+        """One synchronous SGD step on this rank's shard: `x` an NHWC batch as to_cell_layout takes
+        it, `target` its one-hot (smoothed) rows (`targets`); returns the shard's summed loss."""
         scale = world / global_batch
         if self.scaler is not None:
             scale *= float(self.scaler.scale_value.asnumpy())
-        (_, total), grads = self.grad_fn(self.model.to_cell_layout(x),
-                                         targets(labels, self.classes, self.label_smoothing), masks,
-                                         Tensor(np.float32(scale)))
+        (_, total), grads = self.grad_fn(self.model.to_cell_layout(x), target, masks, Tensor(np.float32(scale)))
         if self.reducer is not None:
             grads = self.reducer(grads)
         if self.scaler is not None:
@@ -135,7 +143,7 @@ def evaluate(model, x: np.ndarray, labels: np.ndarray, label_smoothing: float) -
     classes = model.graph.output_shape[0]
     try:
         for start in range(0, len(x), PREDICT_BATCH):
-            xb = model.to_cell_layout(np.asarray(x[start:start + PREDICT_BATCH], np.float32))
+            xb = model.to_cell_layout(x[start:start + PREDICT_BATCH])
             yb = np.asarray(labels[start:start + PREDICT_BATCH], np.int64)
             out = model(xb, model.has_logits).asnumpy().astype(np.float64)
             if model.has_logits:  # out holds logits; argmax is the same as the softmax's
@@ -150,6 +158,47 @@ def evaluate(model, x: np.ndarray, labels: np.ndarray, label_smoothing: float) -
     return total, correct, len(x)
 
 
+class DeviceSynthetic:
+    """Synthetic data made once on the device (aiperf_core.data.synthetic's device contract): the
+    repeated pool of pixels and the one-hot targets of its labels become Tensors when training
+    starts, and each batch is a window of them, sliced by a MindSpore op on the device target.
+    MindSpore copies a Tensor's host data to the device when an op first uses it and keeps that
+    copy, so the pool crosses once (on Ascend; unverified here, where the device is the host). The
+    windows are exactly the batches the host stream would deliver."""
+
+    def __init__(self, data, classes: int, label_smoothing: float, batch_size: int):
+        from aiperf_core.data.synthetic import device_pool
+
+        pool = device_pool(data, max(batch_size, PREDICT_BATCH))
+        self.data = data
+        self.pixels = Tensor(pool.pixels)
+        self.targets = Tensor(one_hot(pool.labels, classes, label_smoothing))
+        self.labels = pool.labels  # for the evaluation's loss and accuracy, computed on the host
+
+    @staticmethod
+    def applies(data, world: int) -> bool:
+        from aiperf_core.backend import is_streaming
+        from aiperf_core.data.synthetic import is_synthetic
+
+        return world == 1 and is_streaming(data) and is_synthetic(data)
+
+    def train(self, batch_size: int):
+        """(pixels, targets) windows of every global batch (the same every epoch)."""
+        from aiperf_core.data.stream import TRAIN
+        from aiperf_core.data.synthetic import windows
+
+        for w in windows(self.data, TRAIN, batch_size):
+            yield self.pixels[w.offset:w.offset + w.length], self.targets[w.offset:w.offset + w.length]
+
+    def val(self):
+        """(pixels, labels, skipped) of every validation batch."""
+        from aiperf_core.data.stream import VAL
+        from aiperf_core.data.synthetic import windows
+
+        for w in windows(self.data, VAL, PREDICT_BATCH):
+            yield self.pixels[w.offset:w.offset + w.length], self.labels[w.offset:w.offset + w.length], 0
+
+
 def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, world: int = 1,
                all_reduce: Callable[[list[float]], list[float]] | None = None, reducer=None,
                on_epoch: Callable[[EpochReport], bool | None] | None = None) -> list[EpochReport]:
@@ -160,17 +209,20 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
     The report's loss is the mean training loss over the epoch's images (as each step saw it), and
     val_loss the same cross-entropy (label smoothing included) on the validation images."""
     from aiperf_core.backend import is_streaming
-    from aiperf_core.data.stream import train_batches, val_batches
 
     if world > 1 and is_streaming(data):
         raise BackendError("the mindspore backend trains a streaming dataset on one device only")
     stepper = Stepper(model, config, reducer)
+    classes = model.graph.output_shape[0]
+    synthetic = DeviceSynthetic(data, classes, config.label_smoothing, config.batch_size) \
+        if DeviceSynthetic.applies(data, world) else None
     if not is_streaming(data):  # convert once, not per batch
         data = Dataset(np.ascontiguousarray(data.x_train, dtype=np.float32), np.asarray(data.y_train, np.int64),
                        data.x_val, data.y_val, data.classes)
     # Dropout masks come from a stream seeded by config.seed and the rank: a run is reproducible.
     dropout_rng = np.random.default_rng(np.random.SeedSequence([config.seed, rank]))
     has_dropout = bool(model.dropout_nodes())
+    compile_seconds = 0.0 if str(ms.get_context("device_target")) == "CPU" else None
     reports: list[EpochReport] = []
     clock = StepClock()
     try:
@@ -179,29 +231,23 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
             model.set_train(True)
             loss_sum = 0.0
             images = skipped = 0
-            for batch in train_batches(data, epoch, config.seed, config.batch_size):
-                skipped += batch.skipped
-                n = len(batch.y)
+            for xb, target, n, split, batch_skipped in _train_steps(model, data, synthetic, config, epoch, rank,
+                                                                    world, classes):
+                skipped += batch_skipped
                 if not n:
                     continue
-                # Data parallel: each rank takes its contiguous shard of the global batch; a batch
-                # smaller than the world is computed whole by every rank (local statistics).
-                split = 1 < world <= n
-                xb, yb = batch.x, batch.y
-                if split:
-                    part = np.array_split(np.arange(n), world)[rank]
-                    xb, yb = xb[part], yb[part]
                 if world > 1:
                     from aiperf_backends.mindspore.distributed import synchronise_batch_norm
 
                     synchronise_batch_norm(model, split)
-                masks = model.masks_from(dropout_rng, len(yb)) if has_dropout else None
-                xb, yb = np.asarray(xb, np.float32), np.asarray(yb, np.int64)
-                with clock:
-                    total = stepper.step(xb, yb, n, world if split else 1, masks)
+                masks = model.masks_from(dropout_rng, len(xb)) if has_dropout else None
+                with clock:  # from the batch's transfer (the step's first use of it) to its loss
+                    total = stepper.step(xb, target, n, world if split else 1, masks)
+                clock.count(n)
                 loss_sum += total if split or world == 1 else total / world  # summed over the ranks below
                 images += n
-            val_loss, correct, val_total = _validate(model, data, config, rank, world, val_batches, clock)
+            val_loss, correct, val_total, val_skipped = _validate(model, data, synthetic, config, rank, world, clock)
+            skipped += val_skipped
             if all_reduce is not None:
                 loss_sum, val_loss, correct, val_total = all_reduce([loss_sum, val_loss, float(correct),
                                                                      float(val_total)])
@@ -210,7 +256,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
                                  loss=loss_sum / max(images, 1),
                                  val_loss=val_loss / val_total if val_total else 0.0,
                                  val_accuracy=float(round(correct)) / val_total if val_total else 0.0,
-                                 skipped_images=skipped, step_seconds=clock.lap())
+                                 skipped_images=skipped, step_seconds=clock.lap(), compile_seconds=compile_seconds)
             reports.append(report)
             if on_epoch is not None and on_epoch(report):
                 break
@@ -219,21 +265,52 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
     return reports
 
 
-def _validate(model, data, config: TrainConfig, rank: int, world: int, val_batches,
-              clock: StepClock) -> tuple[float, int, int]:
-    """(summed loss, correct, images) of this rank's part of the validation set: all of it on one
-    device, a contiguous slice per rank with data parallelism (the sums are then reduced)."""
+def _train_steps(model, data, synthetic: DeviceSynthetic | None, config: TrainConfig, epoch: int, rank: int,
+                 world: int, classes: int):
+    """(x, target, global batch images, split over the ranks, skipped) for each step of the epoch:
+    device windows of synthetic data, or this rank's shard of a host batch (x NHWC as it came:
+    uint8 pixels or normalised floats; target its one-hot Tensor)."""
+    from aiperf_core.data.stream import train_batches
+
+    if synthetic is not None:
+        for pixels, target in synthetic.train(config.batch_size):
+            yield pixels, target, len(pixels), False, 0
+        return
+    for batch in train_batches(data, epoch, config.seed, config.batch_size):
+        n = len(batch.y)
+        if not n:
+            yield None, None, 0, False, batch.skipped
+            continue
+        # Data parallel: each rank takes its contiguous shard of the global batch; a batch
+        # smaller than the world is computed whole by every rank (local statistics).
+        split = 1 < world <= n
+        xb, yb = batch.x, batch.y
+        if split:
+            part = np.array_split(np.arange(n), world)[rank]
+            xb, yb = xb[part], yb[part]
+        yield xb, targets(np.asarray(yb, np.int64), classes, config.label_smoothing), n, split, batch.skipped
+
+
+def _validate(model, data, synthetic: DeviceSynthetic | None, config: TrainConfig, rank: int, world: int,
+              clock: StepClock) -> tuple[float, int, int, int]:
+    """(summed loss, correct, images, skipped) of this rank's part of the validation set: all of it
+    on one device, a contiguous slice per rank with data parallelism (the sums are then reduced)."""
+    from aiperf_core.data.stream import val_batches
+
     if world > 1:
         part = np.array_split(np.arange(len(data.y_val)), world)[rank]
         if not len(part):
-            return 0.0, 0, 0
+            return 0.0, 0, 0, 0
         xv, yv = data.x_val[part], data.y_val[part]
         with clock:
-            return evaluate(model, xv, yv, config.label_smoothing)
-    total, correct, count = 0.0, 0, 0
-    for batch in val_batches(data, PREDICT_BATCH):
-        if len(batch.y):
+            return evaluate(model, xv, yv, config.label_smoothing) + (0,)
+    batches = synthetic.val() if synthetic is not None else \
+        ((b.x, b.y, b.skipped) for b in val_batches(data, PREDICT_BATCH))
+    total, correct, count, skipped = 0.0, 0, 0, 0
+    for xv, yv, batch_skipped in batches:
+        skipped += batch_skipped
+        if len(yv):
             with clock:
-                part_loss, part_correct, part_n = evaluate(model, batch.x, batch.y, config.label_smoothing)
+                part_loss, part_correct, part_n = evaluate(model, xv, yv, config.label_smoothing)
             total, correct, count = total + part_loss, correct + part_correct, count + part_n
-    return total, correct, count
+    return total, correct, count, skipped

@@ -3,16 +3,22 @@
 torch is imported lazily, inside methods, so that `import aiperf_backends.torch` and listing backends work
 where torch is not installed.
 
-* devices: every CUDA device ('cuda:0', ...) when CUDA is available, else ['cpu'].
-* precisions: fp32, plus bf16 and fp16 as mixed precision (torch.autocast, fp32 master weights;
-  fp16 training uses a GradScaler). A mixed precision is declared only where the first device runs
-  it natively (CUDA: fp16 always, bf16 where torch.cuda.is_bf16_supported(); CPU: where oneDNN
-  reports native bf16 / fp16 support) and a small probe (conv, batch norm, dense and the loss,
-  forward and backward, under autocast) produced finite values in the expected dtype. torch
-  2.13's CPU autocast accepts both bf16 and fp16 on any x86 CPU, but without the instructions it
-  emulates them, slower than fp32, which a benchmark should not offer as a choice.
-* train: one device trains in this process; several devices train data parallel, one spawned
-  process per device (see distributed.py).
+* devices: every CUDA device ('cuda:0', ...) when CUDA is available, else ['cpu']. With
+  AIPERF_CPU_DEVICES=N (the contract's CPU_DEVICES_ENV) and no CUDA device, N CPU devices
+  'cpu:0' ... 'cpu:N-1': data-parallel training then runs N gloo processes on this CPU, which is
+  how the kit's `parallel` level certifies the parallel path here. Read once a process.
+* precisions (precision.py says what each means): fp32 (IEEE: TF32 off inside the model's scope)
+  everywhere; tf32 on CUDA devices of compute capability 8.0+; bf16 and fp16 as mixed precision
+  (torch.autocast, fp32 master weights; fp16 training uses a GradScaler). A mixed precision is
+  declared only where the device runs it natively (CUDA: fp16 always, bf16 where
+  torch.cuda.is_bf16_supported(); CPU: where oneDNN reports native bf16 / fp16 support) and a small
+  probe (conv, batch norm, dense and the loss, forward and backward, in the precision's scope)
+  produced finite values in the expected dtype. torch 2.13's CPU autocast accepts both bf16 and fp16
+  on any x86 CPU, but without the instructions it emulates them, slower than fp32, which a
+  benchmark should not offer as a choice.
+* train: TrainConfig.devices (default: every local device). One device trains in this process
+  (the model moves there); several train data parallel, one spawned process per device
+  (distributed.py).
 """
 
 from __future__ import annotations
@@ -22,18 +28,35 @@ from typing import Any
 
 import numpy as np
 
-from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter,
-                                 Parallelism, TrainConfig)
+from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, BackendError, Dataset, EpochCallback,
+                                 EpochReport, NativeCounter, Parallelism, TrainConfig)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights
 
 _THREADS_SET = False
+_cpu_devices: int | None = None  # AIPERF_CPU_DEVICES as read when this process first used the backend (0: unset)
+
+
+def requested_cpu_devices() -> int:
+    """AIPERF_CPU_DEVICES as a count (0 when unset); a bad value is a one-line error."""
+    raw = os.environ.get(CPU_DEVICES_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BackendError(f"{CPU_DEVICES_ENV} must be a whole number of devices, got '{raw}'") from None
+    if value < 1:
+        raise BackendError(f"{CPU_DEVICES_ENV} must be >= 1, got {value}")
+    return value
 
 
 def _torch():
     import torch
 
-    global _THREADS_SET
+    global _THREADS_SET, _cpu_devices
+    if _cpu_devices is None:
+        _cpu_devices = requested_cpu_devices()
     if not _THREADS_SET:
         # torch takes one thread per core it detects; in a container limited to fewer cores
         # (CPU affinity) that oversubscribes, so cap it at the cores this process may use.
@@ -48,37 +71,43 @@ def _torch():
 
 
 def _probe_precision(device: str, precision: str) -> bool:
-    """Whether mixed precision `precision` trains a tiny conv/BN/dense net on `device`."""
+    """Whether `precision` (mixed or tf32) trains a tiny conv/BN/dense net on `device`."""
     torch = _torch()
-    from aiperf_backends.torch.training import AUTOCAST_DTYPES
+    from aiperf_backends.torch.lowering import torch_device
+    from aiperf_backends.torch.precision import AUTOCAST_DTYPES, math_scope, runs_tf32
 
-    dtype = AUTOCAST_DTYPES[precision]
-    dev = torch.device(device)
+    dev = torch_device(device)
     try:
-        if not torch.amp.is_autocast_available(dev.type):
-            return False
-        if dev.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
-            return False
-        if dev.type == "cpu" and not _cpu_has_native(torch, precision):
-            return False
+        if precision == "tf32":
+            if not runs_tf32(dev):
+                return False
+            dtype = torch.float32
+        else:
+            dtype = AUTOCAST_DTYPES[precision]
+            if not torch.amp.is_autocast_available(dev.type):
+                return False
+            if dev.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
+                return False
+            if dev.type == "cpu" and not _cpu_has_native(torch, precision):
+                return False
         gen = torch.Generator().manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
                                   torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 3)).to(dev)
         x = torch.randn(2, 3, 6, 6, generator=gen).to(dev)
-        with torch.autocast(dev.type, dtype=dtype):
+        with math_scope(dev, precision):
             hidden = net[0](x)
             logits = net[1:](hidden)
             loss = torch.nn.functional.cross_entropy(logits.float(), torch.tensor([0, 2], device=dev))
-        if hidden.dtype != dtype:
-            return False
-        if precision == "fp16":
-            scaler = torch.amp.GradScaler(dev.type)
-            scaler.scale(loss).backward()
-            opt = torch.optim.SGD(net.parameters(), lr=0.1)
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
+            if hidden.dtype != dtype:
+                return False
+            if precision == "fp16":
+                scaler = torch.amp.GradScaler(dev.type)
+                scaler.scale(loss).backward()
+                opt = torch.optim.SGD(net.parameters(), lr=0.1)
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
         return bool(torch.isfinite(loss)) and all(bool(torch.isfinite(p).all()) for p in net.parameters())
     except Exception:  # an unsupported dtype raises in many ways; it just is not declared
         return False
@@ -112,11 +141,11 @@ class TorchBackend(Backend):
         torch = _torch()
         if torch.cuda.is_available() and torch.cuda.device_count() > 0:
             return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+        if _cpu_devices:
+            return [f"cpu:{i}" for i in range(_cpu_devices)]
         return ["cpu"]
 
     def runs_precision(self, device: str, precision: str) -> bool:
-        if precision == "tf32":  # declared by the accelerators work (TF32 units: CUDA 8.0+)
-            return False
         return _probe_precision(device, precision)
 
     def parallelism(self) -> Parallelism:
@@ -149,19 +178,18 @@ class TorchBackend(Backend):
 
     def predict_checked(self, model: Any, x: np.ndarray) -> np.ndarray:
         torch = _torch()
-        from aiperf_backends.torch.training import PREDICT_BATCH, autocast
+        from aiperf_backends.torch.precision import math_scope
+        from aiperf_backends.torch.training import PREDICT_BATCH, device_of
 
-        device = _device_of(model)
+        device = device_of(model)
         was_training = model.training
         model.eval()
         outputs = []
         try:
-            with torch.no_grad():
+            with torch.no_grad(), math_scope(device, model.precision):
                 for start in range(0, len(x), PREDICT_BATCH):
                     xb = torch.from_numpy(x[start:start + PREDICT_BATCH]).to(device)
-                    with autocast(device, model.precision):
-                        out = model(xb)
-                    outputs.append(out.to("cpu", torch.float32).numpy())
+                    outputs.append(model(xb).to("cpu", torch.float32).numpy())
         finally:
             model.train(was_training)
         return np.ascontiguousarray(np.concatenate(outputs), dtype=np.float32)
@@ -169,9 +197,11 @@ class TorchBackend(Backend):
     def loss_and_grads_checked(self, model: Any, x: np.ndarray, labels: np.ndarray,
                                label_smoothing: float) -> tuple[float, Weights]:
         torch = _torch()
-        from aiperf_backends.torch.training import autocast, preserved, summed_loss
+        from aiperf_backends.torch.loss import summed_loss
+        from aiperf_backends.torch.precision import autocast, float32_math
+        from aiperf_backends.torch.training import device_of, preserved
 
-        device = _device_of(model)
+        device = device_of(model)
         was_training = model.training
         # Training mode (batch statistics), but the running statistics and any gradients already
         # held are restored: computing gradients never changes the model.
@@ -181,11 +211,12 @@ class TorchBackend(Backend):
                 xt = torch.from_numpy(x).to(device)
                 yt = torch.from_numpy(labels).to(device)
                 # Dropout masks are the NumPy reference's for seed 0: deterministic, and comparable.
-                with autocast(device, model.precision), model.dropout_masks(np.random.default_rng(0)):
-                    total = summed_loss(model, xt, yt, label_smoothing)
-                loss = total / len(x)
-                if loss.requires_grad:  # a graph without parameters has no gradient to take
-                    loss.backward()
+                with float32_math(device, model.precision == "tf32"):
+                    with autocast(device, model.precision), model.dropout_masks(np.random.default_rng(0)):
+                        total = summed_loss(model, xt, yt, label_smoothing)
+                    loss = total / len(x)
+                    if loss.requires_grad:  # a graph without parameters has no gradient to take
+                        loss.backward()
                 grads = model.canonical_grads()
             finally:
                 model.train(was_training)
@@ -193,19 +224,16 @@ class TorchBackend(Backend):
 
     def train_checked(self, model: Any, data: Dataset, config: TrainConfig,
                       on_epoch: EpochCallback | None) -> list[EpochReport]:
-        from aiperf_backends.torch.training import run_epochs
+        from aiperf_backends.torch.lowering import place, torch_device
+        from aiperf_backends.torch.training import device_of, run_epochs
 
-        devices = self.devices()
+        devices = self.train_devices(config)
         if len(devices) > 1:
             from aiperf_backends.torch.distributed import train_data_parallel
 
             return train_data_parallel(model, data, config, devices, on_epoch)
         _torch()
-        return run_epochs(model, data, config, _device_of(model), on_epoch=on_epoch)
-
-
-def _device_of(model):
-    for p in model.parameters():
-        return p.device
-    return _torch().device("cpu")
-
+        device = torch_device(devices[0])
+        if device_of(model) != device:
+            place(model, device)
+        return run_epochs(model, data, config, device, on_epoch=on_epoch)

@@ -51,7 +51,8 @@ class TorchFlopCounter(NativeCounter):
         import torch
         from torch.utils.flop_counter import FlopCounterMode
 
-        from aiperf_backends.torch.training import preserved, summed_loss
+        from aiperf_backends.torch.loss import summed_loss
+        from aiperf_backends.torch.training import preserved
 
         graph = model.graph
         device = next(model.parameters()).device

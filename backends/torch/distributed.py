@@ -115,8 +115,7 @@ def convert_sync_batchnorm(model, device: torch.device):
             new.running_mean.copy_(module.running_mean)
             new.running_var.copy_(module.running_var)
             new.num_batches_tracked.copy_(module.num_batches_tracked)
-        model.layers[key] = new.to(device)
-    model.rebuild_plan()
+        model.layers[key] = new.to(device)  # the generated forward looks its modules up by name
     return model
 
 
@@ -193,10 +192,10 @@ def ddp_step(stepper, x_global: torch.Tensor, y_global: torch.Tensor, rank: int,
 
 def _start_rank(rank: int, job: dict):
     """Process group, lowered model, synchronised BN and DDP for this rank: (model, ddp, device, config)."""
-    from aiperf_backends.torch.lowering import lower_graph
+    from aiperf_backends.torch.lowering import lower_graph, torch_device
 
     world = job["world"]
-    device = torch.device(job["devices"][rank])
+    device = torch_device(job["devices"][rank])
     set_worker_threads(world)
     init_process_group(rank, world, device, job["master_addr"], job["master_port"])
     config: TrainConfig = job["config"]

@@ -1,9 +1,18 @@
-"""Lowering the aiperf IR to a torch.nn.Module that runs the graph node by node.
+"""Lowering the aiperf IR to torch: parameters in standard modules, a forward generated as code.
 
-Layout: the IR is NHWC with HWIO conv kernels and (in, out) dense kernels. Inside the module
+`LoweredModel` keeps each parametric node's tensors in a standard module (nn.Conv2d, a batch norm,
+nn.Linear; one per node, in graph order, under `layers`), which is what optimisers,
+DistributedDataParallel, the synchronised batch norm of distributed.py and state dicts expect. Its
+forward is Python source generated from the IR: one line per node, every stride, padding and
+kernel written as a literal, values deleted after their last reader. torch.compile therefore sees
+one straight-line frame with no graph breaks and nothing to specialise per conv configuration
+(interpreting the nodes through one generic conv module made dynamo recompile that module's forward
+for every configuration until it hit its recompile limit). `generated_source(model)` shows the code.
+
+Layout: the IR is NHWC with HWIO conv kernels and (in, out) dense kernels. Inside the model
 activations are logically NCHW (what torch's ops expect) but, because the NHWC input is only
 permuted, they live in memory as channels_last, which is also what oneDNN and cuDNN prefer; conv
-weights are kept channels_last too. Conversions happen at the boundaries only:
+kernels are kept channels_last too. Conversions happen at the boundaries only:
 
 * input  NHWC -> NCHW view (``permute(0, 3, 1, 2)``, no copy);
 * output NCHW -> NHWC when the graph's output is an image;
@@ -11,6 +20,10 @@ weights are kept channels_last too. Conversions happen at the boundaries only:
   canonical (H, W, C)-ordered rows;
 * kernels HWIO <-> OIHW and (in, out) <-> (out, in) when weights cross the interface. These are
   pure transposes, so export returns exactly (bit for bit) what was imported.
+
+On a CPU each conv runs in the form conv_probe chose for its geometry: channels_last unless this
+CPU's kernel computes a wrong weight gradient there (issue 18.1). `place(model, device)` moves a
+model and generates its forward again for the new device.
 
 Padding is explicit per side [top, bottom, left, right]. Symmetric padding is passed to the conv
 or pool itself (so the fast oneDNN/cuDNN paths apply); asymmetric padding is an ``F.pad`` (zeros
@@ -29,16 +42,22 @@ hand-written torchvision-style ResNet does.
 
 from __future__ import annotations
 
+import itertools
+import linecache
 import math
-from typing import Any, Callable, Mapping
+import re
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from aiperf_backends.torch import conv_probe
+from aiperf_backends.torch.loss import normalise_pixels, summed_loss
+from aiperf_backends.torch.precision import AUTOCAST_DTYPES, compute_dtype
 from aiperf_core.errors import GraphError
-from aiperf_core.ir import Graph, Node
+from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, validate_weights
 
 TRAINABLE = ("kernel", "bias", "gamma", "beta")
@@ -46,6 +65,10 @@ TRAINABLE = ("kernel", "bias", "gamma", "beta")
 # Producers whose output autograd does not keep (their backward needs only their input),
 # so a sole reader may overwrite that output in place.
 _INPLACE_SAFE_PRODUCERS = frozenset({"conv2d", "batch_norm", "add"})
+
+# The conv kernel the generated forward calls (and the CPU probe checks): a module attribute so
+# that a test can plant a faulty one before lowering.
+conv2d = F.conv2d
 
 
 class _SingleValueSafeBN:
@@ -81,62 +104,6 @@ class BatchNorm1d(_SingleValueSafeBN, nn.BatchNorm1d):
     pass
 
 
-# ---------------------------------------------------------------------------
-# Per-op modules. Each takes and returns NCHW tensors (or (N, C) for flat values).
-# ---------------------------------------------------------------------------
-
-
-def _split_padding(padding) -> tuple[tuple[int, int] | None, tuple[int, int, int, int] | None]:
-    """(symmetric padding for the op, or None) and (F.pad argument, or None)."""
-    pt, pb, pl, pr = padding
-    if pt == pb and pl == pr:
-        return (pt, pl), None
-    return None, (pl, pr, pt, pb)  # F.pad order: last dim first
-
-
-class Conv(nn.Module):
-    def __init__(self, in_channels: int, attrs: Mapping[str, Any]):
-        super().__init__()
-        kh, kw = attrs["kernel"]
-        sym, self.pad = _split_padding(attrs["padding"])
-        self.conv = nn.Conv2d(in_channels, attrs["filters"], (kh, kw), stride=tuple(attrs["strides"]),
-                              padding=sym if sym is not None else 0, bias=attrs["use_bias"])
-
-    def forward(self, x):
-        if self.pad is not None:
-            x = F.pad(x, self.pad)
-        return self.conv(x)
-
-
-class MaxPool(nn.Module):
-    def __init__(self, attrs: Mapping[str, Any]):
-        super().__init__()
-        kh, kw = attrs["kernel"]
-        self.kernel = (kh, kw)
-        self.stride = tuple(attrs["strides"])
-        sym, pad = _split_padding(attrs["padding"])
-        # torch's own padding (implicitly -inf) only goes up to half the window.
-        if sym is not None and 2 * sym[0] <= kh and 2 * sym[1] <= kw:
-            self.padding, self.pad = sym, None
-        else:
-            pt, pb, pl, pr = attrs["padding"]
-            self.padding, self.pad = (0, 0), (pl, pr, pt, pb)
-
-    def forward(self, x):
-        if self.pad is not None:
-            x = F.pad(x, self.pad, value=-math.inf)
-        return F.max_pool2d(x, self.kernel, self.stride, self.padding)
-
-
-class Dense(nn.Module):
-    def __init__(self, in_features: int, attrs: Mapping[str, Any]):
-        super().__init__()
-        self.linear = nn.Linear(in_features, attrs["units"], bias=attrs["use_bias"])
-
-    def forward(self, x):
-        return self.linear(x)
-
-
 class Dropout(nn.Module):
     """Inverted dropout. Where the masks come from is set by LoweredModel.dropout_masks():
 
@@ -144,18 +111,20 @@ class Dropout(nn.Module):
     * a torch.Generator: ``keep = rand(shape) >= rate`` drawn from it, on the value's device;
     * a numpy Generator: the NumPy reference's masks exactly (``keep = rng.random(NHWC shape) >= rate``,
       float64 draws in graph order), so that loss_and_grads matches the reference even with dropout.
+
+    A compiled step draws from torch's global generator: dynamo cannot trace an explicit Generator.
     """
 
-    def __init__(self, attrs: Mapping[str, Any]):
+    def __init__(self, rate: float):
         super().__init__()
-        self.rate = attrs["rate"]
+        self.rate = rate
         self.source = None
 
     def forward(self, x):
         if not self.training or self.rate == 0:
             return x
         scale = 1.0 / (1.0 - self.rate)
-        if self.source is None:
+        if self.source is None or torch.compiler.is_compiling():
             return F.dropout(x, self.rate, True)
         if isinstance(self.source, np.random.Generator):
             shape = (x.shape[0],) + tuple(x.shape[2:]) + (x.shape[1],) if x.dim() == 4 else tuple(x.shape)
@@ -168,56 +137,53 @@ class Dropout(nn.Module):
         return x * (keep.to(x.dtype) * scale)
 
 
-def _relu(x, inplace):
-    return torch.relu_(x) if inplace >= 0 else torch.relu(x)
+# -- helpers the generated code calls where dtypes are known only at run time (mixed precision) --
 
 
-def _add(*xs, inplace):
-    """Sum of the inputs; `inplace` is the index of an input that may be overwritten, or -1."""
+def add_mixed(*xs, inplace: int):
+    """Sum of the inputs under autocast (branches may differ in dtype); `inplace` is the index of an
+    input that may be overwritten, or -1."""
     if inplace >= 0:
         acc = xs[inplace]
         rest = xs[:inplace] + xs[inplace + 1:]
-        if all(torch.result_type(acc, r) == acc.dtype for r in rest):
+        if all(torch.promote_types(acc.dtype, r.dtype) == acc.dtype for r in rest):
             for r in rest:
                 acc = acc.add_(r)
             return acc
     y = xs[0] + xs[1]
     for r in xs[2:]:
-        y = y.add_(r) if torch.result_type(y, r) == y.dtype else y + r
+        y = y.add_(r) if torch.promote_types(y.dtype, r.dtype) == y.dtype else y + r
     return y
 
 
-def _concat(*xs, inplace):
+def concat_mixed(*xs):
     if any(x.dtype != xs[0].dtype for x in xs):  # mixed precision can mix bf16 and fp32 branches
         xs = [x.float() for x in xs]
     return torch.cat(xs, dim=1)
 
 
-def _global_avg_pool(x, inplace):
-    return x.mean(dim=(2, 3))
+def _split_padding(padding) -> tuple[tuple[int, int] | None, tuple[int, int, int, int] | None]:
+    """(symmetric padding for the op, or None) and (F.pad argument, or None)."""
+    pt, pb, pl, pr = padding
+    if pt == pb and pl == pr:
+        return (pt, pl), None
+    return None, (pl, pr, pt, pb)  # F.pad order: last dim first
 
 
-def _flatten(x, inplace):
-    if x.dim() == 4:  # NCHW -> NHWC order, so that dense kernels keep the canonical layout
-        x = x.permute(0, 2, 3, 1)
-    return x.reshape(x.shape[0], -1)
-
-
-def _softmax(x, inplace):
-    return torch.softmax(x.float(), dim=-1)
-
-
-_FUNCTIONS: dict[str, Callable] = {
-    "relu": _relu, "add": _add, "concat": _concat, "global_avg_pool": _global_avg_pool,
-    "flatten": _flatten, "softmax": _softmax,
-}
+def conv_geometry(graph: Graph, node) -> conv_probe.ConvGeometry:
+    """The conv as the model runs it (asymmetric padding is an F.pad before a conv with padding 0)."""
+    a = node.attrs
+    sym, _ = _split_padding(a["padding"])
+    return conv_probe.ConvGeometry(graph.shapes[node.inputs[0]][-1], a["filters"], tuple(a["kernel"]),
+                                   tuple(a["strides"]), sym if sym is not None else (0, 0))
 
 
 class LoweredModel(nn.Module):
     """An IR graph as a torch module.
 
     ``forward(x)`` takes an NHWC batch (or (N, C) for a flat input) and returns the graph's output
-    in the IR's layout. ``forward(x, logits=True)`` returns the softmax's input instead when the
+    in the IR's layout. The batch is float32, normalised, or (an RGB image input) uint8 pixels,
+    which the forward normalises first on the model's device (loss.normalise_pixels). ``forward(x, logits=True)`` returns the softmax's input instead when the
     output node is a softmax, so that the loss can use a stable log-softmax.
     """
 
@@ -226,73 +192,65 @@ class LoweredModel(nn.Module):
         self.graph = graph
         self.precision = precision
         self.layers = nn.ModuleDict()
-        self.module_names: dict[str, str] = {}  # node id -> key in self.layers
+        self.module_names: dict[str, str] = {}  # node id -> key in self.layers (a Python identifier)
         used: set[str] = set()
         for node in graph.nodes:
-            module = self._make_module(graph, node)
+            module = _make_module(graph, node)
             if module is None:
                 continue
-            key = "n_" + node.id.replace(".", "_")
-            while key in used:
-                key += "_"
+            base = "n_" + re.sub(r"\W", "_", node.id)
+            key = next(k for k in itertools.chain([base], (f"{base}_{i}" for i in itertools.count(1)))
+                       if k not in used)
             used.add(key)
             self.layers[key] = module
             self.module_names[node.id] = key
-        self._build_plan()
+        out_node = graph[graph.output_id]
+        self._logits_id = out_node.inputs[0] if out_node.op == "softmax" else None
+        self.takes_pixels = tuple(graph.input_shape[-1:]) == (3,) and len(graph.input_shape) == 3
+        if self.takes_pixels:  # uint8 RGB pixels are normalised here, on the model's device
+            from aiperf_core.data.preprocess import INV_STD, MEAN
 
-    @staticmethod
-    def _make_module(graph: Graph, node: Node):
-        a = node.attrs
-        in_shape = graph.shapes[node.inputs[0]] if node.inputs else None
-        if node.op == "conv2d":
-            return Conv(in_shape[-1], a)
-        if node.op == "batch_norm":
-            cls = BatchNorm2d if len(in_shape) == 3 else BatchNorm1d
-            return cls(in_shape[-1], eps=a["epsilon"], momentum=1.0 - a["momentum"])
-        if node.op == "dense":
-            return Dense(in_shape[0], a)
-        if node.op == "max_pool":
-            return MaxPool(a)
-        if node.op == "dropout":
-            return Dropout(a)
-        return None
+            self.register_buffer("input_mean", torch.from_numpy(MEAN.copy()), persistent=False)
+            self.register_buffer("input_inv_std", torch.from_numpy(INV_STD.copy()), persistent=False)
+        self.conv_forms: dict[str, str] = {}
+        self._generate(torch.device("cpu"), probe=False)
 
-    def _build_plan(self) -> None:
-        g = self.graph
-        index = {n.id: i for i, n in enumerate(g.nodes)}
-        readers: dict[str, int] = {n.id: 0 for n in g.nodes}
-        last_reader: dict[str, int] = {}
-        for i, node in enumerate(g.nodes):
-            for src in node.inputs:
-                readers[src] += 1
-                last_reader[src] = i
-        plan = []
-        for i, node in enumerate(g.nodes):
-            if node.op == "input":
-                continue
-            inputs = tuple(index[s] for s in node.inputs)
-            free = tuple(index[s] for s in node.inputs if last_reader[s] == i and s != g.output_id)
-            # In place only on a value nobody else reads, made by an op that did not save it.
-            inplace = -1
-            if node.op in ("relu", "add"):
-                for k, src in enumerate(node.inputs):
-                    if readers[src] == 1 and g[src].op in _INPLACE_SAFE_PRODUCERS and src != g.output_id:
-                        inplace = k
-                        break
-            if node.id in self.module_names:
-                fn = self.layers[self.module_names[node.id]]
-                call = fn
-            else:
-                call = _FUNCTIONS[node.op]
-            plan.append((i, node.op, call, inputs, free, inplace, node.id in self.module_names))
-        self._plan = plan
-        self._input_index = index[g.input_id]
-        self._output_index = index[g.output_id]
-        out_node = g[g.output_id]
-        self._logits_index = index[out_node.inputs[0]] if out_node.op == "softmax" else None
-        self._image_input = len(g.input_shape) == 3
-        self._image_output = len(g.output_shape) == 3
-        self._n = len(g.nodes)
+    @property
+    def has_logits(self) -> bool:
+        return self._logits_id is not None
+
+    def training_loss(self, x, labels, label_smoothing: float):
+        """loss.summed_loss of a batch, through a function generated for this model alone (what
+        the compiled step compiles: dynamo caches compiled code per code object)."""
+        return self._training_loss(self, x, labels, label_smoothing)
+
+    def forward(self, x, logits: bool = False):
+        # The generated functions are stored unbound: a bound method would be a reference cycle
+        # that keeps a trial's model (and its device memory) alive until the cyclic GC runs.
+        if logits and self._forward_logits is not None:
+            return self._forward_logits(self, x)
+        return self._forward_output(self, x)
+
+    # -- the generated forward ------------------------------------------------------------------
+    def _generate(self, device: torch.device, probe: bool = True) -> None:
+        """(Re)generate the forward for `device`: on a CPU, conv forms by conv_probe."""
+        convs = [n for n in self.graph.nodes if n.op == "conv2d"]
+        if probe and device.type == "cpu" and convs:
+            forms = conv_probe.conv_forms([conv_geometry(self.graph, n) for n in convs],
+                                          compute_dtype(self.precision), conv2d)
+            self.conv_forms = {n.id: forms[conv_geometry(self.graph, n)] for n in convs}
+        else:
+            self.conv_forms = {n.id: conv_probe.CHANNELS_LAST for n in convs}
+        self.source = generate_source(self.graph, self.module_names, self.conv_forms,
+                                      mixed=self.precision in AUTOCAST_DTYPES)
+        namespace = _namespace()
+        filename = f"<aiperf lowered {self.graph.name} {id(self):x}>"
+        code = compile(self.source, filename, "exec")
+        linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
+        exec(code, namespace)
+        self._forward_output = namespace["forward_output"]
+        self._forward_logits = namespace["forward_logits"] if self.has_logits else None
+        self._training_loss = namespace["training_loss"]
 
     def dropout_masks(self, source):
         """Context manager: draw dropout masks from `source` (see Dropout) inside the block."""
@@ -311,33 +269,6 @@ class LoweredModel(nn.Module):
                     m.source = old
 
         return scope()
-
-    def rebuild_plan(self) -> None:
-        """Re-read the modules after some were replaced (e.g. by synchronised batch norm)."""
-        self._build_plan()
-
-    @property
-    def has_logits(self) -> bool:
-        return self._logits_index is not None
-
-    def forward(self, x, logits: bool = False):
-        stop = self._logits_index if logits and self._logits_index is not None else self._output_index
-        values: list[Any] = [None] * self._n
-        values[self._input_index] = x.permute(0, 3, 1, 2) if self._image_input else x
-        for i, op, call, inputs, free, inplace, is_module in self._plan:
-            if is_module:
-                y = call(values[inputs[0]])
-            else:
-                y = call(*[values[j] for j in inputs], inplace=inplace)
-            values[i] = y
-            if i == stop:
-                break
-            for j in free:
-                values[j] = None
-        out = values[stop]
-        if out.dim() == 4:
-            out = out.permute(0, 2, 3, 1)
-        return out
 
     # -- weights ------------------------------------------------------------
     def load_canonical(self, weights: Mapping[str, Mapping[str, np.ndarray]]) -> None:
@@ -375,18 +306,141 @@ class LoweredModel(nn.Module):
         return out
 
 
+def _make_module(graph: Graph, node):
+    a = node.attrs
+    in_shape = graph.shapes[node.inputs[0]] if node.inputs else None
+    if node.op == "conv2d":
+        kh, kw = a["kernel"]
+        return nn.Conv2d(in_shape[-1], a["filters"], (kh, kw), stride=tuple(a["strides"]), bias=a["use_bias"])
+    if node.op == "batch_norm":
+        cls = BatchNorm2d if len(in_shape) == 3 else BatchNorm1d
+        return cls(in_shape[-1], eps=a["epsilon"], momentum=1.0 - a["momentum"])
+    if node.op == "dense":
+        return nn.Linear(in_shape[0], a["units"], bias=a["use_bias"])
+    if node.op == "dropout":
+        return Dropout(a["rate"])
+    return None
+
+
+def _namespace() -> dict[str, Any]:
+    """The globals of the generated code (read when it is generated: a planted kernel must be in
+    place before lowering)."""
+    return {"torch": torch, "F": F, "inf": math.inf, "conv2d": conv2d, "add_mixed": add_mixed,
+            "concat_mixed": concat_mixed, "normalise_pixels": normalise_pixels, "summed_loss": summed_loss}
+
+
+def generate_source(graph: Graph, module_names: Mapping[str, str], conv_forms: Mapping[str, str],
+                    mixed: bool) -> str:
+    """Python source of `forward_output(self, x)` (and `forward_logits(self, x)` when the output is
+    a softmax): straight-line code, one statement per node; and of `training_loss`."""
+    out_node = graph[graph.output_id]
+    parts = [_function_source("forward_output", graph, graph.output_id, module_names, conv_forms, mixed)]
+    if out_node.op == "softmax":
+        parts.append(_function_source("forward_logits", graph, out_node.inputs[0], module_names, conv_forms, mixed))
+    parts.append("def training_loss(self, x, labels, label_smoothing):\n"
+                 "    return summed_loss(self, x, labels, label_smoothing)")
+    return "\n\n".join(parts) + "\n"
+
+
+def _function_source(name: str, graph: Graph, stop: str, module_names: Mapping[str, str],
+                     conv_forms: Mapping[str, str], mixed: bool) -> str:
+    nodes = graph.nodes[:[n.id for n in graph.nodes].index(stop) + 1]
+    var = {n.id: f"v{i}" for i, n in enumerate(nodes)}
+    readers: dict[str, int] = {n.id: 0 for n in graph.nodes}
+    last_reader: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes):  # readers over the whole graph: in-place must stay safe
+        for src in node.inputs:
+            readers[src] += 1
+    for i, node in enumerate(nodes):
+        for src in node.inputs:
+            last_reader[src] = i
+    lines = [f"def {name}(self, x):", "    L = self.layers"]
+    if tuple(graph.input_shape[-1:]) == (3,) and len(graph.input_shape) == 3:
+        lines += ["    if x.dtype == torch.uint8:", "        x = normalise_pixels(x, self.input_mean, self.input_inv_std)"]
+    for i, node in enumerate(nodes):
+        args = [var[s] for s in node.inputs]
+        inplace = -1
+        if node.op in ("relu", "add"):
+            for k, src in enumerate(node.inputs):
+                if readers[src] == 1 and graph[src].op in _INPLACE_SAFE_PRODUCERS and src != graph.output_id:
+                    inplace = k
+                    break
+        layer = f"L.{module_names[node.id]}" if node.id in module_names else None
+        lines.append(f"    {var[node.id]} = {_expression(graph, node, args, layer, inplace, conv_forms, mixed)}"
+                     f"  # {node.op} {node.id}")
+        dead = [var[s] for s in dict.fromkeys(node.inputs) if last_reader[s] == i]
+        if dead and node.id != stop:
+            lines.append(f"    del {', '.join(dead)}")
+    out = var[stop]
+    shape = graph.shapes[stop]
+    lines.append(f"    return {out}.permute(0, 2, 3, 1)" if len(shape) == 3 else f"    return {out}")
+    return "\n".join(lines)
+
+
+def _expression(graph: Graph, node, args: list[str], layer: str | None, inplace: int,
+                conv_forms: Mapping[str, str], mixed: bool) -> str:
+    a, op = node.attrs, node.op
+    if op == "input":
+        return "x.permute(0, 3, 1, 2)" if len(a["shape"]) == 3 else "x"
+    if op == "conv2d":
+        sym, pad = _split_padding(a["padding"])
+        src = args[0] if pad is None else f"F.pad({args[0]}, {pad})"
+        bias = f"{layer}.bias" if a["use_bias"] else "None"
+        stride, padding = tuple(a["strides"]), sym if sym is not None else (0, 0)
+        form = conv_forms[node.id]
+        if form == conv_probe.SUBSAMPLED:
+            return f"conv2d({src}[:, :, ::{stride[0]}, ::{stride[1]}], {layer}.weight, {bias}, 1, 0)"
+        if form == conv_probe.CONTIGUOUS:
+            return (f"conv2d({src}.contiguous(), {layer}.weight.contiguous(), {bias}, {stride}, {padding})"
+                    f".contiguous(memory_format=torch.channels_last)")
+        return f"conv2d({src}, {layer}.weight, {bias}, {stride}, {padding})"
+    if op in ("batch_norm", "dropout"):
+        return f"{layer}({args[0]})"
+    if op == "dense":
+        bias = f"{layer}.bias" if a["use_bias"] else "None"
+        return f"F.linear({args[0]}, {layer}.weight, {bias})"
+    if op == "relu":
+        return f"torch.relu_({args[0]})" if inplace >= 0 else f"torch.relu({args[0]})"
+    if op == "add":
+        if mixed:
+            return f"add_mixed({', '.join(args)}, inplace={inplace})"
+        if inplace >= 0:
+            first, rest = args[inplace], args[:inplace] + args[inplace + 1:]
+            return first + "".join(f".add_({r})" for r in rest)
+        return " + ".join(args)
+    if op == "concat":
+        return f"concat_mixed({', '.join(args)})" if mixed else f"torch.cat([{', '.join(args)}], 1)"
+    if op == "max_pool":
+        kh, kw = a["kernel"]
+        sym, pad = _split_padding(a["padding"])
+        # torch's own padding (implicitly -inf) only goes up to half the window.
+        if sym is not None and 2 * sym[0] <= kh and 2 * sym[1] <= kw:
+            return f"F.max_pool2d({args[0]}, {(kh, kw)}, {tuple(a['strides'])}, {sym})"
+        pt, pb, pl, pr = a["padding"]
+        return f"F.max_pool2d(F.pad({args[0]}, {(pl, pr, pt, pb)}, value=-inf), {(kh, kw)}, {tuple(a['strides'])}, 0)"
+    if op == "global_avg_pool":
+        return f"{args[0]}.mean(dim=(2, 3))"
+    if op == "flatten":
+        if len(graph.shapes[node.inputs[0]]) == 3:  # NCHW -> NHWC order: dense kernels keep the canonical rows
+            return f"{args[0]}.permute(0, 2, 3, 1).reshape({args[0]}.shape[0], -1)"
+        return f"{args[0]}.reshape({args[0]}.shape[0], -1)"
+    if op == "softmax":
+        return f"torch.softmax({args[0]}.float(), dim=-1)"
+    raise GraphError(f"the torch backend cannot lower op '{op}'", node.id)
+
+
 def _torch_param(module: nn.Module, pname: str, canonical: np.ndarray | None):
     """The torch tensor that holds canonical parameter `pname`, and `canonical` in torch layout."""
-    if isinstance(module, Conv):
+    if isinstance(module, nn.Conv2d):
         if pname == "kernel":  # HWIO -> OIHW
-            return module.conv.weight, (None if canonical is None else np.ascontiguousarray(canonical.transpose(3, 2, 0, 1)))
+            return module.weight, (None if canonical is None else np.ascontiguousarray(canonical.transpose(3, 2, 0, 1)))
         if pname == "bias":
-            return module.conv.bias, canonical
-    elif isinstance(module, Dense):
+            return module.bias, canonical
+    elif isinstance(module, nn.Linear):
         if pname == "kernel":  # (in, out) -> (out, in)
-            return module.linear.weight, (None if canonical is None else np.ascontiguousarray(canonical.T))
+            return module.weight, (None if canonical is None else np.ascontiguousarray(canonical.T))
         if pname == "bias":
-            return module.linear.bias, canonical
+            return module.bias, canonical
     elif isinstance(module, nn.modules.batchnorm._BatchNorm):
         attr = {"gamma": "weight", "beta": "bias", "moving_mean": "running_mean", "moving_variance": "running_var"}[pname]
         return getattr(module, attr), canonical
@@ -396,14 +450,32 @@ def _torch_param(module: nn.Module, pname: str, canonical: np.ndarray | None):
 def to_canonical(module: nn.Module, pname: str, tensor) -> np.ndarray:
     array = tensor.detach().to("cpu", torch.float32).numpy()
     if pname == "kernel":
-        array = array.transpose(2, 3, 1, 0) if isinstance(module, Conv) else array.T  # OIHW -> HWIO, (out,in) -> (in,out)
+        array = array.transpose(2, 3, 1, 0) if isinstance(module, nn.Conv2d) else array.T  # OIHW -> HWIO, (out,in) -> (in,out)
     return np.ascontiguousarray(array, dtype=np.float32)
 
 
-def lower_graph(graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray]], precision: str,
-                device: str = "cpu") -> LoweredModel:
-    model = LoweredModel(graph, precision)
-    model.load_canonical(weights)
+def torch_device(name: str | torch.device) -> torch.device:
+    """The torch device of a backend device name: 'cpu:N' (AIPERF_CPU_DEVICES) is the CPU."""
+    device = torch.device(name)
+    return torch.device("cpu") if device.type == "cpu" else device
+
+
+def place(model: LoweredModel, device: str | torch.device) -> LoweredModel:
+    """Move `model` to `device` (channels_last kernels) and generate its forward for that device."""
+    device = torch_device(device)
     model.to(device)
     model.to(memory_format=torch.channels_last)
+    model._generate(device)
     return model
+
+
+def lower_graph(graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray]], precision: str,
+                device: str | torch.device = "cpu") -> LoweredModel:
+    model = LoweredModel(graph, precision)
+    model.load_canonical(weights)
+    return place(model, device)
+
+
+def generated_source(model: LoweredModel) -> str:
+    """The forward generated for `model` (for reading and debugging)."""
+    return model.source
