@@ -41,8 +41,25 @@ ACCELERATOR_PRECISION_PREFERENCE = ("bf16", "fp16", "tf32", "fp32")
 CPU_DEVICES_ENV = "AIPERF_CPU_DEVICES"
 
 
+
 class BackendError(AiperfError):
     """A backend cannot do what was asked (missing framework, unsupported precision or device)."""
+
+
+def requested_cpu_devices() -> int:
+    """AIPERF_CPU_DEVICES as a count (0 when unset); a bad value is a one-line error."""
+    import os
+
+    raw = os.environ.get(CPU_DEVICES_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BackendError(f"{CPU_DEVICES_ENV} must be a whole number of devices, got '{raw}'") from None
+    if value < 1:
+        raise BackendError(f"{CPU_DEVICES_ENV} must be >= 1, got {value}")
+    return value
 
 
 @dataclass(frozen=True)

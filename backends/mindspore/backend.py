@@ -37,8 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, BackendError, Dataset, EpochCallback,
-                                 EpochReport, NativeCounter, Parallelism, TrainConfig, cpu_flags)
+from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, BackendError, cpu_flags, Dataset,
+                                 EpochCallback, EpochReport, NativeCounter, Parallelism, requested_cpu_devices,
+                                 TrainConfig)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights
 
@@ -48,19 +49,6 @@ _CPU_FLAGS = {"fp16": ("avx512_fp16", "amx_fp16"), "bf16": ("avx512_bf16", "amx_
 
 _cpu_devices: int | None = None  # AIPERF_CPU_DEVICES as read when the backend first loaded MindSpore (0: unset)
 
-
-def requested_cpu_devices() -> int:
-    """AIPERF_CPU_DEVICES as a count (0 when unset); a bad value is a one-line error."""
-    raw = os.environ.get(CPU_DEVICES_ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        raise BackendError(f"{CPU_DEVICES_ENV} must be a whole number of devices, got '{raw}'") from None
-    if value < 1:
-        raise BackendError(f"{CPU_DEVICES_ENV} must be >= 1, got {value}")
-    return value
 
 
 def _ms():

@@ -29,26 +29,13 @@ from typing import Any
 import numpy as np
 
 from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, BackendError, Dataset, EpochCallback,
-                                 EpochReport, NativeCounter, Parallelism, TrainConfig)
+                                 EpochReport, NativeCounter, Parallelism, requested_cpu_devices, TrainConfig)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights
 
 _THREADS_SET = False
 _cpu_devices: int | None = None  # AIPERF_CPU_DEVICES as read when this process first used the backend (0: unset)
 
-
-def requested_cpu_devices() -> int:
-    """AIPERF_CPU_DEVICES as a count (0 when unset); a bad value is a one-line error."""
-    raw = os.environ.get(CPU_DEVICES_ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        raise BackendError(f"{CPU_DEVICES_ENV} must be a whole number of devices, got '{raw}'") from None
-    if value < 1:
-        raise BackendError(f"{CPU_DEVICES_ENV} must be >= 1, got {value}")
-    return value
 
 
 def _torch():
