@@ -1,9 +1,17 @@
-"""The conformance kit: levels from single ops to training (after Deep500's validation levels).
+"""The conformance kit: levels from single ops to data-parallel training (after Deep500's levels).
 
 Each level is a module in conformance/levels/ with a function `checks(ctx)` that yields
-`Check(name, run)`; `run(ctx)` returns an Outcome. The runner applies the backend's expected
-failures, times each check, and turns exceptions into 'error' results, so one broken check never
-hides the others. The NumPy reference executor (package aiperf_numpy) is the oracle.
+`Check(level, name, run, precision, needs_counter)`; `run(ctx)` returns an Outcome. The runner
+applies the backend's expected failures, times each check, and turns exceptions into 'error'
+results, so one broken check never hides the others. The NumPy reference executor (package
+aiperf_numpy) is the oracle.
+
+Check ids. A check's id is `level/name` at fp32 and `level/name@precision` at any other precision,
+e.g. `op/conv_1x1/forward` and `op/conv_1x1/forward@bf16`. The op, graph and train levels run once
+per precision the backend declares on the device under test (its first device); the morph, count
+and parallel levels run at fp32 only. `catalogue()` lists every check the kit has, without a
+backend, which is what `aiperf conformance --list` prints, what xfail patterns are validated
+against, and what the vendor guide's check table is generated from.
 """
 
 from __future__ import annotations
@@ -16,12 +24,16 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from aiperf_core.backend import Backend
+from aiperf_core.backend import PRECISIONS, Backend
 from aiperf_core.errors import AiperfError
-from aiperf_conformance.expectations import Expectations, load_expectations
 from aiperf_conformance.results import ERROR, FAIL, PASS, XFAIL, XPASS, CheckResult, Report
 
-LEVELS = ("op", "graph", "morph", "train", "count")
+LEVELS = ("op", "graph", "morph", "train", "count", "parallel")
+PER_PRECISION_LEVELS = ("op", "graph", "train")  # the others run at fp32 only
+
+
+def check_id(level: str, name: str, precision: str = "fp32") -> str:
+    return f"{level}/{name}" if precision == "fp32" else f"{level}/{name}@{precision}"
 
 
 @dataclass
@@ -31,6 +43,7 @@ class Outcome:
     expected: Any = None
     tolerance: Any = None
     message: str = ""
+    device: str | None = None  # where the check ran, when not (only) the device under test
 
 
 @dataclass(frozen=True)
@@ -38,22 +51,32 @@ class Check:
     level: str
     name: str
     run: Callable[["Context"], Outcome]
+    precision: str = "fp32"
+    needs_counter: bool = False  # fails by design on a backend without a native op counter
 
     @property
     def id(self) -> str:
-        return f"{self.level}/{self.name}"
+        return check_id(self.level, self.name, self.precision)
 
 
 @dataclass
 class Context:
-    backend: Backend
-    expectations: Expectations
+    """What the checks of one kit run share. `backend` is None when the kit only lists its checks
+    (catalogue()): a level then yields every check it can have."""
+
+    backend: Backend | None
+    expectations: Any  # aiperf_conformance.expectations.Expectations
     seed: int = 0
-    quick: bool = False  # fewer epochs and cases; for smoke runs, never for a verdict
+    quick: bool = False  # reduced sizes, for smoke runs; never a certification
+    device: str | None = None  # the device under test: the backend's first device
+    precisions: tuple[str, ...] = ("fp32",)  # those checked: declared on `device` (or asked for)
     cache: dict = field(default_factory=dict)
 
     def rng(self, salt: int = 0) -> np.random.Generator:
         return np.random.default_rng(self.seed * 1_000_003 + salt)
+
+    def tolerance(self, key: str, precision: str = "fp32") -> float:
+        return self.expectations.tolerance(key, precision)
 
 
 def reference():
@@ -71,7 +94,17 @@ def relative_error(measured: np.ndarray, expected: np.ndarray) -> float:
     return float(np.max(np.abs(measured - expected))) / scale if expected.size else 0.0
 
 
-def compare(measured, expected, tolerance: float, what: str) -> Outcome:
+def normwise_error(measured: np.ndarray, expected: np.ndarray) -> float:
+    """||measured - expected|| / ||expected|| (2-norms over the whole tensor)."""
+    measured = np.asarray(measured, np.float64)
+    expected = np.asarray(expected, np.float64)
+    if not expected.size:
+        return 0.0
+    return float(np.linalg.norm(measured - expected)) / max(float(np.linalg.norm(expected)), 1e-300)
+
+
+def compare(measured, expected, tolerance: float, what: str, normwise: bool = False) -> Outcome:
+    """Max-abs relative error (relative_error), or the normwise one where a check says so."""
     measured = np.asarray(measured)
     expected = np.asarray(expected)
     if measured.shape != expected.shape:
@@ -79,9 +112,41 @@ def compare(measured, expected, tolerance: float, what: str) -> Outcome:
                        f"{what}: shape {list(measured.shape)}, IR says {list(expected.shape)}")
     if not np.all(np.isfinite(measured)):
         return Outcome(False, "non-finite", "finite", tolerance, f"{what}: non-finite values")
-    err = relative_error(measured, expected)
-    return Outcome(err <= tolerance, err, 0.0, tolerance,
-                   f"{what}: relative error {err:.3g} (tolerance {tolerance:g})")
+    err = normwise_error(measured, expected) if normwise else relative_error(measured, expected)
+    kind = "normwise relative error" if normwise else "relative error"
+    return Outcome(err <= tolerance, err, 0.0, tolerance, f"{what}: {kind} {err:.3g} (tolerance {tolerance:g})")
+
+
+def parse_levels(text: str | Iterable[str]) -> list[str]:
+    """'all', one level or a comma-separated list -> levels in kit order; an empty or unknown list
+    is an error (a kit that runs nothing must never pass)."""
+    items = [x.strip() for x in text.split(",")] if isinstance(text, str) else [str(x).strip() for x in text]
+    items = [x for x in items if x]
+    if not items:
+        raise AiperfError(f"--level: no level given (levels: {', '.join(LEVELS)}, all)")
+    if items == ["all"]:
+        return list(LEVELS)
+    for level in items:
+        if level not in LEVELS:
+            raise AiperfError(f"--level: unknown level '{level}' (levels: {', '.join(LEVELS)}, all)")
+    return [level for level in LEVELS if level in items]
+
+
+def parse_precisions(text: str | None, declared: tuple[str, ...], backend_name: str, device: str) -> tuple[str, ...]:
+    """The precisions to check: every declared one (None or 'all'), or the listed ones, each of
+    which the backend must declare on the device under test."""
+    if text is None or text.strip() == "all":
+        return tuple(declared)
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise AiperfError(f"--precision: no precision given (precisions: {', '.join(PRECISIONS)}, all)")
+    for p in items:
+        if p not in PRECISIONS:
+            raise AiperfError(f"--precision: unknown precision '{p}' (precisions: {', '.join(PRECISIONS)}, all)")
+        if p not in declared:
+            raise AiperfError(f"--precision: backend '{backend_name}' does not declare '{p}' on {device} "
+                              f"(declared: {', '.join(declared)})")
+    return tuple(p for p in PRECISIONS if p in items)
 
 
 def collect(ctx: Context, levels: Iterable[str]) -> list[Check]:
@@ -90,6 +155,16 @@ def collect(ctx: Context, levels: Iterable[str]) -> list[Check]:
         module = importlib.import_module(f"aiperf_conformance.levels.{level}")
         out.extend(module.checks(ctx))
     return out
+
+
+def catalogue(levels: Iterable[str] = LEVELS, precisions: Iterable[str] = PRECISIONS) -> list[Check]:
+    """Every check the kit has at these precisions, whatever the backend (both variants of the
+    parallel level: data-parallel and single-device)."""
+    return collect(Context(None, None, precisions=tuple(precisions)), levels)
+
+
+def catalogue_ids() -> list[str]:
+    return [c.id for c in catalogue()]
 
 
 def run_check(ctx: Context, check: Check) -> CheckResult:
@@ -106,13 +181,13 @@ def run_check(ctx: Context, check: Check) -> CheckResult:
             status = XPASS if outcome.passed else XFAIL
         else:
             status = PASS if outcome.passed else FAIL
-    message = outcome.message
+    message, device = outcome.message, outcome.device or ctx.device
     if status == XFAIL:
         message = f"expected failure ({reason}); {message}"
     elif status == XPASS:
-        message = f"listed as an expected failure ({reason}) but passed: update the data file"
+        message = f"listed as an expected failure ({reason}) but passed: update the expectations file"
     return CheckResult(check.level, check.name, status, outcome.measured, outcome.expected, outcome.tolerance,
-                       message, time.perf_counter() - start)
+                       message, time.perf_counter() - start, check.precision, device)
 
 
 def iter_results(ctx: Context, checks: list[Check]) -> Iterator[CheckResult]:
@@ -120,20 +195,27 @@ def iter_results(ctx: Context, checks: list[Check]) -> Iterator[CheckResult]:
         yield run_check(ctx, check)
 
 
-def make_context(backend: Backend, backend_name: str | None = None, seed: int = 0, quick: bool = False) -> Context:
+def make_context(backend: Backend, backend_name: str | None = None, seed: int = 0, quick: bool = False,
+                 precisions: str | None = None) -> Context:
+    """The context of a kit run on `backend`'s first device, at every precision it declares there
+    (or those of `precisions`, a comma-separated list)."""
+    from aiperf_conformance.expectations import load_expectations
+
     name = backend_name or backend.name
-    return Context(backend, load_expectations(name, backend), seed=seed, quick=quick)
+    device = backend.devices()[0]
+    checked = parse_precisions(precisions, backend.precisions(device), name, device)
+    return Context(backend, load_expectations(name, backend), seed=seed, quick=quick, device=device,
+                   precisions=checked)
 
 
-def run_conformance(backend: Backend, levels: Iterable[str] = LEVELS, *, seed: int = 0, quick: bool = False,
+def run_conformance(backend: Backend, levels: str | Iterable[str] = LEVELS, *, seed: int = 0, quick: bool = False,
+                    precisions: str | None = None,
                     progress: Callable[[CheckResult], None] | None = None) -> Report:
-    levels = list(levels)
-    for level in levels:
-        if level not in LEVELS:
-            raise AiperfError(f"unknown conformance level '{level}' (levels: {', '.join(LEVELS)}, all)")
+    levels = parse_levels(levels)
     reference()
-    ctx = make_context(backend, seed=seed, quick=quick)
-    report = Report(backend.name, backend.framework_version(), levels)
+    ctx = make_context(backend, seed=seed, quick=quick, precisions=precisions)
+    report = Report(backend.name, backend.framework_version(), levels, device=ctx.device,
+                    precisions=list(ctx.precisions), quick=quick, expectations=ctx.expectations.to_dict())
     for result in iter_results(ctx, collect(ctx, levels)):
         report.results.append(result)
         if progress:

@@ -1,13 +1,15 @@
 """Running the kit from pytest: one pytest item per check, so CI shows each check by its id.
 
-A vendor's test file needs three lines:
+The registered pytest plugin (aiperf_conformance.pytest_plugin, entry point `pytest11`) is the way a
+vendor runs it: `pytest --aiperf-backend NAME [--aiperf-level op,graph] [--aiperf-quick]`. A test
+file can also build the items itself:
 
     from aiperf_conformance.pytest_support import conformance_cases, run_case
     @pytest.mark.parametrize("case", conformance_cases(["mychip"]), ids=str)
     def test_conformance(case): run_case(case)
 
-An expected failure listed in the backend's data file passes as 'xfail'; a failure, an error or
-an unexpected pass fails the test with the kit's message.
+An expected failure listed in the backend's expectations file passes as 'xfail'; a failure, an error
+or an unexpected pass fails the test with the kit's message.
 """
 
 from __future__ import annotations
@@ -15,40 +17,47 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from aiperf_conformance.kit import LEVELS, Check, Context, collect, make_context, run_check
+from aiperf_conformance.kit import LEVELS, Check, Context, collect, make_context, parse_levels, reference, run_check
 from aiperf_conformance.results import BAD, XFAIL
 
-_contexts: dict[str, Context] = {}
+_contexts: dict[tuple, Context] = {}
 
 
 @dataclass(frozen=True)
 class Case:
     backend: str
     check: Check
+    context_key: tuple
 
     def __str__(self) -> str:
         return f"{self.backend}:{self.check.id}"
 
 
-def _context(backend_name: str) -> Context:
-    if backend_name not in _contexts:
+def _context(key: tuple) -> Context:
+    if key not in _contexts:
         from aiperf_core.registry import load_backend
 
-        _contexts[backend_name] = make_context(load_backend(backend_name), backend_name)
-    return _contexts[backend_name]
+        name, quick, precisions = key
+        reference()
+        _contexts[key] = make_context(load_backend(name), name, quick=quick, precisions=precisions)
+    return _contexts[key]
 
 
-def conformance_cases(backend_names: Iterable[str], levels: Iterable[str] = LEVELS) -> list[Case]:
-    """Collect checks per backend. A backend that cannot load fails collection loudly."""
+def conformance_cases(backend_names: Iterable[str], levels: str | Iterable[str] = LEVELS, *, quick: bool = False,
+                      precisions: str | None = None) -> list[Case]:
+    """Collect checks per backend, at every precision it declares on its first device (or those of
+    `precisions`). A backend that cannot load, or an empty or unknown level list, fails collection
+    loudly."""
+    levels = parse_levels(levels)
     cases = []
     for name in backend_names:
-        ctx = _context(name)
-        cases.extend(Case(name, check) for check in collect(ctx, levels))
+        key = (name, quick, precisions)
+        cases.extend(Case(name, check, key) for check in collect(_context(key), levels))
     return cases
 
 
 def run_case(case: Case) -> None:
-    result = run_check(_context(case.backend), case.check)
+    result = run_check(_context(case.context_key), case.check)
     if result.status in BAD:
         raise AssertionError(f"{case}: {result.status}: {result.message}")
     if result.status == XFAIL:

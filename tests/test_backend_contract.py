@@ -81,3 +81,23 @@ def test_a_step_clock_sums_what_it_wraps_and_laps_to_zero():
             sum(range(1000))
     first = clock.lap()
     assert first > 0 and clock.lap() == 0.0
+
+
+def test_reference_counts_each_step_and_normalises_streamed_pixels_in_the_step(monkeypatch):
+    """The template for vendors: clock.count(images) after every training step (live progress), and
+    streamed uint8 pixels normalised inside the step (preprocess.model_input), never before it."""
+    from aiperf_core.data import preprocess, stream
+    from aiperf_core.data.synthetic import SyntheticSource
+
+    counted, seen = [], []
+    real_count, real_input = StepClock.count, preprocess.model_input
+    monkeypatch.setattr(StepClock, "count", lambda self, images: (counted.append(images), real_count(self, images)))
+    monkeypatch.setattr(preprocess, "model_input", lambda x: (seen.append(x.dtype), real_input(x))[1])
+    pixels = {"pixels": stream.UINT8} if hasattr(stream, "UINT8") else {}  # the stream's transitional option
+    data = stream.StreamingDataset(SyntheticSource(classes=3, train_images=11, val_images=3), image_size=8,
+                                   workers=0, **pixels)
+    backend = NumpyBackend()
+    reports = backend.train(backend.lower(resnet_small((8, 8, 3), 3)), data, TrainConfig(epochs=1, batch_size=4))
+    assert counted == [4, 4, 3] and reports[0].train_images == 11 and reports[0].val_images == 3
+    assert set(seen) == {np.dtype(np.uint8)}
+    assert reports[0].compile_seconds == 0.0

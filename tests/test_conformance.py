@@ -1,7 +1,10 @@
-"""The conformance kit over every first-party backend, one pytest item per check.
+"""The conformance kit over every first-party backend, one pytest item per check: every level, at
+every precision each backend declares on its first device (bf16 for torch and tensorflow on an
+AVX512-BF16 CPU), the parallel level in a child process with AIPERF_CPU_DEVICES=2.
 
 Run one backend:  .venv/bin/python -m pytest tests/test_conformance.py -k "torch:"
-The same kit runs from the CLI:  aiperf conformance --backend torch
+The same kit runs from the CLI (aiperf conformance --backend torch) and, for any installed backend,
+through the pytest plugin (pytest --aiperf-backend torch).
 """
 
 import pytest

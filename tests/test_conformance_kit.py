@@ -1,14 +1,24 @@
-"""The kit itself: it catches a wrong backend, names the node, and reports machine-readably."""
+"""The kit itself: it catches a wrong backend, names the node, never passes vacuously, reads its
+expectations files strictly, certifies every declared precision, refuses a native count <= 0, and
+reports machine-readably (naming the expectations file and its hash)."""
 
+import hashlib
 import json
 
 import numpy as np
+import pytest
 
+from aiperf_core.backend import CounterConvention, NativeCounter
 from aiperf_core.cli import main
+from aiperf_core.errors import AiperfError
 from aiperf_core.registry import list_backends
 from aiperf_numpy.backend import NumpyBackend
-from aiperf_conformance.expectations import Expectations
-from aiperf_conformance.kit import Context, collect, run_check, run_conformance
+from aiperf_conformance.expectations import (DEFAULTS_FILE, Expectations, load_defaults, load_expectations,
+                                             read_expectations)
+from aiperf_conformance.kit import (LEVELS, Context, catalogue, catalogue_ids, check_id, collect, parse_levels,
+                                    run_check, run_conformance)
+from aiperf_conformance.pytest_support import conformance_cases
+from aiperf_conformance.results import CheckResult, Report
 
 
 class ShapeBugBackend(NumpyBackend):
@@ -30,8 +40,47 @@ class GradientBugBackend(NumpyBackend):
         return loss, grads
 
 
-def results_for(backend, level, expectations=None):
-    ctx = Context(backend, expectations or Expectations())
+class DeclaresBf16(NumpyBackend):
+    """Declares bf16 (and computes it in fp32, well within bf16's tolerances)."""
+
+    name = "declaresbf16"
+
+    def runs_precision(self, device, precision):
+        return precision == "bf16"
+
+
+class FixedCounter(NativeCounter):
+    """A native counter that reports `counts` for every model (conv and dense covered)."""
+
+    convention = CounterConvention(mac_ops=2, padding="paper", covers=("conv", "dense"))
+
+    def __init__(self, counts):
+        self.counts = counts
+
+    def count(self, model, batch, backward):
+        return dict(self.counts)
+
+
+class NegativeCounter(NumpyBackend):
+    """XLA's cost analysis on a cuDNN custom call: -1 per convolution."""
+
+    name = "negativecounter"
+
+    def native_counter(self):
+        return FixedCounter({"conv": -53, "dense": 10})
+
+
+class ZeroCounter(NumpyBackend):
+    """Covers conv but reports nothing for it."""
+
+    name = "zerocounter"
+
+    def native_counter(self):
+        return FixedCounter({"dense": 10})
+
+
+def results_for(backend, level, expectations=None, precisions=("fp32",)):
+    ctx = Context(backend, expectations or Expectations(), device=backend.devices()[0], precisions=precisions)
     return {c.id: run_check(ctx, c) for c in collect(ctx, [level])}
 
 
@@ -54,7 +103,7 @@ def test_stale_expected_failure_is_reported_as_xpass():
     exp = Expectations(xfail={"op/relu/*": "pretend relu is broken"})
     results = results_for(NumpyBackend(), "op", exp)
     assert results["op/relu/forward"].status == "xpass"
-    assert "update the data file" in results["op/relu/forward"].message
+    assert "update the expectations file" in results["op/relu/forward"].message
 
 
 def test_expected_failure_counts_as_xfail():
@@ -63,16 +112,23 @@ def test_expected_failure_counts_as_xfail():
     assert results["op/conv_3x3_same/forward"].status == "xfail"
 
 
-def test_report_json_and_exit_status(tmp_path, capsys):
+def test_report_json_names_device_precision_and_expectations(tmp_path, capsys):
     report_path = tmp_path / "report.json"
     assert main(["conformance", "--backend", "numpy", "--level", "op,graph", "--report", str(report_path)]) == 0
     summary = capsys.readouterr().out
-    assert "CONFORMS" in summary
     report = json.loads(report_path.read_text())
-    assert report["ok"] is True and report["backend"] == "numpy"
+    assert report["ok"] is True and report["certifies"] is True and report["backend"] == "numpy"
+    assert report["device"] == NumpyBackend().devices()[0] and report["precisions"] == ["fp32"]
     check = report["checks"][0]
-    assert {"level", "name", "status", "measured", "expected", "tolerance", "message", "id"} <= set(check)
+    assert {"level", "name", "status", "measured", "expected", "tolerance", "message", "id", "precision",
+            "device"} <= set(check)
     assert {c["level"] for c in report["checks"]} == {"op", "graph"}
+    assert {c["precision"] for c in report["checks"]} == {"fp32"}
+    used = NumpyBackend().conformance_file()
+    sha = hashlib.sha256(open(used, "rb").read()).hexdigest()
+    assert report["expectations"]["file"] == {"path": used, "sha256": sha}
+    assert report["expectations"]["defaults"]["sha256"] == hashlib.sha256(DEFAULTS_FILE.read_bytes()).hexdigest()
+    assert f"expectations: {used} (sha256 {sha})" in summary and "CONFORMS" in summary
 
 
 def test_failing_backend_exits_nonzero():
@@ -80,12 +136,193 @@ def test_failing_backend_exits_nonzero():
     assert not report.ok and "DOES NOT CONFORM" in report.summary()
 
 
-def test_bad_level_is_one_line(capsys):
-    assert main(["conformance", "--backend", "numpy", "--level", "bogus"]) == 2
-    assert "unknown level 'bogus'" in capsys.readouterr().err
+@pytest.mark.parametrize("level, text", [("bogus", "unknown level 'bogus'"), ("", "no level given"),
+                                         (",", "no level given"), (" , ,", "no level given")])
+def test_empty_or_unknown_level_is_a_usage_error(level, text, capsys):
+    assert main(["conformance", "--backend", "numpy", "--level", level]) == 2
+    err = capsys.readouterr().err
+    assert text in err and err.count("\n") == 1
+    with pytest.raises(AiperfError, match=text):
+        run_conformance(NumpyBackend(), level)
+    with pytest.raises(AiperfError, match=text):
+        conformance_cases(["numpy"], level)
+
+
+def test_levels_in_kit_order_and_all():
+    assert parse_levels("all") == list(LEVELS)
+    assert parse_levels("count, op") == ["op", "count"]
+
+
+def test_a_report_without_a_passing_check_is_never_ok():
+    empty = Report("x", "1", ["op"])
+    assert not empty.ok and not empty.certifies and "no check ran" in empty.verdict()
+    only_xfail = Report("x", "1", ["count"], [CheckResult("count", "a/forward", "xfail")])
+    assert not only_xfail.ok and "no check passed" in only_xfail.verdict()
+    report = run_conformance(NumpyBackend(), ["count"])  # numpy: every count check is an expected failure
+    assert not report.ok and report.counts()["xfail"] == 4
+    assert main(["conformance", "--backend", "numpy", "--level", "count"]) == 1
+
+
+def test_quick_run_is_marked_as_not_a_certification(tmp_path, capsys):
+    assert main(["conformance", "--backend", "numpy", "--level", "op", "--quick", "--report",
+                 str(tmp_path / "r.json")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("QUICK: NOT A CERTIFICATION")
+    assert out.strip().splitlines()[-1].endswith("-- quick: not a certification (reduced sizes)")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["quick"] is True and report["ok"] is True and report["certifies"] is False
+    assert "not a certification" in report["note"]
+
+
+# -- expectations files ---------------------------------------------------------------------------
+
+
+def write(tmp_path, data) -> str:
+    path = tmp_path / "exp.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("data, text", [
+    ({"xfails": []}, "unknown key 'xfails' in the top level"),
+    ({"tolerance": {}}, "unknown key 'tolerance' in the top level"),
+    ({"tolerances": {"op": 1e-3}}, "tolerances are given per precision"),
+    ({"tolerances": {"fp64": {}}}, "unknown precision 'fp64'"),
+    ({"tolerances": {"fp32": {"opp": {"value": 1, "reason": "r"}}}}, "unknown key 'opp' in tolerances.fp32"),
+    ({"tolerances": {"bf16": {"morph": {"value": 1, "reason": "r"}}}}, "unknown key 'morph' in tolerances.bf16"),
+    ({"tolerances": {"fp32": {"op": 1e-3}}}, "tolerances.fp32.op must be {\"value\""),
+    ({"tolerances": {"fp32": {"op": {"value": 1e-3}}}}, "tolerances.fp32.op needs a 'reason'"),
+    ({"tolerances": {"fp32": {"op": {"value": -1, "reason": "r"}}}}, "value must be a finite number >= 0"),
+    ({"tolerances": {"fp32": {"op": {"value": 1, "reason": "r", "why": "x"}}}}, "unknown key 'why'"),
+    ({"xfail": [{"check": "op/nonexistent/*", "reason": "r"}]}, "matches no check of the kit"),
+    ({"xfail": [{"check": "op/conv 1x1", "reason": "r"}]}, "has characters no check id has"),
+    ({"xfail": [{"check": "op/[conv*", "reason": "r"}]}, "unbalanced brackets"),
+    ({"xfail": [{"check": "", "reason": "r"}]}, "non-empty check-id pattern"),
+    ({"xfail": [{"check": "count/*", "reason": "r"}, {"check": "count/*", "reason": "s"}]}, "listed twice"),
+    ({"xfail": [{"check": "count/*", "why": "r"}]}, "unknown key 'why' in xfail[0]"),
+    ({"xfail": [{"check": "count/*"}]}, "xfail[0] (count/*) needs a 'reason'"),
+    ({"xfail": {"check": "count/*"}}, "'xfail' must be a list"),
+    ("{not json", "not valid JSON"),
+    ("[]", "must hold a JSON object"),
+])
+def test_expectations_are_read_strictly(tmp_path, data, text):
+    with pytest.raises(AiperfError) as caught:
+        read_expectations(write(tmp_path, data), catalogue_ids())
+    assert text in str(caught.value) and "exp.json" in str(caught.value)
+
+
+def test_expectations_file_sets_tolerances_per_precision(tmp_path):
+    path = write(tmp_path, {"about": "test", "tolerances": {"bf16": {"graph": {"value": 0.02, "reason": "ours"}}},
+                            "xfail": [{"check": "op/*@bf16", "reason": "no bf16 yet"}]})
+    exp = read_expectations(path, catalogue_ids())
+    defaults, _ = load_defaults()
+    assert exp.tolerance("graph", "bf16") == 0.02 and exp.tolerances["bf16"]["graph"].reason == "ours"
+    assert exp.tolerance("graph") == defaults["fp32"]["graph"].value
+    assert exp.xfail_reason("op/relu/forward@bf16") == "no bf16 yet" and exp.xfail_reason("op/relu/forward") is None
+
+
+def test_every_default_tolerance_has_a_reason():
+    table, source = load_defaults()
+    for precision, keys in table.items():
+        for key, tolerance in keys.items():
+            assert len(tolerance.reason) > 40, (precision, key)
+    assert source.path == str(DEFAULTS_FILE)
+    # A mixed precision is never held to fp32's forward tolerance.
+    assert table["bf16"]["op"].value > table["fp32"]["op"].value
+
+
+def test_declared_conformance_file_must_exist(tmp_path, capsys):
+    class Misdeclared(NumpyBackend):
+        name = "misdeclared"
+
+        def conformance_file(self):
+            return str(tmp_path / "missing.json")
+
+    with pytest.raises(AiperfError, match=r"conformance_file\(\) names .*missing.json, which does not exist"):
+        load_expectations("misdeclared", Misdeclared())
+
+
+def test_first_party_expectations_files_are_valid():
+    for name in ("torch", "tensorflow", "jax", "mindspore"):
+        assert load_expectations(name).file.path.endswith(f"data/{name}.json")
+
+
+# -- precisions -----------------------------------------------------------------------------------
+
+
+def test_every_declared_precision_is_checked_with_its_own_tolerance():
+    backend = DeclaresBf16()
+    report = run_conformance(backend, "op,morph")
+    assert report.precisions == ["fp32", "bf16"]
+    by_id = {r.id: r for r in report.results}
+    fp32, bf16 = by_id["op/conv_1x1/forward"], by_id["op/conv_1x1/forward@bf16"]
+    assert fp32.precision == "fp32" and bf16.precision == "bf16" and bf16.device == backend.devices()[0]
+    assert bf16.tolerance == load_defaults()[0]["bf16"]["op"].value != fp32.tolerance
+    assert "morph/deeper/preserves_function" in by_id and not any(i.startswith("morph/") and "@" in i for i in by_id)
+    assert "  op       bf16" in report.summary()
+
+
+def test_precision_option_checks_only_declared_ones(capsys):
+    report = run_conformance(DeclaresBf16(), "op", precisions="bf16")
+    assert {r.precision for r in report.results} == {"bf16"}
+    assert main(["conformance", "--backend", "numpy", "--level", "op", "--precision", "bf16"]) == 2
+    assert "does not declare 'bf16'" in capsys.readouterr().err
+    assert main(["conformance", "--backend", "numpy", "--level", "op", "--precision", "fp8"]) == 2
+    assert "unknown precision 'fp8'" in capsys.readouterr().err
+
+
+def test_check_ids_say_the_precision():
+    assert check_id("op", "relu/forward") == "op/relu/forward"
+    assert check_id("op", "relu/forward", "bf16") == "op/relu/forward@bf16"
+    ids = catalogue_ids()
+    assert "train/digits_accuracy@fp16" in ids and "graph/resnet50_64px/outputs@tf32" in ids
+    assert "count/resnet_small/forward" in ids and not any(i.startswith(("count/", "morph/", "parallel/"))
+                                                           and "@" in i for i in ids)
+    assert len(ids) == len(set(ids))
+
+
+# -- native counters ------------------------------------------------------------------------------
+
+
+def test_a_native_count_at_or_below_zero_is_never_a_match():
+    results = results_for(NegativeCounter(), "count")
+    bad = results["count/resnet_small/forward"]
+    assert bad.status == "fail" and bad.measured == -53
+    assert "the native counter returned -53 for a category with" in bad.message
+    assert "never a match" in bad.message
+    zero = results_for(ZeroCounter(), "count")["count/resnet_small/forward_backward"]
+    assert zero.status == "fail" and "returned 0 for a category" in zero.message and "conv" in zero.message
+
+
+def test_morph_count_delta_refuses_non_positive_counts():
+    results = results_for(NegativeCounter(), "morph")
+    bad = results["morph/deeper/count_delta"]
+    assert bad.status == "fail" and "parent forward conv: the native counter returned -53" in bad.message
+    assert results["morph/deeper/preserves_function"].status == "pass"
+
+
+# -- listing --------------------------------------------------------------------------------------
+
+
+def test_list_prints_every_check_with_level_precision_and_counter(capsys):
+    assert main(["conformance", "--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["check", "id", "level", "precision", "native", "counter"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:]}
+    assert set(rows) == set(catalogue_ids())
+    assert rows["count/resnet50_64px/forward"] == ["count", "fp32", "needed"]
+    assert rows["op/relu/forward@bf16"] == ["op", "bf16", "-"]
+    assert main(["conformance", "--list", "--json", "--backend", "numpy"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {r["precision"] for r in listed} == {"fp32"}
+    assert "parallel/refuses_two_devices" in {r["id"] for r in listed}
+    assert "parallel/matches_one_device" not in {r["id"] for r in listed}
+    assert sum(r["needs_native_counter"] for r in listed) == 8
+    assert len(catalogue(["parallel"])) == 6
 
 
 def test_plugin_discovered_from_its_own_package():
     info = {i.name: i for i in list_backends()}["numpy"]
     assert info.available and info.module == "aiperf_numpy.backend:NumpyBackend"
+    assert info.distribution == "aiperf-numpy"
     assert np.__version__ in info.version

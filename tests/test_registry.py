@@ -22,6 +22,12 @@ def fake_plugins(tmp_path, monkeypatch):
             @classmethod
             def availability(cls):
                 return Availability(False, "framework 'quantumflow' is not installed")
+
+        class NeedsFramework(Backend):
+            name = "needs_fw"
+            @classmethod
+            def availability(cls):
+                return cls.import_availability("quantumflow_runtime", "qf")
     """))
     broken = tmp_path / "broken_backend.py"
     broken.write_text("import framework_that_does_not_exist\n")
@@ -30,9 +36,11 @@ def fake_plugins(tmp_path, monkeypatch):
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-backends\nVersion: 1.0\n")
     (dist / "entry_points.txt").write_text(
         "[aiperf.backends]\nbroken = broken_backend:Broken\nmissing_fw = fake_backends:Missing\n"
+        "needs_fw = fake_backends:NeedsFramework\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "broken_backend", raising=False)
+    monkeypatch.delitem(sys.modules, "fake_backends", raising=False)
     return tmp_path
 
 
@@ -42,6 +50,29 @@ def test_listing_shows_broken_and_unavailable(fake_plugins):
     assert "import failed" in infos["broken"].reason and "framework_that_does_not_exist" in infos["broken"].reason
     assert infos["missing_fw"].available is False
     assert "quantumflow" in infos["missing_fw"].reason
+
+
+def test_install_hint_names_the_plugins_own_distribution(fake_plugins):
+    infos = {i.name: i for i in list_backends()}
+    assert infos["needs_fw"].available is False and infos["needs_fw"].distribution == "fake-backends"
+    assert "quantumflow_runtime is not installed" in infos["needs_fw"].reason
+    assert "(pip install 'fake-backends[qf]')" in infos["needs_fw"].reason and "aiperf[" not in infos["needs_fw"].reason
+
+
+def test_install_hint_of_first_party_and_unregistered_backends():
+    from aiperf_backends.torch import TorchBackend
+    from aiperf_numpy.backend import NumpyBackend
+    from aiperf_core.registry import distribution_of, install_hint
+
+    assert install_hint(TorchBackend, "torch", "torch") == "pip install 'aiperf[torch]'"
+    assert install_hint(NumpyBackend, "numpy") == "pip install 'aiperf-numpy'"
+    assert distribution_of(NumpyBackend) == "aiperf-numpy"
+
+    class Unregistered(NumpyBackend):
+        name = "unregistered"
+
+    assert distribution_of(Unregistered) is None
+    assert install_hint(Unregistered, "chipfw") == "install the package that provides 'chipfw'"
 
 
 def test_cli_backends_lists_reasons(fake_plugins, capsys):

@@ -1,5 +1,9 @@
 """Level 'count': the backend's native op counter against the analytic count under the counter's
-declared convention, per category it covers, forward and forward+backward."""
+declared convention, per category it covers, forward and forward+backward.
+
+A native count of zero or below for a category that has operations is a failure with its own
+message, never a match: a counter that cannot see some kernels (XLA reports -1 for a cuDNN custom
+call) must not pass because the analytic side happens to be small."""
 
 from __future__ import annotations
 
@@ -23,20 +27,49 @@ def analytic_by_category(graph, convention, backward: bool, includes_update: boo
     return out
 
 
+def no_counter(ctx: Context) -> Outcome:
+    return Outcome(False, None, None, None, f"backend '{ctx.backend.name}' offers no native op counter")
+
+
+def native_count(native: dict, category: str) -> int:
+    value = native.get(category, 0)
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"native counter returned {value!r} for category '{category}', not an integer") from None
+
+
+def non_positive(native: dict, analytic: dict, covers, what: str) -> Outcome | None:
+    """A failure when the counter reports <= 0 for a covered category that has operations."""
+    for category in covers:
+        expected = analytic.get(category, 0)
+        got = native_count(native, category)
+        if expected > 0 and got <= 0:
+            return Outcome(False, got, expected, None,
+                           f"{what} {category}: the native counter returned {got:,} for a category with "
+                           f"{expected:,} operations; a count of zero or below is never a match (a counter "
+                           f"that cannot count a kernel must say so, not report it as free)")
+    return None
+
+
 def native_vs_analytic(ctx: Context, name: str, backward: bool) -> Outcome:
     counter = ctx.backend.native_counter()
     if counter is None:
-        return Outcome(False, None, None, None, f"backend '{ctx.backend.name}' offers no native op counter")
+        return no_counter(ctx)
     conv = counter.convention
     graph = GRAPHS[name]()
     model = ctx.backend.lower(graph, trained_looking_weights(graph, ctx.seed))
     native = counter.count(model, BATCH, backward)
-    analytic = analytic_by_category(graph, conv.padding, backward, conv.includes_update)
+    analytic = {k: v * BATCH for k, v in analytic_by_category(graph, conv.padding, backward,
+                                                               conv.includes_update).items()}
+    bad = non_positive(native, analytic, conv.covers, f"{name} {'forward+backward' if backward else 'forward'}")
+    if bad:
+        return bad
     worst, detail = 0.0, []
     for category in conv.covers:
-        expected = analytic.get(category, 0) * BATCH
-        got = int(native.get(category, 0))
-        tol = ctx.expectations.tolerance("count" if category in EXACT_CATEGORIES else "count_other")
+        expected = analytic.get(category, 0)
+        got = native_count(native, category)
+        tol = ctx.tolerance("count" if category in EXACT_CATEGORIES else "count_other")
         err = abs(got - expected) / max(expected, 1)
         detail.append(f"{category} {got:,} vs {expected:,}")
         if err > tol:
@@ -49,5 +82,7 @@ def native_vs_analytic(ctx: Context, name: str, backward: bool) -> Outcome:
 
 def checks(ctx: Context):
     for name in GRAPHS:
-        yield Check("count", f"{name}/forward", partial(native_vs_analytic, name=name, backward=False))
-        yield Check("count", f"{name}/forward_backward", partial(native_vs_analytic, name=name, backward=True))
+        yield Check("count", f"{name}/forward", partial(native_vs_analytic, name=name, backward=False),
+                    needs_counter=True)
+        yield Check("count", f"{name}/forward_backward", partial(native_vs_analytic, name=name, backward=True),
+                    needs_counter=True)

@@ -1,9 +1,12 @@
 """Level 'train': a step lowers the loss, gradients match the reference, weights round-trip
-exactly, and a short run of the small ResNet learns the digits dataset (and times its steps)."""
+exactly, and a short run of the small ResNet learns the digits dataset (and times its steps), at
+every precision the backend declares on the device under test. The accuracy goal is the same at
+every precision: a mixed precision that cannot learn digits is not one a scored run may use."""
 
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import numpy as np
 
@@ -14,7 +17,10 @@ from aiperf_conformance.kit import Check, Context, Outcome, reference
 from aiperf_conformance.levels.op import compare_grads
 
 # The digits run: enough for the small ResNet to pass 90% with plain SGD on every backend.
-DIGITS_EPOCHS = 8
+DIGITS_GOAL = 0.90  # best validation accuracy; a goal, not a tolerance: no expectations file moves it
+DIGITS_SIZE, DIGITS_EPOCHS = 32, 8
+# --quick: the scans' own 8x8 pixels, 16x fewer than 32 px; numpy and torch reach 90% in 6 or 7 epochs.
+QUICK_DIGITS_SIZE, QUICK_DIGITS_EPOCHS = 8, 10
 DIGITS_BATCH = 32
 DIGITS_LR = 0.05
 
@@ -24,34 +30,39 @@ def _small(ctx: Context, size: int = 16, classes: int = 5):
     return graph, trained_looking_weights(graph, ctx.seed)
 
 
-def step_lowers_loss(ctx: Context) -> Outcome:
+def step_lowers_loss(ctx: Context, precision: str) -> Outcome:
     graph, weights = _small(ctx)
     rng = ctx.rng(11)
     x = rng.normal(0, 1, (16,) + graph.input_shape).astype(np.float32)
     y = rng.integers(0, 5, 16)
-    model = ctx.backend.lower(graph, weights)
+    model = ctx.backend.lower(graph, weights, precision=precision)
     before, _ = ctx.backend.loss_and_grads(model, x, y)
     data = Dataset(x, y, x, y, 5)
-    config = TrainConfig(epochs=1, batch_size=16, schedule=Schedule(initial=0.01), seed=ctx.seed)
+    config = TrainConfig(epochs=1, batch_size=16, schedule=Schedule(initial=0.01), seed=ctx.seed,
+                         precision=precision)
     ctx.backend.train(model, data, config)
     after, _ = ctx.backend.loss_and_grads(model, x, y)
     return Outcome(bool(after < before), after, f"< {before}", None,
                    f"training-mode loss on the fixed batch went from {before:.5f} to {after:.5f}")
 
 
-def gradients(ctx: Context) -> Outcome:
+def gradients(ctx: Context, precision: str) -> Outcome:
     graph, weights = _small(ctx)
     rng = ctx.rng(12)
     x = rng.normal(0, 1, (4,) + graph.input_shape).astype(np.float32)
     y = rng.integers(0, 5, 4)
     ref_loss, ref_grads, _ = reference().loss_and_grads(graph, weights, x, y, label_smoothing=0.1, dtype=np.float64)
-    loss, grads = ctx.backend.loss_and_grads(ctx.backend.lower(graph, weights), x, y, label_smoothing=0.1)
-    return compare_grads(ctx, loss, grads, ref_loss, ref_grads, "train_grad")
+    model = ctx.backend.lower(graph, weights, precision=precision)
+    loss, grads = ctx.backend.loss_and_grads(model, x, y, label_smoothing=0.1)
+    # Normwise per tensor: the small ResNet's gradients are ill-conditioned in the max norm (the
+    # batch-norm backwards cancel; condition ~100-500, see conformance/defaults.json), so that the
+    # max-abs error of a mixed precision would be noise on a few entries; the 2-norm averages it.
+    return compare_grads(loss, grads, ref_loss, ref_grads, ctx.tolerance("train_grad", precision), normwise=True)
 
 
-def weights_round_trip(ctx: Context) -> Outcome:
+def weights_round_trip(ctx: Context, precision: str) -> Outcome:
     graph, weights = _small(ctx)
-    model = ctx.backend.lower(graph, weights)
+    model = ctx.backend.lower(graph, weights, precision=precision)
     exported = ctx.backend.export_weights(model)
     for node_id, params in weights.items():
         for name, value in params.items():
@@ -66,16 +77,16 @@ def weights_round_trip(ctx: Context) -> Outcome:
     return Outcome(same, same, True, 0, "import then export returns the same arrays bit for bit")
 
 
-def digits_accuracy(ctx: Context) -> Outcome:
+def digits_accuracy(ctx: Context, precision: str) -> Outcome:
     from aiperf_core.data.digits import load_digits
 
-    data = load_digits(32)
-    graph = resnet_small((32, 32, 3), data.classes)
-    model = ctx.backend.lower(graph)
-    epochs = 2 if ctx.quick else DIGITS_EPOCHS
+    size, epochs = (QUICK_DIGITS_SIZE, QUICK_DIGITS_EPOCHS) if ctx.quick else (DIGITS_SIZE, DIGITS_EPOCHS)
+    data = load_digits(size)
+    graph = resnet_small((size, size, 3), data.classes)
+    model = ctx.backend.lower(graph, precision=precision)
     config = TrainConfig(epochs=epochs, batch_size=DIGITS_BATCH, schedule=Schedule(initial=DIGITS_LR),
-                         seed=ctx.seed)
-    goal = ctx.expectations.tolerance("train_accuracy")
+                         seed=ctx.seed, precision=precision)
+    goal = DIGITS_GOAL
     ends = [time.perf_counter()]
 
     def on_epoch(report) -> bool:
@@ -96,15 +107,19 @@ def digits_accuracy(ctx: Context) -> Outcome:
             return Outcome(False, r.step_seconds, f"in (0, {wall:.3f}]", None,
                            f"epoch {r.epoch}: step_seconds must be measured (StepClock), positive and within "
                            f"the epoch's wall time")
+        if r.compile_seconds is not None and not 0 <= r.compile_seconds <= r.step_seconds:
+            return Outcome(False, r.compile_seconds, f"in [0, {r.step_seconds:.3f}]", None,
+                           f"epoch {r.epoch}: compile_seconds must lie within step_seconds (it is included "
+                           f"in it), or be None when not measured")
     best = max(r.val_accuracy for r in reports)
     return Outcome(best >= goal, best, goal, None,
-                   f"best validation accuracy {best:.3f} after {len(reports)} of at most {epochs} epochs "
+                   f"best validation accuracy {best:.3f} after {len(reports)} of at most {epochs} epochs at {size} px "
                    f"(goal {goal:.2f}); {sum(r.step_seconds for r in reports) / sum(walls):.3f} of the time "
                    f"in steps")
 
 
 def checks(ctx: Context):
-    yield Check("train", "step_lowers_loss", step_lowers_loss)
-    yield Check("train", "gradients_match_reference", gradients)
-    yield Check("train", "weights_round_trip", weights_round_trip)
-    yield Check("train", "digits_accuracy", digits_accuracy)
+    for precision in ctx.precisions:
+        for name, run in (("step_lowers_loss", step_lowers_loss), ("gradients_match_reference", gradients),
+                          ("weights_round_trip", weights_round_trip), ("digits_accuracy", digits_accuracy)):
+            yield Check("train", name, partial(run, precision=precision), precision)

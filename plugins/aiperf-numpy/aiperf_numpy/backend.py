@@ -73,8 +73,11 @@ class NumpyBackend(Backend):
 
     def train_checked(self, model: NumpyModel, data: Dataset, config: TrainConfig,
                       on_epoch: EpochCallback | None) -> list[EpochReport]:
-        """`data` is in-memory arrays or a StreamingDataset, read through the shared threaded
-        pipeline (its `workers` setting); a streamed image that does not decode is skipped and counted."""
+        """`data` is in-memory arrays or a StreamingDataset, read through the shared host pipeline
+        (its `workers` setting); a streamed image that does not decode is skipped and counted.
+        Streamed batches carry uint8 pixels, normalised inside the step (the host is this backend's
+        device) with the arithmetic every backend uses, preprocess.model_input."""
+        from aiperf_core.data.preprocess import model_input
         from aiperf_core.data.stream import train_batches, val_batches
 
         velocity = {n: {p: np.zeros_like(a) for p, a in ps.items() if p in TRAINABLE_PARAMS}
@@ -90,7 +93,7 @@ class NumpyBackend(Backend):
                     continue
                 with clock:
                     loss, grads, moving = loss_and_grads(
-                        model.graph, model.weights, batch.x, batch.y,
+                        model.graph, model.weights, model_input(batch.x), batch.y,
                         label_smoothing=config.label_smoothing, dtype=np.float32, seed=config.seed + seen)
                     for node_id, params in grads.items():
                         for name, g in params.items():
@@ -101,6 +104,7 @@ class NumpyBackend(Backend):
                     for node_id, stats in moving.items():
                         for name, value in stats.items():
                             model.weights[node_id][name] = value.astype(np.float32)
+                clock.count(len(batch.y))  # live progress (stall detection)
                 seen += len(batch.y)
                 losses.append(loss * len(batch.y))
             val_n, val_loss, correct = 0, 0.0, 0.0
@@ -108,13 +112,13 @@ class NumpyBackend(Backend):
                 skipped += batch.skipped
                 if len(batch.y):
                     with clock:
-                        probs = self.predict_checked(model, batch.x)
+                        probs = self.predict_checked(model, model_input(batch.x))
                     val_loss += cross_entropy(probs, batch.y) * len(batch.y)
                     correct += accuracy(probs, batch.y) * len(batch.y)
                     val_n += len(batch.y)
             report = EpochReport(epoch, seen, val_n, float(np.sum(losses) / max(seen, 1)),
                                  val_loss / val_n if val_n else 0.0, round(correct) / val_n if val_n else 0.0,
-                                 skipped_images=skipped, step_seconds=clock.lap())
+                                 skipped_images=skipped, step_seconds=clock.lap(), compile_seconds=0.0)
             reports.append(report)
             if on_epoch is not None and on_epoch(report):
                 break

@@ -1,0 +1,387 @@
+"""Level 'parallel' (fp32): data-parallel training equals single-device training.
+
+For a backend whose parallelism() declares data parallelism, every scenario trains the same model
+from the same weights twice, on one device (TrainConfig.devices = its first device) and on two, with
+the same global batch, and compares the exported weights (moving statistics included), the losses
+and the image counts:
+
+  parallel/matches_one_device       2 epochs of full batches: weights and losses within the
+                                    declared tolerance ('parallel');
+  parallel/synchronized_batch_norm  one step on a batch whose images differ wildly in offset, so
+                                    that per-device statistics differ from the global ones: the
+                                    moving statistics must be the global batch's;
+  parallel/uneven_last_batch        a last global batch of 3 (shards of 2 and 1): exact image counts
+                                    and equal weights (shard gradients weighted by shard size);
+  parallel/empty_shard              a last global batch of 1 and a validation set of 1: one device
+                                    gets nothing, and counts and weights must still be exact.
+
+Where fewer than two devices are visible, the level's work runs in a child process with
+AIPERF_CPU_DEVICES=2 (aiperf_core.backend.CPU_DEVICES_ENV; a backend reads it when it first
+initialises its framework, so it cannot be set in this process), with CUDA devices hidden when the
+one visible device is an accelerator; the child writes its outcomes as JSON and the parent reports
+them. With two or more devices visible (GPUs), the work runs in this process.
+
+A backend that declares no data parallelism is certified as single-device:
+
+  parallel/one_device_matches_default  training with devices=(its first device,) equals
+                                       devices=None, image counts exact with an uneven last batch;
+  parallel/refuses_two_devices         asking for two devices is refused with a BackendError
+                                       before anything trains, and the declaration is consistent
+                                       (synchronised batch norm needs data parallelism).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from aiperf_core.backend import CPU_DEVICES_ENV, BackendError, Dataset, Schedule, TrainConfig
+from aiperf_core.builders import resnet_small
+from aiperf_core.errors import AiperfError
+from aiperf_core.ir import Graph, Node
+from aiperf_conformance.cases import trained_looking_weights
+from aiperf_conformance.kit import Check, Context, Outcome, relative_error
+
+DATA_PARALLEL_CHECKS = ("matches_one_device", "synchronized_batch_norm", "uneven_last_batch", "empty_shard")
+SINGLE_DEVICE_CHECKS = ("one_device_matches_default", "refuses_two_devices")
+CHILD_DEVICES = 2
+CHILD_TIMEOUT = 1800  # seconds for the whole level in the child (MindSpore on 2 busy cores is slow)
+BATCH = 16
+LR = 0.05
+
+
+@dataclass(frozen=True)
+class Scenario:
+    graph: Any  # () -> Graph
+    train: int  # training images
+    val: int  # validation images
+    epochs: int
+    offsets: bool = False  # per-image offsets, so that per-device BN statistics differ from global ones
+
+
+def _resnet() -> Graph:
+    return resnet_small((16, 16, 3), 3)
+
+
+def _bn_probe() -> Graph:
+    """conv -> batch norm (momentum 0.5: half of the moving statistics is this step's) -> head."""
+    return Graph((
+        Node("x", "input", (), {"shape": [8, 8, 3]}),
+        Node("conv", "conv2d", ("x",), {"filters": 4, "kernel": [3, 3], "padding": [1, 1, 1, 1]}),
+        Node("bn", "batch_norm", ("conv",), {"epsilon": 1e-3, "momentum": 0.5}),
+        Node("relu", "relu", ("bn",), {}),
+        Node("pool", "global_avg_pool", ("relu",), {}),
+        Node("dense", "dense", ("pool",), {"units": 3}),
+        Node("probs", "softmax", ("dense",), {}),
+    ), name="bn_probe")
+
+
+SCENARIOS = {
+    "matches_one_device": Scenario(_resnet, 3 * BATCH, 10, 2),
+    "synchronized_batch_norm": Scenario(_bn_probe, BATCH, 4, 1, offsets=True),
+    "uneven_last_batch": Scenario(_resnet, 2 * BATCH + 3, 7, 1),
+    "empty_shard": Scenario(_resnet, BATCH + 1, 1, 1),
+    "one_device_matches_default": Scenario(_resnet, 2 * BATCH + 3, 7, 1),
+}
+QUICK_SCENARIOS = {  # --quick: fewer steps, the same edge cases
+    "matches_one_device": Scenario(_resnet, 2 * BATCH, 4, 1),
+    "one_device_matches_default": Scenario(_resnet, BATCH + 3, 3, 1),
+}
+
+
+def _data(scenario: Scenario, seed: int, classes: int, shape) -> Dataset:
+    rng = np.random.default_rng(seed)
+    n = scenario.train + scenario.val
+    x = rng.normal(0, 1, (n,) + tuple(shape))
+    if scenario.offsets:
+        # The images the first epoch's order (the contract's rule for in-memory data,
+        # default_rng(seed + epoch)) puts in the first device's shard are shifted up and scaled
+        # down, the others shifted down: each device's batch statistics are far from the global ones.
+        first = np.random.default_rng(seed).permutation(scenario.train)[:scenario.train // 2]
+        shift = np.full(n, -2.0)
+        shift[first] = 2.0
+        scale = np.where(shift > 0, 0.5, 1.5)
+        x = x * scale[:, None, None, None] + shift[:, None, None, None]
+    y = rng.integers(0, classes, n)
+    x = x.astype(np.float32)
+    return Dataset(x[:scenario.train], y[:scenario.train], x[scenario.train:], y[scenario.train:], classes)
+
+
+def _train(backend, scenario: Scenario, seed: int, devices) -> tuple[list, dict]:
+    graph = scenario.graph()
+    weights = trained_looking_weights(graph, seed)
+    data = _data(scenario, seed, graph.output_shape[0], graph.input_shape)
+    model = backend.lower(graph, weights)
+    config = TrainConfig(epochs=scenario.epochs, batch_size=BATCH, schedule=Schedule(initial=LR), seed=seed,
+                         devices=devices)
+    reports = backend.train(model, data, config)
+    return reports, backend.export_weights(model)
+
+
+def _counts(reports, scenario: Scenario, what: str) -> Outcome | None:
+    if len(reports) != scenario.epochs:
+        return Outcome(False, len(reports), scenario.epochs, None,
+                       f"{what}: {len(reports)} epoch reports for {scenario.epochs} epochs")
+    for r in reports:
+        if r.train_images != scenario.train or r.val_images != scenario.val:
+            return Outcome(False, [r.train_images, r.val_images], [scenario.train, scenario.val], 0,
+                           f"{what}, epoch {r.epoch}: counted {r.train_images} training and {r.val_images} "
+                           f"validation images, the epoch had {scenario.train} and {scenario.val} (batches "
+                           f"of {BATCH}, the last one short)")
+    return None
+
+
+def _agree(one: tuple[list, dict], other: tuple[list, dict], tol: float, what: str,
+           only: str | None = None) -> Outcome:
+    """Weights (every parameter and moving statistic, or those of node `only`) and per-epoch losses
+    of `other` against `one`, as relative errors."""
+    (reports_a, weights_a), (reports_b, weights_b) = one, other
+    worst, where = 0.0, ""
+    for node_id, params in weights_a.items():
+        if only is not None and node_id != only:
+            continue
+        for name, value in params.items():
+            got = weights_b.get(node_id, {}).get(name)
+            if got is None or np.shape(got) != np.shape(value):
+                return Outcome(False, None, list(np.shape(value)), tol,
+                               f"{what}: node '{node_id}' weight '{name}' missing or misshapen")
+            if not np.all(np.isfinite(got)):
+                return Outcome(False, "non-finite", "finite", tol, f"{what}: node '{node_id}' weight '{name}' "
+                                                                   f"is not finite")
+            err = relative_error(got, value)
+            if err > worst:
+                worst, where = err, f"node '{node_id}' weight '{name}'"
+    if only is None:
+        for a, b in zip(reports_a, reports_b):
+            for field in ("loss", "val_loss"):
+                err = abs(getattr(b, field) - getattr(a, field)) / max(abs(getattr(a, field)), 1e-12)
+                if err > worst:
+                    worst, where = err, f"epoch {a.epoch} {field} ({getattr(b, field):.6g} vs {getattr(a, field):.6g})"
+    return Outcome(worst <= tol, worst, 0.0, tol, f"{what}: largest relative difference {worst:.3g} "
+                                                  f"({where or 'none'}; tolerance {tol:g})")
+
+
+def _data_parallel(backend, name: str, scenario: Scenario, seed: int, tol: float) -> Outcome:
+    devices = list(backend.devices())
+    if len(devices) < 2:
+        return Outcome(False, len(devices), CHILD_DEVICES, None,
+                       f"backend '{backend.name}' declares data parallelism but exposes {len(devices)} device(s) "
+                       f"({', '.join(devices)}) with {CPU_DEVICES_ENV}={CHILD_DEVICES} set and no accelerator: it "
+                       f"must expose that many CPU devices (read {CPU_DEVICES_ENV} when the framework initialises)")
+    pair = tuple(devices[:2])
+    one = _train(backend, scenario, seed, (devices[0],))
+    two = _train(backend, scenario, seed, pair)
+    on = f"2 devices ({', '.join(pair)}) vs 1 ({devices[0]})"
+    for reports, what in ((one[0], "1 device"), (two[0], "2 devices")):
+        bad = _counts(reports, scenario, what)
+        if bad:
+            return bad
+    if name == "synchronized_batch_norm":
+        if not backend.parallelism().synchronized_batch_norm:
+            return Outcome(False, False, True, None, f"backend '{backend.name}' declares data parallelism without "
+                                                     f"synchronised batch norm: training on several devices would "
+                                                     f"not equal one device")
+        outcome = _agree(one, two, tol, f"{on}: moving statistics of node 'bn' after one step", only="bn")
+        if not outcome.passed:
+            outcome.message += ": batch-norm statistics are per device, not those of the global batch"
+            return outcome
+    outcome = _agree(one, two, tol, on)
+    if outcome.passed and scenario.train % BATCH:
+        last = scenario.train % BATCH
+        shards = [len(s) for s in np.array_split(np.arange(last), 2)]
+        outcome.message += f"; {scenario.train} training images counted exactly (last batch {last}: shards {shards})"
+    return outcome
+
+
+def _single_device(backend, name: str, scenario: Scenario | None, seed: int, tol: float) -> Outcome:
+    devices = list(backend.devices())
+    declared = backend.parallelism()
+    if name == "one_device_matches_default":
+        explicit = _train(backend, scenario, seed, (devices[0],))
+        bad = _counts(explicit[0], scenario, f"devices=({devices[0]},)")
+        if bad:
+            return bad
+        if len(devices) > 1:  # devices=None would mean all of them, which the contract refuses
+            try:
+                _train(backend, scenario, seed, None)
+            except BackendError as exc:
+                return Outcome(True, "refused", "refused", None,
+                               f"{scenario.train} training images counted exactly on {devices[0]}; "
+                               f"devices=None with {len(devices)} visible refused: {exc}")
+            return Outcome(False, "trained", "BackendError", None, f"devices=None trained on {len(devices)} "
+                                                                   f"devices without data parallelism")
+        default = _train(backend, scenario, seed, None)
+        bad = _counts(default[0], scenario, "devices=None")
+        if bad:
+            return bad
+        outcome = _agree(explicit, default, tol, f"devices=({devices[0]},) vs devices=None")
+        if outcome.passed:
+            outcome.message += f"; {scenario.train} training images counted exactly (last batch {scenario.train % BATCH})"
+        return outcome
+    if declared.synchronized_batch_norm:
+        return Outcome(False, True, False, None, f"backend '{backend.name}' declares synchronised batch norm "
+                                                 f"without data parallelism")
+    graph = _resnet()
+    weights = trained_looking_weights(graph, seed)
+    model = backend.lower(graph, weights)
+    data = _data(SCENARIOS["uneven_last_batch"], seed, 3, graph.input_shape)
+    asked = (devices[0], devices[1] if len(devices) > 1 else "second-device")
+    try:
+        backend.train(model, data, TrainConfig(epochs=1, batch_size=BATCH, devices=asked))
+    except BackendError as exc:
+        after = backend.export_weights(model)
+        changed = [n for n in weights for p in weights[n] if not np.array_equal(after[n][p], weights[n][p])]
+        if changed:
+            return Outcome(False, changed[:3], [], None, f"refused two devices ({exc}) but trained first: node "
+                                                         f"'{changed[0]}' changed")
+        return Outcome(True, "refused", "refused", None, f"single device ({len(devices)} visible: "
+                                                          f"{', '.join(devices)}); two devices refused: {exc}")
+    return Outcome(False, "trained", "BackendError", None,
+                   f"backend '{backend.name}' declares no data parallelism but trained on devices {list(asked)}")
+
+
+def run_scenarios(backend, seed: int, quick: bool, tol: float) -> dict:
+    """Every outcome of the level for `backend`, as JSON-ready dicts by check name (an exception
+    in one scenario is that check's 'error', never the others')."""
+    data_parallel = backend.parallelism().data_parallel
+    names = DATA_PARALLEL_CHECKS if data_parallel else SINGLE_DEVICE_CHECKS
+    scenarios = {**SCENARIOS, **(QUICK_SCENARIOS if quick else {})}
+    out: dict[str, dict] = {}
+    for name in names:
+        try:
+            run = _data_parallel if data_parallel else _single_device
+            outcome = run(backend, name, scenarios.get(name), seed, tol)
+            out[name] = {"passed": bool(outcome.passed), "measured": _plain(outcome.measured),
+                         "expected": _plain(outcome.expected), "tolerance": outcome.tolerance,
+                         "message": outcome.message}
+        except Exception as exc:
+            # Framework errors span lines (TensorFlow's: a header, the traceback of the graph, the
+            # cause); keep the text without the traceback, on one line.
+            lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+            text = " ".join(line for line in lines if not line.startswith('File "'))
+            out[name] = {"error": f"{type(exc).__name__}: {text}"[:600]}
+    return out
+
+
+def _plain(value):
+    if isinstance(value, (np.generic,)):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+# -- where the work runs --------------------------------------------------------------------------
+
+
+class ParallelLevelError(Exception):
+    """The level's work raised, here or in its child process."""
+
+
+def _class_path(backend) -> str:
+    cls = type(backend)
+    if cls.__module__ == "__main__" or "<locals>" in cls.__qualname__:
+        raise AiperfError(f"the parallel level trains backend '{backend.name}' in a child process, which must "
+                          f"import its class: define {cls.__qualname__} in an importable module")
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _is_accelerator(device: str) -> bool:
+    return device.split(":")[0].split(" ")[0].lower() != "cpu"
+
+
+def _in_child(ctx: Context) -> dict:
+    """Run the level in a child process that sees CHILD_DEVICES CPU devices; its outcomes come back
+    as JSON (the frameworks print to stdout and stderr, so the results travel in a file)."""
+    spec = {"backend_class": _class_path(ctx.backend), "seed": ctx.seed, "quick": ctx.quick,
+            "tolerance": ctx.tolerance("parallel"), "sys_path": [p for p in sys.path if p]}
+    env = dict(os.environ, **{CPU_DEVICES_ENV: str(CHILD_DEVICES)})
+    if _is_accelerator(ctx.device or ""):
+        env["CUDA_VISIBLE_DEVICES"] = ""  # one accelerator cannot train on two: certify the path on CPUs
+    with tempfile.TemporaryDirectory(prefix="aiperf-parallel-") as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "outcomes.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        code = "import sys; from aiperf_conformance.levels.parallel import child_main; sys.exit(child_main(sys.argv[1:]))"
+        try:
+            proc = subprocess.run([sys.executable, "-c", code, spec_path, out_path], env=env, capture_output=True,
+                                  text=True, timeout=CHILD_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            raise ParallelLevelError(f"the child process ({CPU_DEVICES_ENV}={CHILD_DEVICES}) did not finish in "
+                                     f"{CHILD_TIMEOUT} s") from None
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            lines = [line for line in (proc.stderr or "").splitlines() if line.strip()]
+            raise ParallelLevelError(f"the child process ({CPU_DEVICES_ENV}={CHILD_DEVICES}) exited with status "
+                                     f"{proc.returncode}: {lines[-1] if lines else 'no output'}")
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def child_main(argv: list[str]) -> int:
+    """The child process: load the backend class, run every scenario, write the outcomes."""
+    import importlib
+
+    from aiperf_core.atomic import write_text_atomic
+
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    for entry in spec["sys_path"]:
+        if entry not in sys.path:
+            sys.path.append(entry)
+    module, qualname = spec["backend_class"].split(":")
+    cls = importlib.import_module(module)
+    for part in qualname.split("."):
+        cls = getattr(cls, part)
+    backend = cls()
+    devices = list(backend.devices())
+    outcomes = run_scenarios(backend, spec["seed"], spec["quick"], spec["tolerance"])
+    write_text_atomic(out_path, json.dumps({"devices": devices, "outcomes": outcomes}))
+    return 0
+
+
+def _outcomes(ctx: Context) -> dict:
+    if "parallel" not in ctx.cache:
+        backend = ctx.backend
+        try:
+            if backend.parallelism().data_parallel and len(backend.devices()) < CHILD_DEVICES:
+                found = _in_child(ctx)
+                where = f"child process with {CPU_DEVICES_ENV}={CHILD_DEVICES}: {', '.join(found['devices'])}"
+                ctx.cache["parallel"] = (found["outcomes"], where)
+            else:
+                ctx.cache["parallel"] = (run_scenarios(backend, ctx.seed, ctx.quick, ctx.tolerance("parallel")),
+                                         ", ".join(backend.devices()))
+        except (AiperfError, ParallelLevelError) as exc:
+            ctx.cache["parallel"] = exc
+    found = ctx.cache["parallel"]
+    if isinstance(found, Exception):
+        raise ParallelLevelError(str(found))
+    return found
+
+
+def _check(ctx: Context, name: str) -> Outcome:
+    outcomes, where = _outcomes(ctx)
+    if name not in outcomes:
+        kind = "data-parallel" if name in DATA_PARALLEL_CHECKS else "single-device"
+        raise ParallelLevelError(f"not a {kind} backend: no outcome for '{name}'")
+    found = outcomes[name]
+    if "error" in found:
+        raise ParallelLevelError(f"on {where}: {found['error']}")
+    return Outcome(found["passed"], found["measured"], found["expected"], found["tolerance"],
+                   found["message"], device=where)
+
+
+def checks(ctx: Context):
+    declared = None if ctx.backend is None else ctx.backend.parallelism().data_parallel
+    names = ((DATA_PARALLEL_CHECKS if declared in (None, True) else ())
+             + (SINGLE_DEVICE_CHECKS if declared in (None, False) else ()))
+    for name in names:
+        yield Check("parallel", name, partial(_check, name=name))
