@@ -94,34 +94,6 @@ class Expectations:
                 return reason
         return None
 
-    def to_dict(self) -> dict:
-        return {"path": self.path, "sha256": self.sha256}
-
-
-@dataclass
-class Expectations:
-    """Tolerances per precision and key, and expected failures (check-id glob -> reason).
-
-    `file` is the backend's expectations file (None: the backend has none and is held to the
-    defaults); `defaults` is the defaults file. Both are named, with their sha256, in every report."""
-
-    tolerances: dict[str, dict[str, Tolerance]] = field(default_factory=lambda: load_defaults()[0])
-    xfail: dict[str, str] = field(default_factory=dict)
-    file: SourceFile | None = None
-    defaults: SourceFile | None = field(default_factory=lambda: load_defaults()[1])
-
-    def tolerance(self, key: str, precision: str = "fp32") -> float:
-        try:
-            return self.tolerances[precision][key].value
-        except KeyError:
-            raise AiperfError(f"no tolerance '{key}' at precision '{precision}'") from None
-
-    def xfail_reason(self, check_id: str) -> str | None:
-        for pattern, reason in self.xfail.items():
-            if fnmatch.fnmatchcase(check_id, pattern):
-                return reason
-        return None
-
     def describe(self) -> str:
         """One line for summaries: which file, and its hash."""
         if self.file is None:
