@@ -3,7 +3,8 @@
 Both are the Keras layout (stride on the first 1x1 conv of a downsampling bottleneck, no conv bias,
 batch norm after every conv), 128x128x3 inputs, 1000 classes, batch 16, fp32, SGD with momentum
 0.9, a couple of warm-up steps each. The lowered model trains through the backend's own compiled
-step (training.Trainer.step: GradientTape, explicit torch-style momentum update); the hand-written
+step (training.Trainer.step: GradientTape, explicit torch-style momentum update, TF32 held off
+by lowering.precision_scope, which costs nothing on a CPU); the hand-written
 one is tf.keras layers (Conv2D, BatchNormalization, ...) with a tf.function step and Keras' SGD.
 Both start from their own initialisation (weights do not change a step's time).
 
@@ -12,6 +13,13 @@ median of the pairs' ratios, so that a pair's two steps see the same machine loa
 AIPERF_BENCH_STEPS sets the number of pairs (default 10; well under 3 minutes on 2 CPU cores).
 
 Goal: lowered / hand-written images per second >= 0.97.
+
+Then the quick run's first round as `make run` trains it: ResNet-50 at 32x32 on digits (1,438
+training and 359 validation images), batch 32, fp32, through the backend's own train(): one
+epoch to trace and warm up, then AIPERF_BENCH_EPOCHS timed epochs (default 2). It reports the
+median epoch's training images per wall second (training and evaluation included), the same
+over the epoch's step time (StepClock), the first epoch's compile seconds, and whether TF's
+oneDNN kernels are on (the backend turns them on on x86-64: docs/backends/tensorflow.md).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from _common import compare_training_throughput, report_peak_fraction, training_ops_per_image  # noqa: E402
+from _common import compare_training_throughput, report, report_peak_fraction, training_ops_per_image  # noqa: E402
 
 BATCH = 16
 SIZE = 128
@@ -33,6 +41,9 @@ CLASSES = 1000
 WARMUP = 2
 STEPS = int(os.environ.get("AIPERF_BENCH_STEPS", "10"))
 LR = 0.01
+QUICK_SIZE = 32
+QUICK_BATCH = 32  # examples/quick.toml's batch_size: the first round's
+QUICK_EPOCHS = int(os.environ.get("AIPERF_BENCH_EPOCHS", "2"))
 
 
 def keras_resnet50(tf, classes: int):
@@ -64,6 +75,37 @@ def keras_resnet50(tf, classes: int):
     return tf.keras.Model(inputs, layers.Dense(classes)(x))
 
 
+def quick_run_epochs(backend) -> None:
+    """Epoch rates of the quick run's first round (see the module's docstring)."""
+    import time
+
+    from tensorflow.python.util import _pywrap_util_port
+
+    from aiperf_core.backend import Schedule, TrainConfig
+    from aiperf_core.builders import resnet50
+    from aiperf_core.data.digits import load_digits
+
+    data = load_digits(QUICK_SIZE)
+    model = backend.lower(resnet50((QUICK_SIZE, QUICK_SIZE, 3), data.classes))
+    walls, marks = [], [time.perf_counter()]
+
+    def on_epoch(report):
+        marks.append(time.perf_counter())
+        walls.append((report, marks[-1] - marks[-2]))
+
+    backend.train(model, data, TrainConfig(epochs=1 + QUICK_EPOCHS, batch_size=QUICK_BATCH,
+                                           schedule=Schedule(initial=0.01)), on_epoch)
+    first = walls[0][0]
+    timed = sorted(walls[1:], key=lambda rw: rw[1])
+    report_row, wall = timed[len(timed) // 2]
+    print(f"quick run's first round: ResNet-50 {QUICK_SIZE}x{QUICK_SIZE} on digits, batch {QUICK_BATCH}, fp32; "
+          f"oneDNN {'on' if _pywrap_util_port.IsMklEnabled() else 'OFF'}; median of {QUICK_EPOCHS} epochs after one")
+    report("tensorflow quick-run epoch, wall", report_row.train_images / wall, "images/s", None, lower_is_better=False)
+    report("tensorflow quick-run epoch, steps", report_row.train_images / report_row.step_seconds, "images/s", None,
+           lower_is_better=False)
+    report("tensorflow quick-run first epoch compile", first.compile_seconds, "s", None)
+
+
 def main() -> int:
     from aiperf_backends.tensorflow import TensorFlowBackend
 
@@ -72,10 +114,10 @@ def main() -> int:
         return 0
     from aiperf_core.backend import TrainConfig
     from aiperf_core.builders import resnet50
-    from aiperf_backends.tensorflow.backend import _tf
+    from aiperf_backends.tensorflow.backend import framework
     from aiperf_backends.tensorflow.training import Trainer
 
-    tf = _tf()
+    tf = framework()
     backend = TensorFlowBackend()
     graph = resnet50((SIZE, SIZE, 3), CLASSES)
     lowered = backend.lower(graph)
@@ -97,9 +139,10 @@ def main() -> int:
     x = rng.standard_normal((BATCH, SIZE, SIZE, 3)).astype(np.float32)
     labels = rng.integers(0, CLASSES, BATCH).astype(np.int64)
     xt, yt = tf.constant(x), tf.constant(labels)
+    batch = trainer.put(x, labels)
 
     def lowered_once():
-        float(trainer.step(x, labels, LR))  # float(): wait for the step
+        float(trainer.step(batch, LR))  # float(): wait for the step
 
     def hand_once():
         float(hand_step(xt, yt))
@@ -114,6 +157,7 @@ def main() -> int:
     matmul = tf.function(lambda m: tf.reduce_sum(tf.linalg.matmul(m, m)))  # the sum forces the whole product
     report_peak_fraction("tensorflow", lowered_rate, training_ops_per_image(graph),
                          lambda: float(matmul(a)))
+    quick_run_epochs(backend)
     return 0
 
 

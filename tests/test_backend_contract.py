@@ -93,9 +93,8 @@ def test_reference_counts_each_step_and_normalises_streamed_pixels_in_the_step(m
     real_count, real_input = StepClock.count, preprocess.model_input
     monkeypatch.setattr(StepClock, "count", lambda self, images: (counted.append(images), real_count(self, images)))
     monkeypatch.setattr(preprocess, "model_input", lambda x: (seen.append(x.dtype), real_input(x))[1])
-    pixels = {"pixels": stream.UINT8} if hasattr(stream, "UINT8") else {}  # the stream's transitional option
     data = stream.StreamingDataset(SyntheticSource(classes=3, train_images=11, val_images=3), image_size=8,
-                                   workers=0, **pixels)
+                                   workers=0)
     backend = NumpyBackend()
     reports = backend.train(backend.lower(resnet_small((8, 8, 3), 3)), data, TrainConfig(epochs=1, batch_size=4))
     assert counted == [4, 4, 3] and reports[0].train_images == 11 and reports[0].val_images == 3

@@ -52,9 +52,6 @@ from aiperf_core.errors import AiperfError
 TRAIN, VAL = "train", "val"
 SPLITS = (TRAIN, VAL)
 DEFAULT_PREFETCH = 2
-# Transitional: the `pixels` keyword of StreamingDataset once chose between these uint8 pixels and
-# host-normalised float32; uint8 is now the only delivery. It goes once no caller passes it.
-UINT8 = "uint8"
 NATIVE, DALI = "native", "dali"  # who decodes: the backend's own pipeline or the host workers, or NVIDIA DALI
 LOADERS = (NATIVE, DALI)
 log = logging.getLogger("aiperf.data")
@@ -274,11 +271,9 @@ class StreamingDataset:
     """A source plus the run's input settings; what a backend's train() accepts besides Dataset."""
 
     def __init__(self, source: ImageSource, image_size: int = 224, workers: int = 1,
-                 prefetch: int = DEFAULT_PREFETCH, pixels: str = UINT8, loader: str = NATIVE):
+                 prefetch: int = DEFAULT_PREFETCH, loader: str = NATIVE):
         if workers < 0:
             raise AiperfError(f"data workers must be >= 0, got {workers}")
-        if pixels != UINT8:
-            raise AiperfError(f"pixels: batches carry uint8 pixels only, got {pixels!r}")
         if loader not in LOADERS:
             raise AiperfError(f"data_loader: must be one of {', '.join(LOADERS)}, got {loader!r}")
         if loader == DALI:

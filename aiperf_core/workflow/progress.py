@@ -43,8 +43,10 @@ class Live:
         return sum(r.images_per_s or 0.0 for r in self.replicas.values())
 
     @property
-    def ops_per_s(self) -> float:
-        return sum(r.ops_per_s or 0.0 for r in self.replicas.values())
+    def ops_per_s(self) -> float | None:
+        """None until a reporting replica's running trial is counted (never a misleading 0)."""
+        known = [r.ops_per_s for r in self.replicas.values() if r.ops_per_s is not None]
+        return sum(known) if known else None
 
 
 def live_figures(run_dir: Any, progress: Any) -> Live:
@@ -93,8 +95,9 @@ def render(progress: Any, live: Live | None = None) -> list[str]:
         f"epochs {progress.epochs_counted}",
     ]
     if live is not None and progress.trials_running:
+        ops = "- OPS" if live.ops_per_s is None else format_ops(live.ops_per_s)
         lines.append(f"live, not scored: {_rate(live.images_per_s)} images/s  "
-                     f"{format_ops(live.ops_per_s)} analytic ({len(live.replicas)} of "
+                     f"{ops} analytic ({len(live.replicas)} of "
                      f"{progress.trials_running} training replicas reporting)")
     for replica in progress.replicas:
         if replica.stopped:

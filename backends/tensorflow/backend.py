@@ -1,45 +1,126 @@
 """TensorFlowBackend: the aiperf Backend contract on TensorFlow 2.
 
 tensorflow is imported lazily, inside methods, so that `import aiperf_backends.tensorflow` and listing
-backends work where it is not installed. TF's C++ logging is quieted to warnings and errors
-(TF_CPP_MIN_LOG_LEVEL=1 unless set; errors are never hidden), TF's Python logger to errors.
+backends work where it is not installed. `framework()` imports and configures it, once a process
+(docs/backends/tensorflow.md has the measurements behind each setting):
+
+* oneDNN: TF_ENABLE_ONEDNN_OPTS defaults to 1 on x86-64. TensorFlow's own default turns its oneDNN
+  kernels on only for CPUs with AVX512-VNNI, AVX512-BF16, AVX-VNNI or AMX, and otherwise runs
+  Eigen's convolutions, which trained ResNet-50 at 32x32 about 7x slower on a 2-core AMD EPYC
+  (11 against 78 images/s). A user's own TF_ENABLE_ONEDNN_OPTS is kept.
+* ONEDNN_DEFAULT_FPMATH_MODE other than STRICT would let oneDNN compute fp32 convolutions in bf16
+  or TF32, so fp32 would not be IEEE fp32: the backend refuses to start with it (one line).
+* threads: where OMP_NUM_THREADS is set (the local executor puts each CPU replica's share of the
+  cores there), TensorFlow's intra-op and inter-op pools take that many threads, as TF itself
+  would size them on a machine of that many cores; TF ignores the variable otherwise, and two
+  replicas on one host would each start a pool as large as the host.
+* AIPERF_CPU_DEVICES=N (the contract's CPU_DEVICES_ENV) with no GPU visible: the host CPU is split
+  into N logical devices before TF's runtime starts, so that devices() lists 'cpu:0' ... 'cpu:N-1'
+  and the data-parallel path can be certified on a CPU machine. A process whose TF runtime had
+  already started gets a one-line error instead of a silently different device count.
+* TF's C++ logging is quieted to warnings and errors (TF_CPP_MIN_LOG_LEVEL=1 unless set; errors
+  are never hidden), its Python logger to errors. A few lines TF's C++ core prints before absl
+  logging is initialised (CPU-feature notices at import) ignore it.
+
+The contract:
 
 * devices: every logical GPU ('gpu:0', ...) when there is one, else every logical CPU ('cpu' when
-  there is one, 'cpu:0', 'cpu:1', ... when the process configured several logical CPUs).
-* precisions: fp32, plus mixed bf16 / fp16 (fp32 variables, manual casts, see lowering.py) only
-  where the first device runs them natively and a small probe trains finitely: on a GPU, bf16
-  where the device is Ampere or newer and fp16 never (no loss scaling is implemented); on a CPU,
-  bf16 where it has AVX512-BF16 or AMX-BF16 (without them TF emulates bf16, slower than fp32) and
-  fp16 never.
-* train: one device trains directly; several train data parallel with MirroredStrategy and
-  synchronised batch norm (see distributed.py).
-* XLA: set AIPERF_TF_XLA=1 to compile the forward and the single-device train step with
-  jit_compile. Off by default: on CPU (TF 2.21, 2 cores) it made ResNet-50 training 0.65x as fast
-  as the hand-written Keras model, against 1.00x without it (benchmarks/tensorflow_throughput.py).
-* Logging: TF_CPP_MIN_LOG_LEVEL defaults to 1 (INFO dropped; warnings and errors kept). A few lines
-  TF's C++ core prints before absl logging is initialised (oneDNN and CPU-feature notices at
-  import) ignore it.
+  there is one, 'cpu:0', 'cpu:1', ... when there are several).
+* precisions (probed per device: the hardware must run it natively and a small probe must train
+  finitely): fp32 everywhere (TF32 execution off around every call, lowering.precision_scope);
+  tf32 on CUDA GPUs of compute capability 8.0+; bf16 on GPUs of compute capability 8.0+ and on
+  CPUs with AVX512-BF16 or AMX-BF16 (without them TF emulates bf16, slower than fp32); fp16 with
+  dynamic loss scaling (training.LossScale) on GPUs of compute capability 7.0+, never on a CPU.
+* train: TrainConfig.devices (default: every local device). One device trains directly, without a
+  strategy (a model whose variables live on another device is trained as a copy there); several
+  train data parallel with MirroredStrategy over exactly those devices and synchronised batch norm
+  (distributed.py). Predict, evaluation and every batch run on the model's (or the first) device.
+* XLA: see lowering.use_xla (AIPERF_TF_XLA; unset: on GPUs, off on CPUs; a bad value is refused
+  when the backend starts).
 """
 
 from __future__ import annotations
 
 import os
+import platform
 from typing import Any
 
 import numpy as np
 
-from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, NativeCounter,
-                                 Parallelism, TrainConfig, cpu_flags)
+from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, BackendError, Dataset, EpochCallback,
+                                 EpochReport, NativeCounter, Parallelism, TrainConfig, cpu_flags,
+                                 requested_cpu_devices)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights, init_weights
 
+FPMATH_ENV = "ONEDNN_DEFAULT_FPMATH_MODE"
+XLA_ENV = "AIPERF_TF_XLA"  # 1: jit_compile on every device; 0: never; unset: on GPUs only (lowering.use_xla)
+_XLA_VALUES = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False,
+               "off": False}
+_configured = False  # framework() has configured TensorFlow in this process
 
 
-def _tf():
+def xla_setting() -> bool | None:
+    """AIPERF_TF_XLA as a choice (None when unset); a bad value is a one-line error."""
+    raw = os.environ.get(XLA_ENV, "").strip().lower()
+    if not raw:
+        return None
+    if raw not in _XLA_VALUES:
+        raise BackendError(f"{XLA_ENV} must be 1 or 0 (or unset: XLA on GPUs only), got '{raw}'")
+    return _XLA_VALUES[raw]
+
+
+
+def _environment_defaults() -> None:
+    """What must be in the environment before TensorFlow's C++ core loads."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # drop INFO lines, keep warnings and errors
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
+
+def _omp_threads() -> int:
+    raw = os.environ.get("OMP_NUM_THREADS", "").strip()
+    try:
+        return max(int(raw), 0)
+    except ValueError:
+        return 0
+
+
+def framework():
+    """tensorflow, configured once a process (see the module's docstring)."""
+    global _configured
+    if not _configured:
+        mode = os.environ.get(FPMATH_ENV, "").strip()
+        if mode and mode.lower() != "strict":
+            raise BackendError(f"{FPMATH_ENV}={mode} lets oneDNN compute fp32 convolutions in lower precision, so "
+                               f"the tensorflow backend's fp32 would not be IEEE fp32: unset it (ask for precision "
+                               f"bf16 instead)")
+        xla_setting()  # a bad value fails here, before anything trains
+        _environment_defaults()
+        import tensorflow as tf
+
+        tf.get_logger().setLevel("ERROR")
+        wanted = requested_cpu_devices()
+        threads = _omp_threads()
+        if threads:
+            try:
+                tf.config.threading.set_intra_op_parallelism_threads(threads)
+                tf.config.threading.set_inter_op_parallelism_threads(threads)
+            except RuntimeError:  # the runtime started before this backend did: its pools stay as they are
+                pass
+        if wanted > 1 and not tf.config.list_physical_devices("GPU"):
+            cpu = tf.config.list_physical_devices("CPU")[0]
+            try:
+                tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * wanted)
+            except RuntimeError:
+                found = len(tf.config.list_logical_devices("CPU"))
+                if found != wanted:
+                    raise BackendError(f"{CPU_DEVICES_ENV}={wanted}, but TensorFlow's runtime already started with "
+                                       f"{found} CPU device(s) (set the variable before the process first uses "
+                                       f"TensorFlow)") from None
+        _configured = True
     import tensorflow as tf
 
-    tf.get_logger().setLevel("ERROR")
     return tf
 
 
@@ -49,36 +130,42 @@ def tf_device_name(device: str) -> str:
     return f"/device:{kind.upper()}:{index or 0}"
 
 
-def _native(device: str, precision: str) -> bool:
-    tf = _tf()
+def _compute_capability(device: str) -> tuple[int, int]:
+    tf = framework()
+    index = int(device.partition(":")[2] or 0)
+    try:
+        gpu = tf.config.list_physical_devices("GPU")[index]
+        return tuple(tf.config.experimental.get_device_details(gpu).get("compute_capability", (0, 0)))
+    except Exception:  # no details (not CUDA): nothing is declared beyond fp32
+        return (0, 0)
+
+
+def runs_natively(device: str, precision: str) -> bool:
+    """Whether the hardware of `device` runs `precision` natively (before any probe)."""
     if device.startswith("gpu"):
-        if precision != "bf16":
-            return False
-        try:
-            details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
-            return tuple(details.get("compute_capability", (0, 0))) >= (8, 0)
-        except Exception:
-            return False
+        capability = _compute_capability(device)
+        return capability >= {"tf32": (8, 0), "bf16": (8, 0), "fp16": (7, 0)}[precision]
     if precision == "bf16":
         return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-    return False
+    return False  # tf32 is a CUDA tensor-core format; fp16 on a CPU is not offered
 
 
 def _probe_precision(device: str, precision: str) -> bool:
-    """Whether mixed `precision` trains a tiny conv/BN/dense net on `device`, with finite results."""
-    if not _native(device, precision):
+    """Whether `precision` trains a tiny conv/BN/dense net on `device` with finite results."""
+    if not runs_natively(device, precision):
         return False
     try:
-        from aiperf_core.builders import resnet_small
         from aiperf_core.backend import Schedule
+        from aiperf_core.builders import resnet_small
         from aiperf_backends.tensorflow.lowering import lower_graph
         from aiperf_backends.tensorflow.training import Trainer
 
         graph = resnet_small((8, 8, 3), 3)
-        model = lower_graph(graph, init_weights(graph, 0), precision)
+        model = lower_graph(graph, init_weights(graph, 0), precision, device)
         trainer = Trainer(model, TrainConfig(epochs=1, batch_size=2, schedule=Schedule(0.01), precision=precision))
         rng = np.random.default_rng(0)
-        loss = float(trainer.step(rng.normal(size=(2, 8, 8, 3)).astype(np.float32), np.array([0, 2]), 0.01))
+        batch = trainer.put(rng.normal(size=(2, 8, 8, 3)).astype(np.float32), np.array([0, 2]))
+        loss = float(trainer.step(batch, 0.01))
         return bool(np.isfinite(loss)) and all(np.all(np.isfinite(v.numpy())) for v in model.trainables)
     except Exception:  # an unsupported dtype raises in many ways; it just is not declared
         return False
@@ -90,14 +177,14 @@ class TensorFlowBackend(Backend):
     # -- discovery ----------------------------------------------------------
     @classmethod
     def availability(cls) -> Availability:
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # as _tf(): the probe imports TF first
+        _environment_defaults()  # the probe below imports TF first
         return cls.import_availability("tensorflow", "tensorflow")
 
     def framework_version(self) -> str:
-        return _tf().__version__
+        return framework().__version__
 
     def devices(self) -> list[str]:
-        tf = _tf()
+        tf = framework()
         gpus = tf.config.list_logical_devices("GPU")
         if gpus:
             return [f"gpu:{i}" for i in range(len(gpus))]
@@ -109,7 +196,7 @@ class TensorFlowBackend(Backend):
 
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True,
-                           notes="MirroredStrategy with synchronised batch norm")
+                           notes="MirroredStrategy over the training devices with synchronised batch norm")
 
     def native_counter(self) -> NativeCounter | None:
         from aiperf_backends.tensorflow.counter import TFProfilerCounter
@@ -119,11 +206,10 @@ class TensorFlowBackend(Backend):
     # -- models -------------------------------------------------------------
     def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> Any:
         weights = self.starting_weights(graph, weights, precision)
-        tf = _tf()
+        framework()
         from aiperf_backends.tensorflow.lowering import lower_graph
 
-        with tf.device(tf_device_name(self.devices()[0])):
-            return lower_graph(graph, weights, precision)
+        return lower_graph(graph, weights, precision, self.devices()[0])
 
     def model_type(self) -> type:
         from aiperf_backends.tensorflow.lowering import LoweredModel
@@ -137,29 +223,35 @@ class TensorFlowBackend(Backend):
         self.check_model(model).load_canonical(weights)
 
     def predict_checked(self, model: Any, x: np.ndarray) -> np.ndarray:
+        tf = framework()
+        from aiperf_backends.tensorflow.lowering import precision_scope
         from aiperf_backends.tensorflow.training import PREDICT_BATCH
 
-        outputs = [model.predict_fn(x[s:s + PREDICT_BATCH]).numpy() for s in range(0, len(x), PREDICT_BATCH)]
+        forward = model.predict_fn()
+        with tf.device(tf_device_name(model.device)), precision_scope(model.precision):
+            outputs = [forward(x[s:s + PREDICT_BATCH]).numpy() for s in range(0, len(x), PREDICT_BATCH)]
         return np.ascontiguousarray(np.concatenate(outputs), dtype=np.float32)
 
     def loss_and_grads_checked(self, model: Any, x: np.ndarray, labels: np.ndarray,
                                label_smoothing: float) -> tuple[float, Weights]:
-        tf = _tf()
+        tf = framework()
+        from aiperf_backends.tensorflow.lowering import precision_scope
         from aiperf_backends.tensorflow.training import summed_loss
 
         # Training mode (batch statistics) but the moving statistics are returned, not assigned:
         # computing gradients never changes the model. Dropout masks are the NumPy reference's
         # for seed 0 (float64 draws in graph order), so the result is comparable.
         masks = _reference_masks(model.graph, len(x))
-        with tf.GradientTape() as tape:
-            total, _, _ = summed_loss(model, tf.constant(x), tf.constant(labels), label_smoothing, True, masks)
-            loss = total / len(x)
-        grads = tape.gradient(loss, model.trainables) if model.trainables else []
+        with tf.device(tf_device_name(model.device)), precision_scope(model.precision):
+            with tf.GradientTape() as tape:
+                total, _, _ = summed_loss(model, tf.constant(x), tf.constant(labels), label_smoothing, True, masks)
+                loss = total / len(x)
+            grads = tape.gradient(loss, model.trainables) if model.trainables else []
         return float(loss), model.canonical_grads(grads)
 
     def train_checked(self, model: Any, data: Dataset, config: TrainConfig,
                       on_epoch: EpochCallback | None) -> list[EpochReport]:
-        devices = self.devices()
+        devices = self.train_devices(config)
         # Train in the config's precision (the model's variables are float32 either way).
         saved = model.precision
         model.set_precision(config.precision)
@@ -168,10 +260,9 @@ class TensorFlowBackend(Backend):
                 from aiperf_backends.tensorflow.distributed import train_data_parallel
 
                 return train_data_parallel(model, data, config, devices, on_epoch)
-            from aiperf_backends.tensorflow.training import Trainer, run_epochs
+            from aiperf_backends.tensorflow.training import train_one_device
 
-            with _tf().device(tf_device_name(devices[0])):
-                return run_epochs(Trainer(model, config), data, config, on_epoch)
+            return train_one_device(model, data, config, devices[0], on_epoch)
         finally:
             model.set_precision(saved)
 

@@ -23,33 +23,84 @@ dense kernels), so weights cross the interface without any transpose and export 
 * dropout: inverted dropout. Masks come from tf.random in training, or, when the caller passes
   them (loss_and_grads), from the NumPy reference's generator, so gradients are comparable.
 
+Input: a float32 batch is taken as it is (in-memory arrays, already normalised); a uint8 batch is
+pixels (streamed and synthetic data) and is normalised first, on the model's device inside the
+traced step, with exactly the host's arithmetic `(float32(x) - MEAN) * INV_STD`
+(aiperf_core.data.preprocess), so that a quarter of the bytes crosses to the device.
+
+Precision (`precision_scope`): fp32 is IEEE fp32. TensorFlow's only switch for TF32 is
+process-global (`tf.config.experimental.enable_tensor_float_32_execution`, on by default: cuDNN
+and cuBLAS then run fp32 convolutions and matrix products on TF32 units of CUDA 8.0+ GPUs), so
+every call that traces or runs the model (train and eval steps, predict, loss_and_grads) holds
+`precision_scope`, which sets the switch for the call (on for tf32, off otherwise) and restores
+the caller's value after. The scope wraps tracing and compiling as well as running: non-XLA
+kernels read the switch when they run, XLA when it compiles. A lock serialises the scopes of
+threads that use the backend at the same time (aiperf trains on one thread).
 Mixed precision (bf16/fp16) is manual: variables stay float32; conv and dense cast their input
-and kernel to the compute dtype; batch norm computes its statistics in float32 and returns the
-compute dtype; the logits / softmax are float32.
+and kernel to the compute dtype; batch norm and global average pooling compute in float32 and
+return the compute dtype; the logits / softmax are float32. tf32 computes in float32 (the TF32
+units do the rest).
+
+XLA (`use_xla`): AIPERF_TF_XLA=1 compiles the single-device train and eval steps and predict with
+jit_compile, =0 never; unset, they are compiled on GPUs and not on CPUs (docs/backends/tensorflow.md
+has the measurements and the reasons).
 """
 
 from __future__ import annotations
 
-import os
+import threading
+from contextlib import contextmanager
 from typing import Any, Mapping
 
 import numpy as np
-import tensorflow as tf
 
+from aiperf_core.data.preprocess import INV_STD, MEAN
 from aiperf_core.errors import GraphError
 from aiperf_core.ir import Graph, Node
 from aiperf_core.weights import Weights, validate_weights
+from aiperf_backends.tensorflow.backend import framework, xla_setting
+
+tf = framework()  # configured before any use (backend.py): oneDNN, threads, AIPERF_CPU_DEVICES
 
 # tf.nn.fused_batch_norm raises a smaller epsilon to this silently; such nodes take the written-out path.
 FUSED_MIN_EPSILON = 1.001e-5
 
 TRAINABLE = ("kernel", "bias", "gamma", "beta")
-COMPUTE_DTYPES = {"fp32": tf.float32, "bf16": tf.bfloat16, "fp16": tf.float16}
-XLA_ENV = "AIPERF_TF_XLA"  # "1": compile the forward and the train step with XLA (jit_compile)
+COMPUTE_DTYPES = {"fp32": tf.float32, "tf32": tf.float32, "bf16": tf.bfloat16, "fp16": tf.float16}
 
 
-def use_xla() -> bool:
-    return os.environ.get(XLA_ENV, "0").lower() in ("1", "true", "yes", "on")
+def use_xla(device: str) -> bool:
+    """Whether the single-device steps and predict on `device` (a backend device name) compile with
+    XLA: AIPERF_TF_XLA when set, else on GPUs only."""
+    setting = xla_setting()
+    return device.startswith("gpu") if setting is None else setting
+
+
+_tf32_lock = threading.RLock()
+
+
+@contextmanager
+def precision_scope(precision: str):
+    """TF32 execution on for tf32 and off for every other precision while the block runs; the
+    caller's setting is restored after (see the module's docstring)."""
+    want = precision == "tf32"
+    with _tf32_lock:
+        before = tf.config.experimental.tensor_float_32_execution_enabled()
+        if before != want:
+            tf.config.experimental.enable_tensor_float_32_execution(want)
+        try:
+            yield
+        finally:
+            if before != want:
+                tf.config.experimental.enable_tensor_float_32_execution(before)
+
+
+def device_input(x):
+    """What the graph's input node receives: uint8 pixels normalised `(float32(x) - MEAN) * INV_STD`
+    per channel (the host pipeline's arithmetic, aiperf_core.data.preprocess), float32 as it is."""
+    if x.dtype == tf.uint8:
+        return (tf.cast(x, tf.float32) - tf.constant(MEAN, tf.float32)) * tf.constant(INV_STD, tf.float32)
+    return x
 
 
 def _same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
@@ -83,13 +134,16 @@ class LoweredModel(tf.Module):
     ``call(x, training, logits=False, masks=None)`` returns ``(output, updates)``: the graph's
     output (or the softmax's input with logits=True, when the output node is a softmax) and the
     list of (moving variable, new value) pairs of a training pass (empty in inference).
-    ``predict_fn`` is a tf.function of the inference forward with a None batch dimension.
+    ``predict_fn()`` is a tf.function of the inference forward at the model's precision, with a None
+    batch dimension. ``device`` is the backend device name its variables live on.
     """
 
-    def __init__(self, graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray]], precision: str = "fp32"):
+    def __init__(self, graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray]], precision: str = "fp32",
+                 device: str = "cpu"):
         super().__init__(name="aiperf_lowered")
         validate_weights(graph, weights)
         self.graph = graph
+        self.device = device
         self.precision = precision
         self.compute_dtype = COMPUTE_DTYPES[precision]
         self.params: dict[str, dict[str, tf.Variable]] = {}
@@ -108,14 +162,21 @@ class LoweredModel(tf.Module):
         for i, node in enumerate(graph.nodes):
             for src in node.inputs:
                 self._last_reader[src] = i
-        spec = tf.TensorSpec([None] + list(graph.input_shape), tf.float32)
-        self.predict_fn = tf.function(lambda x: self.call(x, False)[0], input_signature=[spec],
-                                      jit_compile=use_xla() or None)
+        self._predict_fns: dict[str, Any] = {}
 
     def set_precision(self, precision: str) -> None:
         """Compute in `precision` in functions traced from now on (variables stay float32)."""
         self.precision = precision
         self.compute_dtype = COMPUTE_DTYPES[precision]
+
+    def predict_fn(self):
+        """The inference forward at the current precision, traced once per precision (call it
+        inside precision_scope and the model's device)."""
+        if self.precision not in self._predict_fns:
+            spec = tf.TensorSpec([None] + list(self.graph.input_shape), tf.float32)
+            self._predict_fns[self.precision] = tf.function(lambda x: self.call(x, False)[0], input_signature=[spec],
+                                                            jit_compile=use_xla(self.device))
+        return self._predict_fns[self.precision]
 
     @property
     def has_logits(self) -> bool:
@@ -130,6 +191,7 @@ class LoweredModel(tf.Module):
         cd = self.compute_dtype
         for i, node in enumerate(g.nodes):
             if node.op == "input":
+                x = device_input(x)
                 values[node.id] = tf.cast(x, cd) if cd != tf.float32 and len(g.input_shape) == 3 else x
                 continue
             ins = [values[s] for s in node.inputs]
@@ -180,8 +242,8 @@ class LoweredModel(tf.Module):
                 x = tf.pad(x, pad, constant_values=-np.inf)
                 pad = "VALID"
             return tf.nn.max_pool2d(x, list(a["kernel"]), list(a["strides"]), pad)
-        if op == "global_avg_pool":
-            return tf.reduce_mean(ins[0], axis=[1, 2])
+        if op == "global_avg_pool":  # a float32 sum: bf16 would round away the small terms of a large map
+            return tf.cast(tf.reduce_mean(tf.cast(ins[0], tf.float32), axis=[1, 2]), ins[0].dtype)
         if op == "flatten":
             x = ins[0]
             n = x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]  # static when known (counter)
@@ -209,7 +271,7 @@ class LoweredModel(tf.Module):
             return tf.cast(x * scale + (p["beta"] - p["moving_mean"] * scale), out_dtype)
         momentum = node.attrs["momentum"]
         ctx = tf.distribute.get_replica_context()
-        sync = ctx is not None and ctx.num_replicas_in_sync > 1
+        sync = _in_replicas()
         if not sync and len(x.shape) == 4 and eps >= FUSED_MIN_EPSILON:
             # One kernel forward and backward, as Keras does: the written-out form below was 4-6%
             # slower on ResNet-50 (docs/performance.md). It returns the unbiased batch variance.
@@ -263,11 +325,22 @@ class LoweredModel(tf.Module):
         return out
 
 
+def _in_replicas() -> bool:
+    """Whether this code is traced for one of several replicas of a tf.distribute strategy."""
+    ctx = tf.distribute.get_replica_context()
+    return ctx is not None and ctx.num_replicas_in_sync > 1
+
+
 def _same_dtype(xs):
     if any(x.dtype != xs[0].dtype for x in xs):
         return [tf.cast(x, tf.float32) for x in xs]
     return xs
 
 
-def lower_graph(graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray]], precision: str) -> LoweredModel:
-    return LoweredModel(graph, weights, precision)
+def lower_graph(graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray]], precision: str,
+                device: str = "cpu") -> LoweredModel:
+    """The model with its variables on `device` (a backend device name, e.g. 'gpu:1')."""
+    from aiperf_backends.tensorflow.backend import tf_device_name
+
+    with tf.device(tf_device_name(device)):
+        return LoweredModel(graph, weights, precision, device)

@@ -1,27 +1,61 @@
-"""Loss, the SGD step and the epoch loop, for one device or MirroredStrategy over several.
+"""Loss, the SGD step, the feeds that put batches on the device, and the epoch loop, for one device
+or MirroredStrategy over several.
 
 SGD with momentum is written out with torch.optim.SGD's semantics (``v = m * v + g``;
 ``w -= lr * v``), not Keras SGD's (``v = m * v - lr * g``; ``w += v``): the two differ as soon as the
 learning rate changes between epochs, and every aiperf backend must train the same way.
 
+fp16 trains with dynamic loss scaling (`LossScale`, the rule of torch's GradScaler and Keras'
+LossScaleOptimizer): the loss is multiplied by the scale before the backward pass and the
+gradients divided by it after (after the all-reduce); a step whose gradients are not all finite
+changes nothing (weights, momentum, moving statistics) and halves the scale; after 2,000 finite
+steps in a row the scale doubles. bf16 has fp32's exponent range and needs none.
+
 Data parallelism (strategy with several replicas): every global batch of ``config.batch_size``
-images (the same shuffled order as on one device, np.random.default_rng(seed + epoch)) is cut into
-contiguous shards, one per replica (np.array_split, so the last short batch is shared as evenly as
-it can be; an empty shard still takes part in the collectives). Each replica's loss is its shard's
-summed cross-entropy divided by the *global* batch size; the gradients are all-reduced with SUM,
-so they are exactly the gradients of the global batch's mean loss. Batch norm is synchronised (see
-lowering.py): the step is the same computation as on one device with the global batch.
+images (the same order as on one device) is cut into contiguous shards, one per replica
+(np.array_split's rule, so the last short batch is shared as evenly as it can be). Each replica's
+loss is its shard's summed cross-entropy divided by the *global* batch size; the gradients are
+all-reduced with SUM, so they are exactly the gradients of the global batch's mean loss. Batch norm
+is synchronised (see lowering.py): the step is the same computation as on one device with the
+global batch. A global batch with fewer images than replicas (at most the last of an epoch) would
+leave a replica an empty shard, which TensorFlow's oneDNN convolutions cannot take (an empty batch
+comes back with the input's shape, and the peers' all-reduces abort on mismatched lengths); such a
+batch trains whole on the first device in the strategy's cross-replica context instead (gradients
+with respect to the first replica's copies, every copy updated): the same computation on the
+global batch.
+
+Feeding the device (issue 17). Every batch reaches a step as a `Placed` batch, already on the
+training device(s): float32 images (in-memory arrays, already normalised) or uint8 pixels
+(streamed and synthetic data, normalised on the device inside the step, lowering.device_input).
+
+* in-memory arrays and the host pipelines (`data.iterate`: generated data, DALI on the CPU): each
+  batch is copied to the device(s) one batch ahead (`_ahead`), so the copy of batch k+1 is issued
+  before step k runs (on a CPU the arrays are passed as they are: there is nothing to copy);
+* ImageFolder and TFRecord with the native loader: tf.data decodes and augments to uint8 pixels
+  (`tf_input`); on a single GPU it ends in `prefetch_to_device`, so batches arrive on the GPU ahead
+  of the step;
+* synthetic data (`--data synthetic`): the pool of aiperf_core.data.synthetic is uploaded once per
+  device and trial, and each batch is a slice of it on the device: no host work per step.
+
+`EpochReport.compile_seconds` is the wall time of the calls that traced a step or an evaluation
+(tf.function tracing, Grappler, and XLA when it compiles), less the typical time of an untraced call
+of the same function (its run); `StepClock.count` is called after each training step with the
+images of the global batch it trained on.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
-import tensorflow as tf
 
 from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, batches, is_streaming
-from aiperf_backends.tensorflow.lowering import make_variable, use_xla
+from aiperf_backends.tensorflow.backend import framework
+from aiperf_backends.tensorflow.lowering import make_variable, precision_scope, use_xla
+
+tf = framework()  # configured before any use (backend.py): oneDNN, threads, AIPERF_CPU_DEVICES
 
 PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
 PREDICT_BATCH = 256
@@ -50,33 +84,117 @@ def summed_loss(model, x, labels, label_smoothing: float, training: bool = True,
     return total, updates, out
 
 
+class LossScale:
+    """Dynamic loss scaling for fp16 (see the module's docstring); float32 variables, replicated
+    like the model's under a strategy."""
+
+    INITIAL = 2.0 ** 15
+    GROWTH_INTERVAL = 2000
+
+    def __init__(self):
+        self.scale = make_variable(self.INITIAL, "loss_scale", trainable=False)
+        self.good_steps = make_variable(0.0, "loss_scale_good_steps", trainable=False)
+
+    def update(self, finite) -> None:
+        """After a step: back off on overflow, grow after GROWTH_INTERVAL finite steps in a row."""
+        good = tf.where(finite, self.good_steps + 1.0, 0.0)
+        grow = good >= self.GROWTH_INTERVAL
+        self.scale.assign(tf.where(finite, tf.where(grow, self.scale * 2.0, self.scale), self.scale * 0.5))
+        self.good_steps.assign(tf.where(grow, 0.0, good))
+
+
+@dataclass
+class Placed:
+    """A global batch ready for a step: x and y on the (first) device, or, when `sharded`, per-replica
+    values on each replica's device; n: its images."""
+
+    x: Any
+    y: Any
+    n: int
+    sharded: bool = False
+
+
+class CompileClock:
+    """Seconds spent tracing and compiling (EpochReport.compile_seconds): for each call that traced
+    its tf.function anew, its wall time less the median of the untraced calls of the same function
+    (what running it takes; nothing is taken off when it never ran untraced). XLA recompiling an
+    already traced step for a new batch shape (a short last batch) is not seen: it is counted as a
+    step."""
+
+    def __init__(self) -> None:
+        self._traced: list[tuple[int, float]] = []  # (function id, seconds) since the last lap
+        self._runs: dict[int, list[float]] = {}  # function id -> seconds of untraced calls
+
+    def call(self, fn, *args):
+        before = fn.experimental_get_tracing_count()
+        start = time.perf_counter()
+        out = fn(*args)
+        seconds = time.perf_counter() - start
+        if fn.experimental_get_tracing_count() != before:
+            self._traced.append((id(fn), seconds))
+        else:
+            self._runs.setdefault(id(fn), []).append(seconds)
+        return out
+
+    def lap(self) -> float:
+        total = 0.0
+        for key, seconds in self._traced:
+            runs = self._runs.get(key)
+            total += max(seconds - (float(np.median(runs)) if runs else 0.0), 0.0)
+        self._traced = []
+        return total
+
+
 class Trainer:
-    """The compiled train and eval steps of a model under a strategy (default: one device)."""
+    """The compiled train and eval steps of a model under a strategy (default: one device, the
+    model's), and the placement of batches on its device(s)."""
 
     def __init__(self, model, config: TrainConfig, strategy: tf.distribute.Strategy | None = None):
+        from aiperf_backends.tensorflow.backend import tf_device_name
+
         if not model.trainables:
             raise BackendError("the graph has no trainable parameters: there is nothing to train")
         self.model = model
         self.config = config
         self.strategy = strategy
+        self.precision = model.precision
         self.world = strategy.num_replicas_in_sync if strategy is not None else 1
-        scope = strategy.scope() if strategy is not None else _null()
+        # Evaluation and the single-device step run where the model's variables (or the first
+        # replica's copy) live.
+        self.replica_devices = list(strategy.extended.worker_devices) if strategy is not None else \
+            [tf_device_name(model.device)]
+        self.device = self.replica_devices[0]
+        self.on_cpu = all("CPU" in d.upper().rsplit("/", 1)[-1] for d in self.replica_devices)
+        self.xla = strategy is None and use_xla(model.device)
+        self.compiling = CompileClock()
+        scope = strategy.scope() if strategy is not None else tf.device(self.device)
         with scope:
             self.slots = [make_variable(tf.zeros(v.shape), f"momentum_{i}", trainable=False)
                           for i, v in enumerate(model.trainables)]
-        momentum = float(config.momentum)
-        smoothing = float(config.label_smoothing)
-        world = self.world
+            self.loss_scale = LossScale() if self.precision == "fp16" else None
+        self._steps: dict[tuple[tf.DType, bool], Any] = {}  # by (input dtype, sharded)
+        self._evals: dict[tf.DType, Any] = {}
 
-        def replica_step(x, y, lr, global_n):
-            with tf.GradientTape() as tape:
-                total, updates, _ = summed_loss(model, x, y, smoothing, True)
-                loss = total / global_n
-            grads = tape.gradient(loss, model.trainables)
-            grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g)
-                     for g, v in zip(grads, model.trainables)]
-            if world > 1:
-                grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+    # -- the traced functions ---------------------------------------------------------------------
+    def _replica_step(self, x, y, lr, global_n, world: int):
+        """The step of one replica (world: the replicas in sync), or of the whole model on one device
+        (world 1: no strategy, or its cross-replica context)."""
+        model, scaling = self.model, self.loss_scale
+        # In a strategy's cross-replica context the mirrored variables are read from, and their
+        # gradients taken with respect to, the first replica's copies.
+        sources = model.trainables if self.strategy is None or world > 1 else \
+            [self.strategy.experimental_local_results(v)[0] for v in model.trainables]
+        momentum, smoothing = float(self.config.momentum), float(self.config.label_smoothing)
+        with tf.GradientTape() as tape:
+            total, updates, _ = summed_loss(model, x, y, smoothing, True)
+            loss = total / global_n
+            if scaling is not None:
+                loss = loss * scaling.scale
+        grads = tape.gradient(loss, sources)
+        grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, sources)]
+        if world > 1:
+            grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+        if scaling is None:
             for var, slot, g in zip(model.trainables, self.slots, grads):
                 velocity = momentum * slot + g
                 slot.assign(velocity)
@@ -84,101 +202,333 @@ class Trainer:
             for var, value in updates:
                 var.assign(value)
             return total
+        # fp16: the same update where every gradient is finite, nothing where one is not. Written
+        # with tf.where, not tf.cond: assignments to mirrored variables cannot sit in a branch.
+        inverse = 1.0 / scaling.scale
+        grads = [g * inverse for g in grads]
+        finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
+        for var, slot, g in zip(model.trainables, self.slots, grads):
+            velocity = tf.where(finite, momentum * slot + g, slot)
+            slot.assign(velocity)
+            var.assign(tf.where(finite, var - lr * velocity, var))
+        for var, value in updates:
+            var.assign(tf.where(finite, value, var))
+        scaling.update(finite)
+        return total
 
-        spec = [tf.TensorSpec([None] + list(model.graph.input_shape), tf.float32),
-                tf.TensorSpec([None], tf.int64), tf.TensorSpec([], tf.float32), tf.TensorSpec([], tf.float32)]
-        if strategy is None:
-            self._step = tf.function(replica_step, input_signature=spec, jit_compile=use_xla() or None)
-        else:
-            @tf.function(reduce_retracing=True)
-            def distributed(x, y, lr, global_n):
-                per_replica = strategy.run(replica_step, args=(x, y, lr, global_n))
-                return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+    def _spec(self, dtype):
+        return [tf.TensorSpec([None] + list(self.model.graph.input_shape), dtype), tf.TensorSpec([None], tf.int64)]
 
-            self._step = distributed
+    def _step_fn(self, dtype, sharded: bool):
+        """The step for batches of `dtype`: over the replicas when `sharded`, else on one device (no
+        strategy, or the strategy's cross-replica context for a batch smaller than its replicas)."""
+        key = (dtype, sharded)
+        if key not in self._steps:
+            spec = self._spec(dtype) + [tf.TensorSpec([], tf.float32), tf.TensorSpec([], tf.float32)]
+            if not sharded:
+                def whole(x, y, lr, global_n):
+                    return self._replica_step(x, y, lr, global_n, world=1)
 
-        def eval_fn(x, y):
-            out, _ = model.call(x, False, logits=True)
-            out = tf.cast(out, tf.float32)
-            t = targets(y, model.graph.output_shape[-1], smoothing)
-            if model.has_logits:
-                total = tf.reduce_sum(tf.nn.softmax_cross_entropy_with_logits(labels=t, logits=out))
+                self._steps[key] = tf.function(whole, input_signature=spec, jit_compile=self.xla)
             else:
-                total = -tf.reduce_sum(t * tf.math.log(tf.clip_by_value(out, PROBABILITY_CLIP, 1 - PROBABILITY_CLIP)))
-            correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(out, axis=-1), y), tf.int64))
-            return total, correct
+                strategy, world = self.strategy, self.world
 
-        self._eval = tf.function(eval_fn, input_signature=spec[:2], jit_compile=use_xla() or None)
+                @tf.function(reduce_retracing=True)
+                def distributed(x, y, lr, global_n):
+                    per_replica = strategy.run(self._replica_step, args=(x, y, lr, global_n, world))
+                    return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
-    def step(self, x: np.ndarray, y: np.ndarray, lr: float) -> float:
-        """One synchronous SGD step on a global batch; returns its summed loss."""
-        n = np.float32(len(y))
-        if self.strategy is None:
-            return self._step(x, y, np.float32(lr), n)
-        # Contiguous shards as slices, which work on NumPy arrays and on tensors from tf.data alike.
-        sizes = [len(p) for p in np.array_split(np.arange(len(y)), self.world)]
+                self._steps[key] = distributed
+        return self._steps[key]
+
+    def _eval_fn(self, dtype):
+        if dtype not in self._evals:
+            model, smoothing = self.model, float(self.config.label_smoothing)
+
+            def evaluate(x, y):
+                out, _ = model.call(x, False, logits=True)
+                out = tf.cast(out, tf.float32)
+                t = targets(y, model.graph.output_shape[-1], smoothing)
+                if model.has_logits:
+                    total = tf.reduce_sum(tf.nn.softmax_cross_entropy_with_logits(labels=t, logits=out))
+                else:
+                    total = -tf.reduce_sum(t * tf.math.log(tf.clip_by_value(out, PROBABILITY_CLIP, 1 - PROBABILITY_CLIP)))
+                correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(out, axis=-1), y), tf.int64))
+                return total, correct
+
+            self._evals[dtype] = tf.function(evaluate, input_signature=self._spec(dtype), jit_compile=self.xla)
+        return self._evals[dtype]
+
+    # -- placing batches --------------------------------------------------------------------------
+    def put(self, x, y, n: int | None = None) -> Placed:
+        """A global batch (NumPy arrays or tensors) on the training device(s): one contiguous shard
+        per replica under a strategy. n: its images (default len(y))."""
+        n = int(len(y)) if n is None else n
+        if self.strategy is None or n < self.world:  # no strategy, or no image for some replica
+            return self.put_eval(x, y, n)
+        sizes = [len(p) for p in np.array_split(np.arange(n), self.world)]
         bounds = np.cumsum([0] + sizes)
-        xs = [tf.convert_to_tensor(x[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-        ys = [tf.convert_to_tensor(y[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-        xd = self.strategy.experimental_distribute_values_from_function(lambda ctx: xs[ctx.replica_id_in_sync_group])
-        yd = self.strategy.experimental_distribute_values_from_function(lambda ctx: ys[ctx.replica_id_in_sync_group])
-        return self._step(xd, yd, tf.constant(lr, tf.float32), tf.constant(n))
 
-    def evaluate(self, x: np.ndarray, labels: np.ndarray) -> tuple[float, int]:
-        """(summed loss, correct predictions) in inference mode (on the first device)."""
-        total, correct = 0.0, 0
-        for start in range(0, len(x), PREDICT_BATCH):
-            xb = np.ascontiguousarray(x[start:start + PREDICT_BATCH], dtype=np.float32)
-            yb = np.asarray(labels[start:start + PREDICT_BATCH], dtype=np.int64)
-            t, c = self._eval(xb, yb)
-            total += float(t)
-            correct += int(c)
-        return total, correct
+        def shard(values):
+            # value_fn runs under each replica's device scope: tf.identity copies the shard there.
+            return self.strategy.experimental_distribute_values_from_function(
+                lambda ctx: tf.identity(values[bounds[ctx.replica_id_in_sync_group]:
+                                               bounds[ctx.replica_id_in_sync_group + 1]]))
+
+        return Placed(shard(x), shard(_labels(y)), n, sharded=True)
+
+    def put_eval(self, x, y, n: int | None = None) -> Placed:
+        """A batch on the first device (evaluation, and the single-device step)."""
+        n = int(len(y)) if n is None else n
+        if self.on_cpu:  # the step reads host memory: nothing to copy
+            return Placed(x, _labels(y), n)
+        with tf.device(self.device):
+            return Placed(tf.identity(x), tf.identity(_labels(y)), n)
+
+    # -- running ----------------------------------------------------------------------------------
+    def step(self, batch: Placed, lr: float):
+        """One synchronous SGD step on a placed global batch; returns its summed loss (a tensor)."""
+        fn = self._step_fn(_dtype(batch.x, self.strategy if batch.sharded else None), batch.sharded)
+        with precision_scope(self.precision):
+            if batch.sharded:
+                return self.compiling.call(fn, batch.x, batch.y, tf.constant(lr, tf.float32),
+                                           tf.constant(batch.n, tf.float32))
+            # Under a strategy, its scope is the cross-replica context: assignments reach every copy.
+            scope = self.strategy.scope() if self.strategy is not None else tf.device(self.device)
+            with scope, tf.device(self.device):
+                return self.compiling.call(fn, batch.x, batch.y, np.float32(lr), np.float32(batch.n))
+
+    def evaluate(self, batch: Placed):
+        """(summed loss, correct predictions) tensors of a batch placed by put_eval, in inference
+        mode, on the first device."""
+        fn = self._eval_fn(_dtype(batch.x, None))
+        with precision_scope(self.precision), tf.device(self.device):
+            return self.compiling.call(fn, batch.x, batch.y)
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def _labels(y):
+    if isinstance(y, tf.Tensor):
+        return y if y.dtype == tf.int64 else tf.cast(y, tf.int64)
+    return np.asarray(y, np.int64)
 
 
-def run_epochs(trainer: Trainer, data: Dataset, config: TrainConfig,
+def _dtype(x, strategy) -> tf.DType:
+    if strategy is not None and not isinstance(x, (tf.Tensor, np.ndarray)):
+        x = strategy.experimental_local_results(x)[0]
+    return tf.as_dtype(x.dtype)
+
+
+# ---------------------------------------------------------------------------
+# Feeds: every kind of data as placed batches
+# ---------------------------------------------------------------------------
+
+
+def _ahead(items: Iterable, put: Callable[[Any], Placed | None]) -> Iterator[Placed]:
+    """put() each item one ahead of the consumer: the copy of batch k+1 is issued before step k
+    runs. put() returns None for an item with no images (every image of it failed to decode)."""
+    pending = None
+    for item in items:
+        placed = put(item)
+        if placed is None:
+            continue
+        if pending is not None:
+            yield pending
+        pending = placed
+    if pending is not None:
+        yield pending
+
+
+class Feed:
+    """The training and validation batches of one trial, placed for `trainer`."""
+
+    def __init__(self, trainer: Trainer, data, config: TrainConfig):
+        self.trainer, self.data, self.config = trainer, data, config
+
+    def train(self, epoch: int) -> Iterator[Placed]:
+        raise NotImplementedError
+
+    def val(self) -> Iterator[Placed]:
+        raise NotImplementedError
+
+
+class ArrayFeed(Feed):
+    """In-memory arrays (a Dataset, float32, already normalised), in the order of
+    np.random.default_rng(seed + epoch)."""
+
+    def __init__(self, trainer, data: Dataset, config):
+        super().__init__(trainer, data, config)
+        self.x_train = np.ascontiguousarray(data.x_train, dtype=np.float32)
+        self.y_train = np.asarray(data.y_train, dtype=np.int64)
+        self.x_val = np.ascontiguousarray(data.x_val, dtype=np.float32)
+        self.y_val = np.asarray(data.y_val, dtype=np.int64)
+
+    def train(self, epoch):
+        rng = np.random.default_rng(self.config.seed + epoch)
+        order = batches(len(self.y_train), self.config.batch_size, rng)
+        return _ahead(order, lambda idx: self.trainer.put(self.x_train[idx], self.y_train[idx]))
+
+    def val(self):
+        order = batches(len(self.y_val), PREDICT_BATCH)
+        return _ahead(order, lambda idx: self.trainer.put_eval(self.x_val[idx], self.y_val[idx]))
+
+
+class HostStreamFeed(Feed):
+    """Batches from the shared host pipeline (data.iterate: generated data, DALI on the CPU)."""
+
+    def train(self, epoch):
+        stream = self.data.iterate("train", epoch, self.config.seed, self.config.batch_size)
+        return _ahead(stream, lambda b: self.trainer.put(b.x, b.y) if len(b.y) else None)
+
+    def val(self):
+        stream = self.data.iterate("val", 0, 0, PREDICT_BATCH)
+        return _ahead(stream, lambda b: self.trainer.put_eval(b.x, b.y) if len(b.y) else None)
+
+
+class TFDataFeed(Feed):
+    """ImageFolder and TFRecord through tf.data (tf_input), uint8 pixels; prefetched to the GPU when
+    training on one."""
+
+    def _device(self) -> str | None:
+        trainer = self.trainer
+        return None if trainer.on_cpu or trainer.strategy is not None else trainer.device
+
+    def train(self, epoch):
+        ds = tf_input(self.data, "train", epoch, self.config.seed, self.config.batch_size, self._device())
+        return _ahead(ds, lambda b: self.trainer.put(b[0], b[1]))
+
+    def val(self):
+        ds = tf_input(self.data, "val", 0, 0, PREDICT_BATCH, None if self.trainer.on_cpu else self.trainer.device)
+        return _ahead(ds, lambda b: self.trainer.put_eval(b[0], b[1]))
+
+
+class SyntheticFeed(Feed):
+    """--data synthetic: the repeated pool (aiperf_core.data.synthetic.device_pool) uploaded once to
+    each device; every batch is a slice of it there (synthetic.windows gives each replica's)."""
+
+    def __init__(self, trainer, data, config):
+        from aiperf_core.data import synthetic
+
+        super().__init__(trainer, data, config)
+        self.synthetic = synthetic
+        pool = synthetic.device_pool(data, max(config.batch_size, PREDICT_BATCH))
+        self.pools = []
+        for device in trainer.replica_devices:
+            with tf.device(device):
+                self.pools.append((tf.identity(tf.constant(pool.pixels)), tf.identity(tf.constant(pool.labels))))
+
+    def _slice(self, replica: int, window):
+        pixels, labels = self.pools[replica]
+        return pixels[window.offset:window.offset + window.length], labels[window.offset:window.offset + window.length]
+
+    def train(self, epoch):
+        trainer, world = self.trainer, self.trainer.world
+        per_rank = [self.synthetic.windows(self.data, "train", self.config.batch_size, rank, world)
+                    for rank in range(world)]
+        for windows in zip(*per_rank):
+            n = sum(w.length for w in windows)
+            if trainer.strategy is None or n < world:  # one device takes the whole batch (see put())
+                # The shards are consecutive pool positions from rank 0's, in a pool that repeats.
+                whole = type(windows[0])(windows[0].offset, n, windows[0].size)
+                with tf.device(trainer.device):
+                    x, y = self._slice(0, whole)
+                yield Placed(x, y, n)
+                continue
+            parts = [self._slice(rank, w) for rank, w in enumerate(windows)]
+            x = trainer.strategy.experimental_distribute_values_from_function(
+                lambda ctx: parts[ctx.replica_id_in_sync_group][0])
+            y = trainer.strategy.experimental_distribute_values_from_function(
+                lambda ctx: parts[ctx.replica_id_in_sync_group][1])
+            yield Placed(x, y, n, sharded=True)
+
+    def val(self):
+        for window in self.synthetic.windows(self.data, "val", PREDICT_BATCH):
+            with tf.device(self.trainer.device):
+                x, y = self._slice(0, window)
+            yield Placed(x, y, window.length)
+
+
+def open_feed(trainer: Trainer, data, config: TrainConfig) -> Feed:
+    if not is_streaming(data):
+        return ArrayFeed(trainer, data, config)
+    from aiperf_core.data import synthetic
+    from aiperf_core.data.stream import NATIVE
+
+    if synthetic.is_synthetic(data):
+        return SyntheticFeed(trainer, data, config)
+    if data.source.layout in ("imagefolder", "tfrecord") and getattr(data, "loader", NATIVE) == NATIVE:
+        return TFDataFeed(trainer, data, config)
+    return HostStreamFeed(trainer, data, config)
+
+
+# ---------------------------------------------------------------------------
+# The epoch loop
+# ---------------------------------------------------------------------------
+
+
+def run_epochs(trainer: Trainer, data, config: TrainConfig,
                on_epoch: Callable[[EpochReport], bool | None] | None = None) -> list[EpochReport]:
     """Per epoch: the learning rate config.schedule.rate(epoch, epochs); every training image once,
-    in the order np.random.default_rng(config.seed + epoch).permutation(n), in batches of
-    config.batch_size (the last one short, never dropped); then the validation set in inference
-    mode. The report's loss is the mean training loss over the epoch's images (as each step saw
-    it), and val_loss the same cross-entropy (label smoothing included) on the validation images."""
+    in batches of config.batch_size (the last one short, never dropped; in-memory arrays in the
+    order np.random.default_rng(config.seed + epoch).permutation(n), streams in their plan's
+    order); then the validation set in inference mode. The report's loss is the mean training loss
+    over the epoch's images (as each step saw it), and val_loss the same cross-entropy (label
+    smoothing included) on the validation images. Streamed images that did not decode are what did
+    not arrive: the split's count minus the images processed."""
     tf.random.set_seed(config.seed)  # dropout masks: a run is reproducible
-    if is_streaming(data):
-        return _stream_epochs(trainer, data, config, on_epoch)
-    x_train = np.ascontiguousarray(data.x_train, dtype=np.float32)
-    y_train = np.asarray(data.y_train, dtype=np.int64)
-    n = len(y_train)
+    feed = open_feed(trainer, data, config)
+    streaming = is_streaming(data)
     reports: list[EpochReport] = []
     clock = StepClock()
     for epoch in range(config.epochs):
         lr = config.schedule.rate(epoch, config.epochs)
-        images = 0
-        pending = []
-        for idx in batches(n, config.batch_size, np.random.default_rng(config.seed + epoch)):
-            xb, yb = x_train[idx], y_train[idx]
+        totals, images = [], 0
+        in_flight = None  # (summed loss, images) of the step dispatched before the current one
+        for batch in feed.train(epoch):
             with clock:
-                pending.append(trainer.step(xb, yb, lr))
-            images += len(idx)
-        with clock:  # waits for the dispatched steps
-            loss_sum = float(sum(float(t) for t in pending))
-        val_n = len(data.y_val)
+                total = trainer.step(batch, lr)
+                if in_flight is not None:  # at most two steps in flight on an asynchronous device
+                    in_flight[0].numpy()
+            if in_flight is not None:
+                clock.count(in_flight[1])
+            in_flight = (total, batch.n)
+            totals.append(total)
+            images += batch.n
+        if in_flight is not None:
+            with clock:
+                in_flight[0].numpy()
+            clock.count(in_flight[1])
         with clock:
-            val_loss, correct = trainer.evaluate(data.x_val, data.y_val) if val_n else (0.0, 0)
+            loss_sum = float(np.sum([np.float64(t.numpy()) for t in totals]))
+        val_parts, val_n = [], 0
+        for batch in feed.val():
+            with clock:
+                val_parts.append(trainer.evaluate(batch))
+            val_n += batch.n
+        with clock:  # waits for the evaluation
+            val_loss = float(np.sum([np.float64(t.numpy()) for t, _ in val_parts]))
+            correct = int(np.sum([int(c.numpy()) for _, c in val_parts]))
+        skipped = (data.train_images - images) + (data.val_images - val_n) if streaming else 0
         report = EpochReport(epoch=epoch, train_images=images, val_images=val_n, loss=loss_sum / max(images, 1),
                              val_loss=val_loss / val_n if val_n else 0.0,
-                             val_accuracy=correct / val_n if val_n else 0.0, step_seconds=clock.lap())
+                             val_accuracy=correct / val_n if val_n else 0.0, skipped_images=skipped,
+                             step_seconds=clock.lap(), compile_seconds=trainer.compiling.lap())
         reports.append(report)
         if on_epoch is not None and on_epoch(report):
             break
+    return reports
+
+
+def train_one_device(model, data, config: TrainConfig, device: str,
+                     on_epoch: Callable[[EpochReport], bool | None] | None = None) -> list[EpochReport]:
+    """Train on `device` (a backend device name) without a strategy. A model whose variables live
+    elsewhere is trained as a copy on `device`, whose weights are then loaded back."""
+    from aiperf_backends.tensorflow.lowering import lower_graph
+
+    work = model if model.device == device else lower_graph(model.graph, model.export_canonical(),
+                                                            model.precision, device)
+    reports = run_epochs(Trainer(work, config), data, config, on_epoch)
+    if work is not model:
+        model.load_canonical(work.export_canonical())
     return reports
 
 
@@ -186,8 +536,6 @@ def run_epochs(trainer: Trainer, data: Dataset, config: TrainConfig,
 # Streamed data (aiperf_core.data.stream.StreamingDataset) through tf.data
 # ---------------------------------------------------------------------------
 
-MEAN = tf.constant([0.485 * 255, 0.456 * 255, 0.406 * 255], tf.float32)  # as aiperf_core.data.preprocess
-STD = tf.constant([0.229 * 255, 0.224 * 255, 0.225 * 255], tf.float32)
 CROP_AREA = (0.08, 1.0)
 CROP_RATIO = (3.0 / 4.0, 4.0 / 3.0)
 VAL_CROP_FRACTION = 0.875
@@ -201,8 +549,13 @@ def _crop_window(shape, seed):
     return begin, size
 
 
+def _pixels(image):
+    """A resized float image back to uint8 pixels, rounded to nearest (as Pillow's resize rounds)."""
+    return tf.cast(tf.clip_by_value(tf.round(image), 0.0, 255.0), tf.uint8)
+
+
 def _train_image(encoded, seed, size: int):
-    """Decode (only the crop, for JPEGs), random-resized crop, flip, normalise."""
+    """Decode (only the crop, for JPEGs), random-resized crop, flip: uint8 size x size x 3."""
 
     def jpeg():
         begin, crop = _crop_window(tf.io.extract_jpeg_shape(encoded), seed)
@@ -214,34 +567,34 @@ def _train_image(encoded, seed, size: int):
         return tf.slice(image, begin, crop)
 
     image = tf.cond(tf.io.is_jpeg(encoded), jpeg, other)
-    image = tf.image.resize(image, [size, size], method="bilinear", antialias=True)
-    image = tf.image.stateless_random_flip_left_right(image, seed)
-    return (image - MEAN) / STD
+    image = _pixels(tf.image.resize(image, [size, size], method="bilinear", antialias=True))
+    return tf.image.stateless_random_flip_left_right(image, seed)
 
 
 def _val_image(encoded, size: int):
-    """Decode, resize the shorter side to size / 0.875, central crop, normalise."""
+    """Decode, resize the shorter side to size / 0.875, central crop: uint8 size x size x 3."""
     image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
     hw = tf.cast(tf.shape(image)[:2], tf.float32)
     short = float(max(round(size / VAL_CROP_FRACTION), size))
     new = tf.maximum(tf.cast(tf.round(hw * short / tf.reduce_min(hw)), tf.int32), size)
     image = tf.image.resize(image, new, method="bilinear", antialias=True)
     top, left = (new[0] - size) // 2, (new[1] - size) // 2
-    image = tf.image.crop_to_bounding_box(image, top, left, size, size)
-    return (image - MEAN) / STD
+    return _pixels(tf.image.crop_to_bounding_box(image, top, left, size, size))
 
 
-def tf_input(data, split: str, epoch: int, seed: int, batch_size: int) -> tf.data.Dataset:
-    """One epoch of a split as a tf.data pipeline: read (natively for ImageFolder files; for TFRecord
-    shards by offset through the source, which checks the CRCs), decode and augment with
-    data.workers parallel calls, drop what fails to decode, batch, prefetch. Augmentation is
-    stateless, seeded by (seed, epoch, image index), so it does not depend on thread timing."""
+def tf_input(data, split: str, epoch: int, seed: int, batch_size: int, device: str | None = None) -> tf.data.Dataset:
+    """One epoch of a split as a tf.data pipeline of (uint8 NHWC pixels, int64 labels) batches: read
+    (natively for ImageFolder files; for TFRecord shards by offset through the source, which checks
+    the CRCs), decode and augment with data.workers parallel calls, drop what fails to decode,
+    batch, prefetch; with `device` (a TF device name), prefetched onto that device. Augmentation is
+    stateless, seeded by (seed, epoch, image index), so it does not depend on thread timing.
+    Normalisation is the model's, on the device (lowering.device_input)."""
     from aiperf_core.data.stream import TRAIN
 
     source = data.source
     plan = data.plan(split, epoch, seed, batch_size)
     order = np.concatenate(plan).astype(np.int64) if plan else np.zeros(0, np.int64)
-    labels = source.labels(split)[order]
+    labels = np.asarray(source.labels(split))[order].astype(np.int64)
     parallel = max(data.workers, 1)
     if source.layout == "imagefolder":
         files = np.asarray(source.files(split))[order]
@@ -267,47 +620,7 @@ def tf_input(data, split: str, epoch: int, seed: int, batch_size: int) -> tf.dat
     ds = ds.ignore_errors().batch(batch_size).prefetch(max(data.prefetch, 1))
     options = tf.data.Options()
     options.deterministic = True
-    return ds.with_options(options)
-
-
-def stream_batches(data, split: str, epoch: int, seed: int, batch_size: int):
-    """(images, labels) batches of an epoch: tf.data for stored images, the shared threaded NumPy
-    pipeline for generated ones (synthetic data has nothing to decode)."""
-    if data.source.layout in ("imagefolder", "tfrecord"):
-        yield from tf_input(data, split, epoch, seed, batch_size)
-        return
-    for batch in data.iterate(split, epoch, seed, batch_size):
-        if len(batch.y):
-            yield batch.x, batch.y
-
-
-def _stream_epochs(trainer: Trainer, data, config: TrainConfig, on_epoch) -> list[EpochReport]:
-    """The epoch loop over streamed data. What did not decode is what did not arrive: the skipped
-    images are the split's count minus the images processed."""
-    from aiperf_core.data.stream import TRAIN, VAL
-
-    reports: list[EpochReport] = []
-    clock = StepClock()
-    for epoch in range(config.epochs):
-        lr = config.schedule.rate(epoch, config.epochs)
-        pending, images = [], 0
-        for x, y in stream_batches(data, TRAIN, epoch, config.seed, config.batch_size):
-            with clock:
-                pending.append(trainer.step(x, y, lr))
-            images += int(len(y))
-        with clock:
-            loss_sum = float(sum(float(t) for t in pending))
-        val_loss, correct, val_n = 0.0, 0, 0
-        for x, y in stream_batches(data, VAL, 0, 0, PREDICT_BATCH):
-            with clock:
-                part_loss, part_correct = trainer.evaluate(x, y)
-            val_loss, correct, val_n = val_loss + part_loss, correct + part_correct, val_n + int(len(y))
-        skipped = (data.train_images - images) + (data.val_images - val_n)
-        report = EpochReport(epoch=epoch, train_images=images, val_images=val_n, loss=loss_sum / max(images, 1),
-                             val_loss=val_loss / val_n if val_n else 0.0,
-                             val_accuracy=correct / val_n if val_n else 0.0, skipped_images=skipped,
-                             step_seconds=clock.lap())
-        reports.append(report)
-        if on_epoch is not None and on_epoch(report):
-            break
-    return reports
+    ds = ds.with_options(options)
+    if device is not None:  # must be the last transformation
+        ds = ds.apply(tf.data.experimental.prefetch_to_device(device, buffer_size=max(data.prefetch, 1)))
+    return ds
