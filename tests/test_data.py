@@ -397,14 +397,9 @@ def test_workers_fork_unless_a_framework_is_loaded(monkeypatch):
     assert stream.start_method() == "forkserver"
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
-def test_worker_processes_give_the_inline_batches_and_persist(trees, monkeypatch, method):
+def _pool_gives_the_inline_batches_and_persists(folder) -> None:
     import pickle
 
-    from aiperf_core.data import stream
-
-    monkeypatch.setattr(stream, "start_method", lambda: method)
-    folder, _ = trees
     spec = {"name": "imagenet", "path": str(folder), "image_size": 16}
     inline, pooled = load_dataset(spec, workers=0), load_dataset(spec, workers=2)
     try:
@@ -425,6 +420,26 @@ def test_worker_processes_give_the_inline_batches_and_persist(trees, monkeypatch
     finally:
         pooled.close()
     assert pooled._pool is None
+
+
+def test_forked_worker_processes_give_the_inline_batches_and_persist(trees):
+    # Forked workers are what a process without a framework gets. This test process has loaded
+    # several (JAX warns that forking it may deadlock), so the case runs in a fresh interpreter.
+    import subprocess
+
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); import test_data; from aiperf_core.data import stream; "
+            "assert stream.start_method() == 'fork', 'a framework got imported'; "
+            "test_data._pool_gives_the_inline_batches_and_persists(sys.argv[1])")
+    out = subprocess.run([sys.executable, "-c", code, str(trees[0]), os.path.dirname(__file__)], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_forkserver_worker_processes_give_the_inline_batches_and_persist(trees, monkeypatch):
+    from aiperf_core.data import stream
+
+    monkeypatch.setattr(stream, "start_method", lambda: "forkserver")
+    _pool_gives_the_inline_batches_and_persists(trees[0])
 
 
 ORPHAN_SCRIPT = """
