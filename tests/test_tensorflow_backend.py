@@ -349,20 +349,14 @@ def test_tf_data_delivers_uint8_pixels(tmp_path):
 # -- the epoch loop ---------------------------------------------------------------------------------
 
 
-class RecordingClock(StepClock):
-    counted: list = []
-
-    def count(self, images: int) -> None:
-        RecordingClock.counted.append(images)
-        super().count(images)
-
-
 def test_exact_counts_live_progress_and_compile_time(monkeypatch):
-    monkeypatch.setattr(training, "StepClock", RecordingClock)
-    RecordingClock.counted = []
+    counted, real_count = [], StepClock.count
+    monkeypatch.setattr(StepClock, "count", lambda self, images: (counted.append(images), real_count(self, images)))
     backend = TensorFlowBackend()
     graph = resnet_small((8, 8, 3), 3)
     x, y = _data(graph, 23, 0)
+    model = backend.lower(graph)
+    backend.precisions(model.device)  # the first call in a process probes with a Trainer of its own
     traced = []
     real_step_fn = training.Trainer._step_fn
 
@@ -372,11 +366,11 @@ def test_exact_counts_live_progress_and_compile_time(monkeypatch):
         return fn
 
     monkeypatch.setattr(training.Trainer, "_step_fn", recording_step_fn)
-    reports = backend.train(backend.lower(graph), Dataset(x, y, x[:5], y[:5], 3),
+    reports = backend.train(model, Dataset(x, y, x[:5], y[:5], 3),
                             TrainConfig(epochs=3, batch_size=8, schedule=Schedule(initial=0.01)))
     assert [r.train_images for r in reports] == [23, 23, 23]
     assert [r.val_images for r in reports] == [5, 5, 5]
-    assert RecordingClock.counted == [8, 8, 7] * 3  # one count per step: the images of its batch
+    assert counted == [8, 8, 7] * 3  # one count per step: the images of its batch
     # one trace for every batch, epoch and learning rate (the batch dimension is None)
     assert {id(fn) for fn in traced} == {id(traced[0])} and traced[0].experimental_get_tracing_count() == 1
     assert reports[0].compile_seconds > 0 and [r.compile_seconds for r in reports[1:]] == [0.0, 0.0]
