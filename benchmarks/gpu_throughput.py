@@ -370,7 +370,7 @@ def main() -> int:
         print("gpu_throughput: torch is not installed: nothing to measure")
         return 0
     if not SMOKE and not torch.cuda.is_available():
-        print("gpu_throughput: no CUDA accelerator here: nothing to measure (docs/performance.md has the GPU figures)")
+        print("gpu_throughput: no CUDA accelerator here: nothing to measure (run it on a CUDA machine; docs/backends/gpu.md says how)")
         return 0
     if SMOKE:  # the code paths only: dynamo without inductor's (minutes-long) CPU compile
         plain_compile = torch.compile
