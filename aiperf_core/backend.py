@@ -307,6 +307,13 @@ class Backend(abc.ABC):
     def devices(self) -> list[str]:
         """Local devices this backend would train on, e.g. ['cpu'] or ['cuda:0', 'cuda:1']."""
 
+    def device_model(self, device: str) -> str | None:
+        """The hardware model of `device`, as a submission's certification matches it: the host CPU's
+        model for CPU devices; a backend that sees accelerators names them (None: it cannot tell)."""
+        from aiperf_core.inventory import device_model
+
+        return device_model(device)
+
     _probes: dict[tuple[str, str, str], bool] = {}  # (backend, device, precision) -> runs_precision
 
     def precisions(self, device: str | None = None) -> tuple[str, ...]:

@@ -16,7 +16,7 @@ counter (`flock` on a file in the temporary directory). A sample carries a count
 while its sampler holds that lock, so no joule is counted twice.
 
 Line formats (JSON, one object a line):
-    {"kind": "host", "time", "host", "pid", "cpus", "memory_total", "accelerators": [{"index", "name",
+    {"kind": "host", "time", "host", "pid", "cpus", "cpu_model", "sockets", "cores", "memory_total", "accelerators": [{"index", "name",
      "uuid", "memory_total", "power", "energy_counter"}], "nvml": "ok" | "unavailable: why",
      "visible": "all" | "CUDA_VISIBLE_DEVICES=...", "psutil": "ok" | "unavailable: why",
      "rapl": "ok" | "unavailable: why", "rapl_zones": [{"zone", "name", "max_energy_range_uj"}]}
@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from aiperf_core.inventory import host_cpu
 from aiperf_core.rundir import RunDir
 
 DEFAULT_INTERVAL_S = 30.0
@@ -300,8 +301,9 @@ class Sampler:
         except Exception as exc:  # a driver that answers init but not queries
             accelerators, self._nvml.status = [], f"unavailable: {type(exc).__name__}: {exc}"
             self._nvml.handles = []
+        cpu = host_cpu()
         return {"kind": "host", "time": time.time(), "host": socket.gethostname(), "pid": os.getpid(),
-                "cpus": os.cpu_count(),
+                "cpus": os.cpu_count(), "cpu_model": cpu["model"], "sockets": cpu["sockets"], "cores": cpu["cores"],
                 "memory_total": self._psutil.virtual_memory().total if self._psutil else None,
                 "accelerators": accelerators, "nvml": self._nvml.status, "visible": self._nvml.visible,
                 "psutil": psutil_status, "rapl": self._rapl.status, "rapl_zones": self._rapl.described}

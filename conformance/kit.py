@@ -215,6 +215,7 @@ def run_conformance(backend: Backend, levels: str | Iterable[str] = LEVELS, *, s
     reference()
     ctx = make_context(backend, seed=seed, quick=quick, precisions=precisions)
     report = Report(backend.name, backend.framework_version(), levels, device=ctx.device,
+                    device_model=backend.device_model(ctx.device),
                     precisions=list(ctx.precisions), quick=quick, expectations=ctx.expectations.to_dict())
     for result in iter_results(ctx, collect(ctx, levels)):
         report.results.append(result)

@@ -46,6 +46,7 @@ class Report:
     levels: list[str]
     results: list[CheckResult] = field(default_factory=list)
     device: str | None = None  # the device under test
+    device_model: str | None = None  # its hardware model (Backend.device_model): what certification names
     precisions: list[str] = field(default_factory=list)  # the precisions checked there
     quick: bool = False
     expectations: dict | None = None  # {"file": {"path", "sha256"} | None, "defaults": {"path", "sha256"}}
@@ -75,7 +76,8 @@ class Report:
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "framework_version": self.framework_version, "levels": self.levels,
-                "device": self.device, "precisions": self.precisions, "quick": self.quick,
+                "device": self.device,
+                "device_model": self.device_model, "precisions": self.precisions, "quick": self.quick,
                 "note": QUICK_NOTE if self.quick else None, "expectations": self.expectations,
                 "ok": self.ok, "certifies": self.certifies, "counts": self.counts(),
                 "checks": [asdict(r) | {"id": r.id} for r in self.results]}
@@ -103,7 +105,8 @@ class Report:
         if self.quick:
             head = f"{QUICK_NOTE.upper()}: {head}"
         lines = [head,
-                 f"  device under test: {self.device}; precisions: {', '.join(self.precisions)}; "
+                 f"  device under test: {self.device} ({self.device_model or 'model unknown'}); "
+                 f"precisions: {', '.join(self.precisions)}; "
                  f"levels: {', '.join(self.levels)}"]
         if self.expectations:
             lines.append("  " + _describe_expectations(self.expectations))
