@@ -314,6 +314,16 @@ class Backend(abc.ABC):
 
         return device_model(device)
 
+    def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
+        """Seconds of each of `repeats` dense (size x size) @ (size x size) products on `device` at
+        `precision`, in the backend's own framework: `aiperf peak` (aiperf_core.submission.peak).
+        Inputs are made on the device once and one warm-up product runs before the clock starts;
+        each repeat is timed from a synchronised device to a synchronised device. fp32 is IEEE fp32
+        (no TF32), tf32 lets fp32 products use TF32 units, bf16 and fp16 multiply inputs of that
+        dtype with the framework's default accumulation. Optional: a backend without it cannot
+        measure a peak."""
+        raise AiperfError(f"backend {self.name} cannot measure a peak")
+
     _probes: dict[tuple[str, str, str], bool] = {}  # (backend, device, precision) -> runs_precision
 
     def precisions(self, device: str | None = None) -> tuple[str, ...]:

@@ -111,9 +111,14 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def is_cpu_device(device: str) -> bool:
+    """'cpu', 'cpu:1' and the NumPy reference's 'cpu (x86_64)' are the host CPUs."""
+    return device.split(":")[0].split(" ")[0].lower() == "cpu"
+
+
 def device_model(device: str, accelerator_name: str | None = None) -> str | None:
-    """The model of a backend's device string: the host CPU's model for 'cpu' and 'cpu:N', else the
+    """The model of a backend's device string: the host CPU's model for CPU devices, else the
     name the framework or NVML gave (`accelerator_name`)."""
-    if device.split(":")[0] == "cpu":
+    if is_cpu_device(device):
         return host_cpu()["model"]
     return accelerator_name

@@ -17,7 +17,9 @@ from aiperf_core.rundir import RunDir, chain_head, read_events, sha256_file, ver
 PRIMARY_LOG = "primary/events.jsonl"
 
 
-def verify_run(run_dir: str | os.PathLike | RunDir) -> list[str]:
+def verify_run(run_dir: str | os.PathLike | RunDir, withheld: frozenset[str] = frozenset()) -> list[str]:
+    """`withheld`: trial file names left out on purpose (a submission keeps weights home); their absence
+    is no problem, their recorded hashes still stand in the logs."""
     run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     run.read_run()  # a missing or malformed run.json is an error, not a finding
     problems: list[str] = []
@@ -44,7 +46,7 @@ def verify_run(run_dir: str | os.PathLike | RunDir) -> list[str]:
             kind = event.get("event")
             if kind == "trial_start":
                 problems += _check_file(run, hashes, reported, event.get("trial"), "graph.json",
-                                        event.get("graph_sha256"), "trial_start.graph_sha256")
+                                        event.get("graph_sha256"), "trial_start.graph_sha256", withheld)
             elif kind == "trial_end":
                 files = event.get("files") or {}
                 if not isinstance(files, dict):
@@ -53,7 +55,7 @@ def verify_run(run_dir: str | os.PathLike | RunDir) -> list[str]:
                     continue
                 for name, digest in sorted(files.items()):
                     problems += _check_file(run, hashes, reported, event.get("trial"), name, digest,
-                                            "trial_end.files")
+                                            "trial_end.files", withheld)
     return problems
 
 
@@ -75,7 +77,8 @@ def _check_log_heads(run: RunDir, replicas: list[int], heads) -> list[str]:
     return problems
 
 
-def _check_file(run: RunDir, hashes: dict, reported: set, trial, name, expected, recorded_as: str) -> list[str]:
+def _check_file(run: RunDir, hashes: dict, reported: set, trial, name, expected, recorded_as: str,
+                withheld: frozenset[str] = frozenset()) -> list[str]:
     if not all(isinstance(part, str) and part and "/" not in part and not part.startswith(".")
                for part in (trial, name)):
         return [f"{recorded_as}: bad trial or file name {trial!r}/{name!r}"]
@@ -89,6 +92,8 @@ def _check_file(run: RunDir, hashes: dict, reported: set, trial, name, expected,
     if actual == expected or relative in reported:  # graph.json is pinned twice: say a bad file once
         return []
     reported.add(relative)
+    if actual is None and name in withheld:
+        return []
     if actual is None:
         return [f"{relative}: missing (recorded in {recorded_as})"]
     return [f"{relative}: content differs from {recorded_as}"]

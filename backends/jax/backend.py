@@ -138,12 +138,25 @@ class JaxBackend(Backend):
 
         return [device_name(d) for d in initialise().local_devices()]
 
+    def device_model(self, device: str) -> str | None:
+        if device.split(":")[0] == "cpu":
+            return super().device_model(device)
+        from aiperf_backends.jax.distributed import local_device
+
+        initialise()
+        return local_device(device).device_kind
+
     def runs_precision(self, device: str, precision: str) -> bool:
         from aiperf_backends.jax.distributed import local_device
 
         initialise()
         found = local_device(device)
         return device_runs_natively(found, precision) and _probe(found, precision)
+
+    def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
+        from aiperf_backends.jax.peak import matmul_seconds
+
+        return matmul_seconds(device, precision, size, repeats)
 
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True,

@@ -115,6 +115,11 @@ class MindSporeBackend(Backend):
             return False
         return _probe_precision(precision)
 
+    def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
+        from aiperf_backends.mindspore.peak import matmul_seconds
+
+        return matmul_seconds(device, precision, size, repeats)
+
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True,
                            notes="DATA_PARALLEL over HCCL (Ascend) or MCCL (CPU workers), gradients_mean, synchronised batch norm")

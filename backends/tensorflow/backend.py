@@ -191,8 +191,20 @@ class TensorFlowBackend(Backend):
         cpus = tf.config.list_logical_devices("CPU")
         return ["cpu"] if len(cpus) <= 1 else [f"cpu:{i}" for i in range(len(cpus))]
 
+    def device_model(self, device: str) -> str | None:
+        if not device.startswith("gpu"):
+            return super().device_model(device)
+        tf = framework()
+        gpu = tf.config.list_physical_devices("GPU")[int(device.partition(":")[2] or 0)]
+        return tf.config.experimental.get_device_details(gpu).get("device_name")
+
     def runs_precision(self, device: str, precision: str) -> bool:
         return _probe_precision(device, precision)
+
+    def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
+        from aiperf_backends.tensorflow.peak import matmul_seconds
+
+        return matmul_seconds(device, precision, size, repeats)
 
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True,

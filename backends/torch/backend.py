@@ -132,8 +132,18 @@ class TorchBackend(Backend):
             return [f"cpu:{i}" for i in range(_cpu_devices)]
         return ["cpu"]
 
+    def device_model(self, device: str) -> str | None:
+        if device.split(":")[0] != "cuda":
+            return super().device_model(device)
+        return _torch().cuda.get_device_name(device)
+
     def runs_precision(self, device: str, precision: str) -> bool:
         return _probe_precision(device, precision)
+
+    def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
+        from aiperf_backends.torch.peak import matmul_seconds
+
+        return matmul_seconds(device, precision, size, repeats)
 
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True,

@@ -46,6 +46,11 @@ class NumpyBackend(Backend):
     def devices(self) -> list[str]:
         return [f"cpu ({platform.machine() or 'unknown'})"]
 
+    def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
+        from aiperf_numpy.peak import matmul_seconds
+
+        return matmul_seconds(device, precision, size, repeats)
+
     def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> NumpyModel:
         weights = self.starting_weights(graph, weights, precision)
         return NumpyModel(graph, _copy(weights), precision)
