@@ -111,9 +111,14 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def device_type(device: str) -> str:
+    """The type of a backend's device string, lower case: 'cpu' for 'cpu', 'cpu:1' and the NumPy
+    reference's 'cpu (x86_64)'; 'cuda' for 'cuda:0'; 'ascend' for 'Ascend:0'."""
+    return device.split(":")[0].split(" ")[0].lower()
+
+
 def is_cpu_device(device: str) -> bool:
-    """'cpu', 'cpu:1' and the NumPy reference's 'cpu (x86_64)' are the host CPUs."""
-    return device.split(":")[0].split(" ")[0].lower() == "cpu"
+    return device_type(device) == "cpu"
 
 
 def device_model(device: str, accelerator_name: str | None = None) -> str | None:

@@ -477,6 +477,15 @@ def _place_labels(points: list[tuple[float, float, str]], right_edge: float) -> 
     return out
 
 
+def _log_ticks(lo: float, hi: float):
+    """(value, is a power of ten) for 1, 2, ... 9 times each power of ten with log10 in [lo, hi]."""
+    for decade in range(math.floor(lo), math.ceil(hi) + 1):
+        for m in range(1, 10):
+            value = m * 10.0 ** decade
+            if lo <= math.log10(value) <= hi:
+                yield value, m == 1
+
+
 def scatter_plot(entries: list[dict[str, Any]]) -> str:
     """Inline SVG: each entry's score against its accelerator count on log-log axes, labelled with
     the system name, coloured by efficiency against the declared peak; hollow where unofficial."""
@@ -499,28 +508,20 @@ def scatter_plot(entries: list[dict[str, Any]]) -> str:
         return PLOT_TOP + plot_h - (math.log10(y) - y_lo) / (y_hi - y_lo) * plot_h
 
     parts = [head]
-    for decade in range(math.floor(x_lo), math.ceil(x_hi) + 1):
-        for m in range(1, 10):
-            value = m * 10.0 ** decade
-            if not x_lo <= math.log10(value) <= x_hi:
-                continue
-            x = px(value)
-            parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PLOT_TOP}" y2="{PLOT_TOP + plot_h}" '
-                         f'class="grid{"" if m == 1 else " minor"}"/>')
-            if m == 1:
-                parts.append(f'<text x="{x:.1f}" y="{PLOT_TOP + plot_h + 16}" text-anchor="middle">'
-                             f'{escape(_count_text(value))}</text>')
-    for decade in range(math.floor(y_lo), math.ceil(y_hi) + 1):
-        for m in range(1, 10):
-            value = m * 10.0 ** decade
-            if not y_lo <= math.log10(value) <= y_hi:
-                continue
-            y = py(value)
-            parts.append(f'<line x1="{PLOT_LEFT}" x2="{PLOT_LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}" '
-                         f'class="grid{"" if m == 1 else " minor"}"/>')
-            if m == 1:
-                parts.append(f'<text x="{PLOT_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">'
-                             f'{escape(_ops_tick(value))}</text>')
+    for value, major in _log_ticks(x_lo, x_hi):
+        x = px(value)
+        parts.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{PLOT_TOP}" y2="{PLOT_TOP + plot_h}" '
+                     f'class="grid{"" if major else " minor"}"/>')
+        if major:
+            parts.append(f'<text x="{x:.1f}" y="{PLOT_TOP + plot_h + 16}" text-anchor="middle">'
+                         f'{escape(_count_text(value))}</text>')
+    for value, major in _log_ticks(y_lo, y_hi):
+        y = py(value)
+        parts.append(f'<line x1="{PLOT_LEFT}" x2="{PLOT_LEFT + plot_w}" y1="{y:.1f}" y2="{y:.1f}" '
+                     f'class="grid{"" if major else " minor"}"/>')
+        if major:
+            parts.append(f'<text x="{PLOT_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">'
+                         f'{escape(_ops_tick(value))}</text>')
     parts.append(f'<rect x="{PLOT_LEFT}" y="{PLOT_TOP}" width="{plot_w}" height="{plot_h}" class="frame"/>')
     parts.append(f'<text x="{PLOT_LEFT + plot_w / 2}" y="{PLOT_H - 8}" text-anchor="middle">'
                  f'accelerators (log scale)</text>')

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from aiperf_core.backend import PRECISIONS
+from aiperf_core.inventory import device_type
 from aiperf_core.submission import SubmissionError
 
 SCHEMA_VERSION = 1
@@ -425,7 +426,7 @@ def describe(backend_name: str | None = None) -> dict:
 
 def _device_kind(device: str) -> str:
     """accelerators.kind of a backend's device string ('cpu', 'cpu:1', 'cpu (x86_64)', 'cuda:0', 'Ascend:0')."""
-    return DEVICE_KINDS.get(device.split(":")[0].split(" ")[0].lower(), "other")
+    return DEVICE_KINDS.get(device_type(device), "other")
 
 
 def _accelerators(cpu_model: str, backend) -> tuple[dict, tuple[str, ...]]:

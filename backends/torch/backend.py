@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, BackendError, Dataset, EpochCallback,
-                                 EpochReport, NativeCounter, Parallelism, requested_cpu_devices, TrainConfig)
+                                 EpochReport, NativeCounter, Parallelism, cpu_flags, requested_cpu_devices,
+                                 TrainConfig)
 from aiperf_core.ir import Graph
 from aiperf_core.weights import Weights
 
@@ -101,14 +102,16 @@ def _probe_precision(device: str, precision: str) -> bool:
 
 
 def _cpu_has_native(torch, precision: str) -> bool:
-    """Whether oneDNN runs `precision` natively on this CPU (AVX512-BF16/AMX for bf16,
-    AVX512-FP16/AMX-FP16 for fp16). Without it CPU autocast still runs, by converting, and is
-    several times slower than fp32 (fp16 training measured 3.5x slower on an AVX512-BF16 Zen 4
-    without FP16 units), so such a precision is not declared."""
+    """Whether oneDNN runs `precision` natively on this CPU: AVX512-BF16 or AMX for bf16, AMX-FP16
+    for fp16. Without it CPU autocast still runs, by converting, and is several times slower than
+    fp32, so such a precision is not declared. fp16 measured 3.5x slower on an AVX512-BF16 Zen 4
+    without FP16 units, and 25x slower with AVX512-FP16 but no AMX-FP16 (an Intel Xeon with AMX-BF16:
+    the kit's digits training took 206 s at fp16 and 8.3 s at fp32 in one run): oneDNN reports fp16
+    support there, but only the matrix products use it (docs/backends/torch.md)."""
     try:
         if precision == "bf16":
             return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        return "amx_fp16" in cpu_flags() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
     except (AttributeError, RuntimeError):
         return False
 

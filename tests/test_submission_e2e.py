@@ -1,0 +1,114 @@
+"""The whole submission path on this machine, offline: two real short runs on the embedded digits data
+with two backends, each described (aiperf system describe, filled in as a site would), certified by
+a real kit report for that backend on this CPU, packed with a measured peak, checked (ACCEPTED
+unofficial: digits is not ImageNet) and ranked, with the list's order and efficiencies computed here.
+
+It takes a few minutes: two runs and two whole kits (the kit is the certification: no quick run)."""
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+from aiperf_core.submission.system import to_toml, validate_system
+from test_workflow import TINY_POLICY
+
+BACKENDS = ("torch", "jax")
+# A declared peak per device, per precision; any value above what a 2-core run reaches will do.
+DECLARED = {"fp32": 2.0e11, "tf32": 2.0e11, "bf16": 4.0e11, "fp16": 4.0e11}
+
+
+def aiperf(*args, cwd, timeout=900, check=True):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "aiperf_core", *map(str, args)], cwd=cwd, capture_output=True,
+                            text=True, timeout=timeout, env=env)
+    if check:
+        assert result.returncode == 0, f"aiperf {' '.join(map(str, args))}: {result.stdout}\n{result.stderr}"
+    return result
+
+
+def describe(folder, name) -> dict:
+    aiperf("system", "describe", "--out", "draft.toml", cwd=folder)
+    d = tomllib.loads((folder / "draft.toml").read_text())
+    d.update(submitter="CI", site="aiperf CI", country="DE", system_name=name, availability="research",
+             interconnect="none", shared_storage="none", cooling="air", notes="none")
+    d["accelerators"]["peak_ops"] = dict(DECLARED)
+    (folder / "system.toml").write_text(to_toml(validate_system(d)))
+    return d
+
+
+@pytest.fixture(scope="module")
+def submissions(tmp_path_factory):
+    out = {}
+    for backend in BACKENDS:
+        folder = tmp_path_factory.mktemp(backend)
+        (folder / "tiny.toml").write_text(TINY_POLICY)
+        aiperf("run", "--backend", backend, "--data", "digits", "--config", "tiny.toml", "--run-dir", "run",
+               "--time-budget", "45s", "--stop-grace", "30s", "--seed", "3", cwd=folder)
+        score = json.loads(aiperf("score", "--json", "run", cwd=folder).stdout)
+        precisions = sorted({t["hyper"]["precision"] for t in map(
+            lambda p: json.loads(p.read_text()), (folder / "run/trials").glob("*/trial.json"))})
+        description = describe(folder, f"ci-{backend}")
+        aiperf("conformance", "--backend", backend, "--report", "kit.json", cwd=folder)
+        aiperf("peak", "--backend", backend, "--precision", ",".join(precisions), "--out", "peak.json", cwd=folder)
+        aiperf("submit", "run", "--system", "system.toml", "--conformance", "kit.json", "--peak", "peak.json",
+               "--out", f"{backend}.tar.gz", cwd=folder)
+        out[backend] = {"folder": folder, "package": folder / f"{backend}.tar.gz", "score": score,
+                        "precisions": precisions, "description": description,
+                        "peak": json.loads((folder / "peak.json").read_text())}
+    return out
+
+
+def test_each_real_run_is_accepted_unofficial(submissions):
+    for backend, s in submissions.items():
+        result = aiperf("check", "--json", s["package"], cwd=s["folder"], check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+        verdict = json.loads(result.stdout)
+        assert verdict["verdict"] == "ACCEPTED" and not verdict["official"], verdict
+        assert any("not ImageNet" in reason for reason in verdict["reasons"])
+        assert verdict["backend"] == backend and verdict["precisions"] == s["precisions"]
+        assert verdict["score_ops"] == pytest.approx(s["score"]["score_ops"], rel=1e-12)
+        assert verdict["system"]["accelerator_model"] == s["description"]["nodes"]["cpu_model"]
+        assert verdict["findings"] == []
+
+
+def test_the_list_orders_by_score_with_both_efficiencies(submissions, tmp_path):
+    packages = [s["package"] for s in submissions.values()]
+    result = aiperf("rank", *packages, "--json", "--csv", tmp_path / "list.csv", "--html", tmp_path / "list.html",
+                    cwd=tmp_path, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ranking = json.loads(result.stdout)
+
+    expected = []
+    for backend, s in submissions.items():
+        declared = max(DECLARED[p] for p in s["precisions"])  # one device: the node's CPUs
+        measured = max(next(d for d in s["peak"]["devices"])["precisions"][p]["ops_per_s"] for p in s["precisions"])
+        score = s["score"]["score_ops"]
+        expected.append((score, s["score"]["regulated_ops"], f"ci-{backend}", score / declared, score / measured))
+    expected.sort(key=lambda e: (-e[0], -e[1]))
+
+    entries = ranking["entries"]
+    assert [e["system"]["system_name"] for e in entries] == [e[2] for e in expected]
+    assert [e["rank"] for e in entries] == [1, 2]
+    for entry, (score, _, _, efficiency_declared, efficiency_measured) in zip(entries, expected):
+        assert entry["score_ops"] == pytest.approx(score, rel=1e-12)
+        assert entry["efficiency_declared"] == pytest.approx(efficiency_declared, rel=1e-9)
+        assert entry["efficiency_measured"] == pytest.approx(efficiency_measured, rel=1e-9)
+    rows = list(csv.DictReader(io.StringIO((tmp_path / "list.csv").read_text())))
+    assert len(rows) == 2
+    html = (tmp_path / "list.html").read_text()
+    assert "ci-torch" in html and "ci-jax" in html and "<svg" in html
+
+
+def test_the_same_submission_twice_is_rejected_as_a_duplicate(submissions, tmp_path):
+    package = submissions[BACKENDS[0]]["package"]
+    result = aiperf("rank", package, package, "--json", cwd=tmp_path, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    ranking = json.loads(result.stdout)
+    assert len(ranking["entries"]) == 1 and len(ranking["rejected"]) == 1
+    assert "same submission as" in json.dumps(ranking["rejected"][0])
