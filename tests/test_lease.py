@@ -139,12 +139,15 @@ def test_a_taken_over_lease_fences_its_old_holder(tmp_path):
     assert path.exists()
 
 
-def _contend(path: str, start: float, results) -> None:
+def _contend(path: str, start: float, results, everyone_tried) -> None:
     time.sleep(max(0.0, start - time.time()))
     try:
         Lease(path, "primary").acquire()
         results.put(os.getpid())
-        time.sleep(1.0)  # hold it while the others try
+        # Hold it, alive, until every contender has tried: a winner that exited first would leave
+        # a lease of a dead process, which a late contender rightly takes over (a loaded machine
+        # can start a spawned process seconds late).
+        everyone_tried.wait(timeout=120)
     except LeaseHeld:
         results.put(None)
 
@@ -153,12 +156,14 @@ def test_of_many_contenders_for_an_abandoned_lease_exactly_one_wins(tmp_path):
     path = tmp_path / "lease.json"
     _foreign(path, renewed_ago=500)
     context = multiprocessing.get_context("spawn")
-    results = context.Queue()
+    results, everyone_tried = context.Queue(), context.Event()
     start = time.time() + 2.0
-    contenders = [context.Process(target=_contend, args=(str(path), start, results)) for _ in range(6)]
+    contenders = [context.Process(target=_contend, args=(str(path), start, results, everyone_tried))
+                  for _ in range(6)]
     for process in contenders:
         process.start()
     outcome = [results.get(timeout=60) for _ in contenders]
+    everyone_tried.set()
     for process in contenders:
         process.join(timeout=60)
     winners = [pid for pid in outcome if pid is not None]
