@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping
 import numpy as np
 
 from aiperf_core.errors import AiperfError, GraphError
+from aiperf_core.inventory import device_model, is_cpu_device
 from aiperf_core.ir import PARAMETRIC_OPS, Graph
 from aiperf_core.weights import Weights, init_weights, validate_weights
 
@@ -165,7 +166,7 @@ class StepClock:
     PROGRESS_INTERVAL_S = 1.0
 
     __slots__ = ("seconds", "images", "_start", "_progress_file", "_steps", "_epoch_start", "_last_end",
-                 "_first_step_s", "_first_step_end", "_longest_step_s", "_written", "_written_steps")
+                 "_train_end", "_first_step_s", "_first_step_end", "_longest_step_s", "_written", "_written_steps")
 
     def __init__(self) -> None:
         import os
@@ -177,6 +178,7 @@ class StepClock:
         self._steps = 0  # steps ended since the clock was made (one clock per trial and process)
         self._epoch_start: float | None = None  # wall time the epoch's first step began
         self._last_end: float | None = None  # wall time the last step ended
+        self._train_end: float | None = None  # ... the last training step (one count() followed)
         self._first_step_s: float | None = None  # tracing and compilation included
         self._first_step_end: float | None = None
         self._longest_step_s = 0.0  # of the steps after the first
@@ -207,6 +209,7 @@ class StepClock:
         """After each training step: the images of the global batch it trained on (live progress;
         the report's train_images stays the backend's exact count)."""
         self.images += int(images)
+        self._train_end = self._last_end  # a step that ends later is an evaluation step
         if self._progress_file is not None:  # a write at this step's end lacks its images: write again
             self._write_progress(force=self._written_steps == self._steps)
 
@@ -226,7 +229,8 @@ class StepClock:
 
         from aiperf_core.atomic import write_text_atomic
 
-        record = {"time": self._last_end, "images": self.images, "epoch_start": self._epoch_start,
+        record = {"time": self._last_end, "train_time": self._train_end, "images": self.images,
+                  "epoch_start": self._epoch_start,
                   "steps": self._steps, "first_step_s": self._first_step_s, "first_step_end": self._first_step_end,
                   "longest_step_s": self._longest_step_s, "pid": os.getpid()}
         try:
@@ -310,8 +314,6 @@ class Backend(abc.ABC):
     def device_model(self, device: str) -> str | None:
         """The hardware model of `device`, as a submission's certification matches it: the host CPU's
         model for CPU devices; a backend that sees accelerators names them (None: it cannot tell)."""
-        from aiperf_core.inventory import device_model
-
         return device_model(device)
 
     def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
@@ -347,7 +349,7 @@ class Backend(abc.ABC):
         """Precisions fastest first on `device`, for `auto`. Accelerators: bf16, fp16, tf32, fp32.
         CPUs: fp32 first, except bf16 where the CPU has AMX tiles (on AVX512-BF16 alone oneDNN's
         bf16 convolutions are not faster than fp32)."""
-        if device.split(":")[0].split(" ")[0].lower() == "cpu":
+        if is_cpu_device(device):
             return ("bf16", "fp32") if "amx_bf16" in cpu_flags() else ("fp32",)
         return ACCELERATOR_PRECISION_PREFERENCE
 
@@ -457,14 +459,14 @@ class Backend(abc.ABC):
     @classmethod
     def import_availability(cls, module: str, extra: str | None = None) -> Availability:
         """Available if `module` imports; otherwise the import error and an install hint that names
-        the distribution registering this backend (aiperf_core.registry.install_hint): `aiperf[extra]`
+        the distribution registering this backend (aiperf_core.entry_points.install_hint): `aiperf[extra]`
         for a first-party backend, the plugin's own distribution (with `extra` if given) for a plugin."""
         import importlib
 
         try:
             importlib.import_module(module)
         except Exception as exc:  # ImportError, or a broken install raising anything else
-            from aiperf_core.registry import install_hint
+            from aiperf_core.entry_points import install_hint
 
             detail = f"{type(exc).__name__}: {exc}".splitlines()[0]
             return Availability(False, f"{module} is not installed: {detail} ({install_hint(cls, module, extra)})")

@@ -190,11 +190,21 @@ class _Rapl:
 class _CounterLocks:
     """Node-local locks, one per run and energy counter: the holder is the one sampler on this node
     that reads that counter (several replicas of a run may share a node). A lock is kept until the
-    sampler stops; when its replica dies the kernel releases it and another sampler takes over."""
+    sampler stops, which removes its file; when its replica dies the kernel releases the lock and
+    another sampler takes over (and removes the file when it stops).
+
+    The file is removed while its lock is held, so a sampler that locked it just before checks
+    that the lock it got is on the file the path still names; else it tries again on the new one."""
+
+    ATTEMPTS = 3  # a lock lost to a removal is taken again at once; each removal ends one holder
 
     def __init__(self, run_root: Path):
         self.key = hashlib.sha256(str(run_root.resolve()).encode()).hexdigest()[:16]
-        self.held: dict[str, int] = {}
+        self.held: dict[str, tuple[int, Path]] = {}
+
+    def path(self, counter: str) -> Path:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", counter)
+        return Path(tempfile.gettempdir()) / f"aiperf-energy-{self.key}-{safe}.lock"
 
     def hold(self, counter: str) -> bool:
         if counter in self.held:
@@ -203,22 +213,34 @@ class _CounterLocks:
             import fcntl
         except ImportError:  # not a POSIX system: no other sampler can be told apart
             return True
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", counter)
-        path = Path(tempfile.gettempdir()) / f"aiperf-energy-{self.key}-{safe}.lock"
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        except OSError:  # no writable temporary directory: read it (one replica per node is usual)
-            return True
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            return False
-        self.held[counter] = fd
-        return True
+        path = self.path(counter)
+        for _ in range(self.ATTEMPTS):
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError:  # no writable temporary directory: read it (one replica per node is usual)
+                return True
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(fd)
+                return False
+            try:
+                named = os.stat(path)
+            except OSError:
+                named = None
+            locked = os.fstat(fd)
+            if named is not None and (named.st_dev, named.st_ino) == (locked.st_dev, locked.st_ino):
+                self.held[counter] = (fd, path)
+                return True
+            os.close(fd)  # its holder removed the file after we opened it: the lock means nothing
+        return False
 
     def release(self) -> None:
-        for fd in self.held.values():
+        for fd, path in self.held.values():
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
             os.close(fd)
         self.held = {}
 

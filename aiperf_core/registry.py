@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from aiperf_core.backend import Backend, BackendError
+# The entry points, and the install hint that Backend.import_availability gives, live in a module
+# that imports neither this one nor aiperf_core.backend.
+from aiperf_core.entry_points import NAMESPACE, backend_entry_points, distribution_of, install_hint  # noqa: F401
 
-NAMESPACE = "aiperf.backends"
 DEFAULT_BACKEND = "tensorflow"  # the paper's default framework (Table 4)
 ENV_VAR = "AIPERF_BACKEND"
 
@@ -69,13 +71,6 @@ def list_backends() -> list[BackendInfo]:
     return [infos[k] for k in sorted(infos)]
 
 
-def backend_entry_points():
-    """Every installed entry point of the group (whether or not it imports)."""
-    from importlib.metadata import entry_points
-
-    return list(entry_points(group=NAMESPACE))
-
-
 def _probe(name: str, plugin: Any, module: str) -> BackendInfo:
     if not (isinstance(plugin, type) and issubclass(plugin, Backend)):
         return BackendInfo(name, False, f"entry point does not name a Backend subclass: {module}", module=module)
@@ -91,32 +86,6 @@ def _probe(name: str, plugin: Any, module: str) -> BackendInfo:
                            list(instance.precisions()), module=module)
     except Exception as exc:
         return BackendInfo(name, False, f"probe failed: {_one_line(exc)}", module=module)
-
-
-def distribution_of(backend_cls: type) -> str | None:
-    """The name of the installed distribution whose `aiperf.backends` entry point names this class
-    (e.g. 'aiperf' for the first-party backends, 'aiperf-numpy'), or None when none does. Only entry
-    points whose module is already imported are compared, so that asking never imports a framework."""
-    import sys
-
-    for ep in backend_entry_points():
-        module = sys.modules.get(ep.module)
-        target = module
-        for part in (ep.attr or "").split("."):
-            target = getattr(target, part, None) if part else target
-        if module is not None and target is backend_cls:
-            dist = getattr(ep, "dist", None)
-            return dist.metadata["Name"] if dist is not None else None
-    return None
-
-
-def install_hint(backend_cls: type, module: str, extra: str | None = None) -> str:
-    """How to install what a backend needs: through the distribution that registers it."""
-    dist = distribution_of(backend_cls)
-    if dist is None:
-        return f"install the package that provides '{module}'"
-    requirement = f"{dist}[{extra}]" if extra else dist
-    return f"pip install '{requirement}'"
 
 
 def load_backend(name: str) -> Backend:

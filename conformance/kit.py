@@ -17,6 +17,9 @@ against, and what the vendor guide's check table is generated from.
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import subprocess
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -167,13 +170,109 @@ def catalogue_ids() -> list[str]:
     return [c.id for c in catalogue()]
 
 
+# -- child processes -----------------------------------------------------------------------------
+# A level that runs work in a child process (parallel) starts it with run_child. Every Python
+# process in that tree (the child, and what it spawns: torch's ranks) has faulthandler on, so one
+# that dies of a signal prints its Python stack on stderr; stderr goes to a file, and a death is
+# reported with its exit status or signal, the tail of stderr and those stacks (child_account).
+
+STDERR_TAIL_LINES = 40
+FAULTHANDLER_ENV = "PYTHONFAULTHANDLER"
+_STACK_LINE_STARTS = ("Fatal Python error", "Thread 0x", "Current thread 0x", "  File ", "  <no Python frame>",
+                      "  ...", "Extension modules:", "<Cannot show all threads while the GIL is disabled>")
+
+
+class ChildProcessFailed(Exception):
+    """Work a check ran in a child process failed. The message spans lines: what failed, then
+    (child_account) how the process ended, the tail of its stderr and the Python stacks that
+    faulthandler wrote; the kit's result keeps all of it."""
+
+
+def exit_description(returncode: int) -> str:
+    """'exit status 3', or 'signal SIGABRT' for a process a signal killed (a negative returncode)."""
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+def fault_stacks(text: str) -> list[str]:
+    """The Python stacks faulthandler wrote in `text`, each from its 'Fatal Python error' line."""
+    stacks, current = [], None
+    for line in text.splitlines():
+        if line.startswith("Fatal Python error"):
+            current = [line]
+            stacks.append(current)
+        elif current is not None and (not line.strip() or line.startswith(_STACK_LINE_STARTS)):
+            current.append(line)
+        else:
+            current = None
+    return ["\n".join(stack).strip() for stack in stacks]
+
+
+def child_account(stderr: str, returncode: int | None = None) -> str:
+    """How a child process ended (when it did not end well), the last STDERR_TAIL_LINES lines of
+    its stderr and any faulthandler stack in it, one item after the other on separate lines."""
+    lines = stderr.splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    parts = [] if returncode is None else [f"the child process ended with {exit_description(returncode)}"]
+    if lines:
+        tail = lines[-STDERR_TAIL_LINES:]
+        parts.append(f"stderr (last {len(tail)} of {len(lines)} lines):\n" + "\n".join(tail))
+    else:
+        parts.append("stderr: empty")
+    for stack in fault_stacks(stderr):
+        parts.append(f"Python stack (faulthandler):\n{stack}")
+    return "\n".join(parts)
+
+
+def run_child(args: list[str], env: dict, timeout: float, stderr_path: str, what: str) -> None:
+    """Run `args` (a Python child of the kit) with faulthandler on and stderr into `stderr_path`;
+    ChildProcessFailed, naming `what` with child_account, if it times out or does not exit 0."""
+    env = dict(env, **{FAULTHANDLER_ENV: "1"})
+    with open(stderr_path, "wb") as err:
+        try:
+            proc = subprocess.run(args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise ChildProcessFailed(f"{what} did not finish in {timeout:g} s\n"
+                                     + child_account(read_text(stderr_path))) from None
+    if proc.returncode != 0:
+        raise ChildProcessFailed(f"{what} failed\n" + child_account(read_text(stderr_path), proc.returncode))
+
+
+def read_text(path: str, start: int = 0, end: int | None = None) -> str:
+    """Bytes [start, end) of a child's output file as text (what is not UTF-8 replaced)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read(-1 if end is None else max(end - start, 0))
+    except OSError as exc:
+        return f"(unreadable: {exc.strerror or exc})"
+    return data.decode("utf-8", "replace")
+
+
+def output_size(path: str) -> int:
+    """How far a child's output file has grown (the start of the next span for read_text)."""
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 def run_check(ctx: Context, check: Check) -> CheckResult:
     start = time.perf_counter()
     reason = ctx.expectations.xfail_reason(check.id)
     try:
         outcome = check.run(ctx)
     except Exception as exc:  # an exception is a finding about the backend, not a crash of the kit
-        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
+        if isinstance(exc, ChildProcessFailed):  # the whole account: stderr tail and stacks span lines
+            detail = f"{type(exc).__name__}: {exc}"
+        else:
+            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
         outcome = Outcome(False, message=f"raised {detail}")
         status = XFAIL if reason else ERROR
     else:

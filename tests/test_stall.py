@@ -205,9 +205,10 @@ def test_live_images_per_second_and_analytic_ops_come_from_heartbeats(tmp_path):
     assert live.replicas[1].images_per_s is None and live.replicas[1].last_step_age_s is None
     lines = render(progress, live)
     assert lines[1].startswith("OPS 0 OPS")  # the score itself moves only when epochs end
-    assert lines[2] == "live, not scored: 100 images/s  300 Giga-OPS analytic (2 of 2 training replicas reporting)"
+    assert lines[2] == ("live, not scored: 100 images/s  300 Giga-OPS analytic (2 of 2 training replicas reporting; "
+                        "1 compiling)")
     assert lines[3].endswith("training r0000-t00002 (epoch 1, 100 images/s)")
-    assert lines[4].endswith("training r0001-t00001 (epoch 1, no step yet after 8m20s)")
+    assert lines[4].endswith("training r0001-t00001 (epoch 1, compiling: no step yet after 8m20s)")
 
 
 # --- end to end: real primary, real replica processes --------------------------------------------

@@ -97,9 +97,14 @@ def test_ddp_steps_match_single_process(setup):
         single_grads.append(model.canonical_grads())
     single_weights = model.export_canonical()
 
-    job = make_job(backend.lower(graph, weights), config, DEVICES, batches=global_batches,
-                   results=mp.get_context("spawn").Queue())
+    ctx = mp.get_context("spawn")
+    job = make_job(backend.lower(graph, weights), config, DEVICES, batches=global_batches, results=ctx.Queue(),
+                   threads_after=ctx.Queue())
     results = spawn(run_rank_steps, job, WORLD)
+    # Each rank ends its process group in order: none of its threads outlives the teardown (a
+    # rank that exited with gloo's threads running aborted now and then, docs/backends/torch.md).
+    left = sorted(job["threads_after"].get(timeout=60) for _ in range(WORLD))
+    assert left == [(rank, []) for rank in range(WORLD)], left
 
     for rank, losses, grads, final in results:
         for step, (g_dp, g_single) in enumerate(zip(grads, single_grads)):

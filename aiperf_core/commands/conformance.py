@@ -56,6 +56,7 @@ def list_checks(args, levels) -> int:
 def run(args) -> int:
     import json
 
+    from aiperf_core.commands.options import writable_file, writing
     from aiperf_core.config_file import load_config
     from aiperf_core.registry import load_backend, resolve_backend_name
     from aiperf_conformance.kit import parse_levels, run_conformance
@@ -63,6 +64,8 @@ def run(args) -> int:
     levels = parse_levels(args.level)
     if args.list:
         return list_checks(args, levels)
+    if args.report:  # before the kit's minutes, not after them
+        writable_file("--report", args.report)
     backend = load_backend(resolve_backend_name(args.backend, config=load_config(args.config)))
 
     def progress(result):
@@ -72,6 +75,7 @@ def run(args) -> int:
     report = run_conformance(backend, levels, seed=args.seed, quick=args.quick, precisions=args.precision,
                              progress=progress)
     if args.report:
-        report.write(args.report)
+        with writing(args.report, "--report"):
+            report.write(args.report)
     print(json.dumps(report.to_dict(), default=str) if args.json else report.summary())
     return 0 if report.ok else 1

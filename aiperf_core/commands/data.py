@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from aiperf_core.commands.options import non_negative_int, positive_int
+from aiperf_core.commands.options import non_negative_int, positive_int, writing
 
 HELP = ("check an ImageNet folder (counts, classes, corrupt images) or convert it between the ImageFolder "
         "and TFRecord layouts")
@@ -84,8 +84,9 @@ def run_check(args) -> int:
 def run_convert(args) -> int:
     from aiperf_core.data.tools import DEFAULT_SHARD_SIZE, convert
 
-    result = convert(args.src, args.dst, args.to, args.workers, args.shard_size or DEFAULT_SHARD_SIZE,
-                     _Progress(not args.quiet))
+    with writing(args.dst):
+        result = convert(args.src, args.dst, args.to, args.workers, args.shard_size or DEFAULT_SHARD_SIZE,
+                         _Progress(not args.quiet))
     for split, r in result.items():
         print(f"{split}: {r['written']:,} images written, {len(r['skipped']):,} skipped")
         for error in r["skipped"][:20]:

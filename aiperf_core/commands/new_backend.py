@@ -15,9 +15,11 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from aiperf_conformance.scaffold import names, scaffold
+    from aiperf_core.commands.options import writing
 
     out = args.out or names(args.name)["dist"]
-    written = scaffold(args.name, out, args.framework)
+    with writing(out, "--out"):
+        written = scaffold(args.name, out, args.framework)
     for path in written:
         print(f"wrote {path}")
     print(f"next: cd {out} && python -m pip install -e . && aiperf conformance --backend {args.name} --quick")

@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from aiperf_core.errors import AiperfError
 
 
 def image_shape(text: str) -> tuple[int, int, int]:
@@ -43,3 +50,42 @@ def add_model_arguments(p, what: str = "builder name (resnet50, resnet_small), I
                    help="input shape for builder models (default: the builder's, 224x224x3 for resnet50)")
     p.add_argument("--classes", type=positive_int, default=None, metavar="N",
                    help="number of classes for builder models (default: the builder's, 1000 for resnet50)")
+
+
+def path_problem(what: str, path: str | os.PathLike, exc: OSError) -> AiperfError:
+    """One line for a filesystem error: `what` (an option and `path`, or `path`), the reason, and
+    the path that failed where it is another one (a parent folder, a file inside)."""
+    name = exc.filename2 if exc.filename2 is not None else exc.filename  # a rename's target is the problem
+    failed = None if name is None else Path(os.fsdecode(name))
+    reason = exc.strerror or str(exc)
+    if isinstance(exc, (FileExistsError, NotADirectoryError)) and failed is not None:
+        blocker = next((p for p in (failed, *failed.parents) if p.exists()), None)
+        if blocker is not None and not blocker.is_dir():  # mkdir's 'File exists' says nothing useful
+            return AiperfError(f"{what}: cannot write there: {blocker} is a file, not a folder")
+    if failed is not None and failed != Path(path):
+        reason += f" ({failed})"
+    return AiperfError(f"{what}: cannot write there: {reason}")
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike, option: str | None = None) -> Iterator[None]:
+    """An OSError inside becomes path_problem: the CLI prints one line naming the option and
+    `path` (where the error is about writing there) and exits 2."""
+    try:
+        yield
+    except OSError as exc:
+        raise path_problem(f"{option} {path}" if option else f"{path}", path, exc) from None
+
+
+def writable_file(option: str, path: str | os.PathLike) -> Path:
+    """Check, before any long work, that a file can be written at `path`: its folder exists or can
+    be made, accepts a new file, and `path` is not a folder. Returns the path."""
+    target = Path(path)
+    if target.is_dir():
+        raise AiperfError(f"{option} {target}: is a folder, not a file")
+    with writing(target, option):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=target.parent)
+        os.close(fd)
+        os.unlink(probe)
+    return target

@@ -12,9 +12,11 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from aiperf_core.commands.options import writing
     from aiperf_core.report import write_report
 
-    html_path, summary_path = write_report(args.run_dir)
+    with writing(args.run_dir):
+        html_path, summary_path = write_report(args.run_dir)
     summary = json.loads(summary_path.read_text())
     label = "official" if summary["valid"] else "unofficial"
     if summary["failure"] is not None:

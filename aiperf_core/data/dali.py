@@ -49,7 +49,7 @@ from typing import Iterator
 import numpy as np
 
 from aiperf_core.data.preprocess import CROP_RATIO, CROP_SCALE, CROP_TRIES, VAL_CROP_FRACTION, CorruptImage
-from aiperf_core.data.stream import TRAIN, Batch, check_split, shard
+from aiperf_core.data.batch import TRAIN, Batch, check_split, shard
 from aiperf_core.errors import AiperfError
 
 EXTRA_HINT = "the DALI data loader needs the extra: pip install 'aiperf[dali]'"

@@ -41,16 +41,16 @@ import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+# The splits, Batch and shard live in aiperf_core.data.batch, which DALI's decoder (aiperf_core.data.dali)
+# imports too: this module imports that one (lazily), never the other way round.
+from aiperf_core.data.batch import SPLITS, TRAIN, VAL, Batch, check_split, shard  # noqa: F401
 from aiperf_core.data.preprocess import CorruptImage, augmentation_rng, train_image, val_image
 from aiperf_core.errors import AiperfError
 
-TRAIN, VAL = "train", "val"
-SPLITS = (TRAIN, VAL)
 DEFAULT_PREFETCH = 2
 NATIVE, DALI = "native", "dali"  # who decodes: the backend's own pipeline or the host workers, or NVIDIA DALI
 LOADERS = (NATIVE, DALI)
@@ -69,12 +69,6 @@ def check_loader(value) -> str | None:
         except AiperfError:
             return "needs NVIDIA DALI, the extra aiperf[dali]: pip install 'aiperf[dali]'"
     return None
-
-
-def check_split(split: str) -> str:
-    if split not in SPLITS:
-        raise AiperfError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})")
-    return split
 
 
 class ImageSource(abc.ABC):
@@ -131,24 +125,6 @@ class ImageSource(abc.ABC):
             except CorruptImage as exc:
                 corrupt.append(str(exc))
         return x[:len(kept)], np.asarray(kept, dtype=np.int64), corrupt
-
-
-@dataclass
-class Batch:
-    """A (shard of a) batch. `size` is the number of images the global batch asked for; x and y
-    hold this shard's images that decoded (x: uint8 NHWC pixels from a StreamingDataset, float32
-    normalised arrays from an in-memory Dataset); `skipped` counts this shard's images that did not."""
-
-    x: np.ndarray
-    y: np.ndarray
-    size: int
-    skipped: int = 0
-    corrupt: list[str] = field(default_factory=list)
-
-
-def shard(indices: np.ndarray, rank: int, world: int) -> np.ndarray:
-    """The rank's contiguous part of a global batch."""
-    return np.array_split(indices, world)[rank] if world > 1 else indices
 
 
 # Modules whose import leaves threads or device state behind that a forked child inherits broken.

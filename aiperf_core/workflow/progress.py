@@ -5,13 +5,15 @@ Scored figures come from aiperf_core.scoring.progress.snapshot, which reads the 
 incrementally and uses the score's own definitions: they move only when epochs end. Live figures
 (training images/s and the analytic OPS they mean) come from the replicas' heartbeats, which
 carry the progress of their steps: they show a working run from its first step, and are never
-part of the score.
+part of the score. A replica that is not stepping says what it does instead (`replica_state`):
+compiling, evaluating, between trials or starting.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -22,6 +24,9 @@ LOG_INTERVAL_S = 30.0
 LIVE_INTERVAL_S = 10.0  # heartbeats are read for the live figures at most this often
 LIVE_FRESH_S = 60.0  # an older heartbeat gives no live figure: its replica may be gone
 QUIET_STEP_S = 60.0  # a replica whose last step is older than this says how long ago it was
+# What a live replica does (replica_state): only a stepping one has a rate.
+STEPPING, COMPILING, EVALUATING, BETWEEN_TRIALS, STARTING = (
+    "stepping", "compiling", "evaluating", "between trials", "starting")
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,9 @@ class LiveReplica:
     images_per_s: float | None  # training images per second over its current epoch so far
     ops_per_s: float | None  # images_per_s x the running trial's analytic FP+BP per image
     last_step_age_s: float | None  # seconds since its last step ended; None before the trial's first
-    trial_age_s: float | None  # seconds since it entered its current trial
+    trial_age_s: float | None  # seconds since it entered its current trial (or state, outside a trial)
+    state: str = STEPPING  # replica_state
+    running: bool = True  # the ledger has a trial running on it
 
 
 @dataclass(frozen=True)
@@ -49,28 +56,63 @@ class Live:
         return sum(known) if known else None
 
 
+def replica_state(beat: dict, running: str | None) -> str:
+    """What a replica does, from its heartbeat (docs/run-directory.md) and the trial the ledger has
+    running on it: STARTING before its first trial; BETWEEN_TRIALS while it records one or plans
+    the next (or its heartbeat has not reached the trial the ledger shows yet); COMPILING in a
+    trial whose first step has not ended (lowering, tracing, compiling: the first step includes
+    them); EVALUATING when its last step was a validation step (one that ended after the last
+    training step, which StepClock.count marks); else STEPPING."""
+    state = beat.get("state")
+    if state == "starting":
+        return STARTING
+    if state != "training" or running is None or beat.get("trial") != running:
+        return BETWEEN_TRIALS
+    step = beat.get("progress") if isinstance(beat.get("progress"), dict) else {}
+    last_step, last_train_step = _number(step.get("time")), _number(step.get("train_time"))
+    if last_step is None:
+        return COMPILING
+    if last_train_step is not None and last_step > last_train_step:
+        return EVALUATING
+    return STEPPING
+
+
 def live_figures(run_dir: Any, progress: Any) -> Live:
-    """Live progress of every training replica of a snapshot (a scoring.progress.Progress), from
-    its heartbeat (docs/run-directory.md, heartbeat.json)."""
+    """Live progress of every replica of a snapshot (a scoring.progress.Progress) that has not
+    stopped, from its heartbeat (docs/run-directory.md, heartbeat.json): what it does, and while
+    it steps, its images/s and the analytic OPS they mean. A replica without a fresh heartbeat is
+    left out (it may be gone)."""
     figures = {}
     for replica in progress.replicas:
-        if replica.stopped or not replica.running:
+        if replica.stopped:
             continue
         beat = run_dir.read_heartbeat(replica.replica) or {}
         beat_time, since = _number(beat.get("time")), _number(beat.get("since"))
-        if beat.get("state") != "training" or beat_time is None or progress.now - beat_time > LIVE_FRESH_S:
+        if beat_time is None or progress.now - beat_time > LIVE_FRESH_S:
             continue
+        state = replica_state(beat, replica.running)
         step = beat.get("progress") if isinstance(beat.get("progress"), dict) else {}
         last_step, epoch_start = _number(step.get("time")), _number(step.get("epoch_start"))
-        images = _number(step.get("images")) or 0.0
-        rate = images / (last_step - epoch_start) if last_step and epoch_start and last_step > epoch_start else None
-        per_image = replica.running_per_image if beat.get("trial") == replica.running else None
-        ops = rate * (per_image[0] + per_image[1]) if rate is not None and per_image else None
+        rate = ops = None
+        if state == STEPPING:
+            images = _number(step.get("images")) or 0.0
+            rate = images / (last_step - epoch_start) if epoch_start and last_step > epoch_start else None
+            per_image = replica.running_per_image
+            ops = rate * (per_image[0] + per_image[1]) if rate is not None and per_image else None
         figures[replica.replica] = LiveReplica(
             images_per_s=rate or None, ops_per_s=ops or None,
-            last_step_age_s=None if last_step is None else max(progress.now - last_step, 0.0),
-            trial_age_s=None if since is None else max(progress.now - since, 0.0))
+            last_step_age_s=None if last_step is None or state == BETWEEN_TRIALS else max(progress.now - last_step, 0.0),
+            trial_age_s=None if since is None else max(progress.now - since, 0.0),
+            state=state, running=replica.running is not None)
     return Live(figures)
+
+
+def _not_stepping(live: Live) -> str:
+    """What the replicas that are not stepping do: 'compiling' for one, '1 compiling, 1 evaluating'."""
+    idle = [r.state for r in live.replicas.values() if r.state != STEPPING]
+    if len(live.replicas) == 1:
+        return ", ".join(idle)
+    return ", ".join(f"{n} {state}" for state, n in sorted(Counter(idle).items()))
 
 
 def _number(value: Any) -> float | None:
@@ -94,23 +136,33 @@ def render(progress: Any, live: Live | None = None) -> list[str]:
         f"best accuracy {accuracy}  trials done {progress.trials_done}, running {progress.trials_running}  "
         f"epochs {progress.epochs_counted}",
     ]
-    if live is not None and progress.trials_running:
-        ops = "- OPS" if live.ops_per_s is None else format_ops(live.ops_per_s)
-        lines.append(f"live, not scored: {_rate(live.images_per_s)} images/s  "
-                     f"{ops} analytic ({len(live.replicas)} of "
-                     f"{progress.trials_running} training replicas reporting)")
+    if live is not None and live.replicas:
+        stepping = any(r.state == STEPPING for r in live.replicas.values())
+        idle = _not_stepping(live)
+        if stepping:
+            ops = "- OPS" if live.ops_per_s is None else format_ops(live.ops_per_s)
+            line = f"live, not scored: {_rate(live.images_per_s)} images/s  {ops} analytic"
+        else:  # never '0.0 images/s' for a run that compiles, evaluates or plans
+            line = f"live, not scored: {idle}"
+        if progress.trials_running:
+            reporting = sum(r.running for r in live.replicas.values())
+            line += f" ({reporting} of {progress.trials_running} training replicas reporting"
+            line += f"; {idle})" if stepping and idle else ")"
+        lines.append(line)
     for replica in progress.replicas:
         if replica.stopped:
             doing = "stopped"
         elif replica.running:
             doing = f"training {replica.running} (epoch {replica.running_epochs + 1}"
             now = (live.replicas.get(replica.replica) if live is not None else None)
-            if now is not None and now.last_step_age_s is None:
-                doing += f", no step yet after {format_duration(now.trial_age_s or 0.0)}"
+            if now is not None and now.state == COMPILING:
+                doing += f", compiling: no step yet after {format_duration(now.trial_age_s or 0.0)}"
+            elif now is not None and now.state != STEPPING:
+                doing += f", {now.state}"
             elif now is not None:
                 if now.images_per_s is not None:
                     doing += f", {_rate(now.images_per_s)} images/s"
-                if now.last_step_age_s >= QUIET_STEP_S:
+                if now.last_step_age_s is not None and now.last_step_age_s >= QUIET_STEP_S:
                     doing += f", last step {format_duration(now.last_step_age_s)} ago"
             doing += ")"
         else:

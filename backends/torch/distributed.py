@@ -16,10 +16,17 @@ differentiable all-reduces per layer.
 Rank 0 reports each epoch to the parent, which calls the caller's on_epoch and sends back whether
 to stop; the decision is broadcast to all ranks. At the end rank 0 sends the trained weights
 (canonical NumPy arrays) back, and the parent loads them into its model.
+
+A rank ends in order (`end_rank`): its queue's feeder thread has flushed, every rank has passed
+a barrier, nothing holds the process group any more, and destroying the group joins its threads
+(gloo: two work threads and the TCP loop; on rank 0 also the TCP store's loop). A rank that
+exited with those threads running aborted now and then ('terminate called without an active
+exception'): docs/backends/torch.md, "Data-parallel teardown".
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import queue as queue_module
 import socket
@@ -135,12 +142,70 @@ def process_group_backend(device: torch.device) -> str:
 
 
 def init_process_group(rank: int, world: int, device: torch.device, master_addr: str, master_port: int) -> None:
+    # torch.distributed.nn.functional binds group.WORLD as the default argument of its functions
+    # when it is first imported, and DistributedDataParallel imports it (through torch._dynamo).
+    # Imported after the group exists, it would hold the group for the life of the interpreter:
+    # destroy_process_group could not free it, and gloo's threads would outlive the rank's Python.
+    import torch.distributed.nn.functional  # noqa: F401
+
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(master_port)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(process_group_backend(device), rank=rank, world_size=world,
                             init_method=f"tcp://{master_addr}:{master_port}")
+
+
+def process_group_threads() -> list[str]:
+    """Names of this process's threads that belong to a gloo process group (its work threads and
+    TCP loop, and the TCP store's loop): none once the group is really gone. Linux only."""
+    names = []
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:  # pragma: no cover - not Linux
+        return names
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if name.startswith(("pt_gloo", "gloo_", "pt_tcpstore")):
+            names.append(name)
+    return sorted(names)
+
+
+def end_process_group() -> None:
+    """Destroy the default process group and with it its threads, while the interpreter is whole.
+
+    The group's threads end only when its last reference goes: the caller has dropped its own
+    (DistributedDataParallel's reducer holds the group), and the cycles that the autograd graph
+    and the reducer make are collected here first. A gloo group that survives this is an error,
+    not a warning: a rank that exits with gloo's threads running aborts now and then, and failing
+    every time instead names the threads (docs/backends/torch.md, "Data-parallel teardown")."""
+    if not dist.is_initialized():
+        return
+    gloo = dist.get_backend() == "gloo"
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
+    left = process_group_threads() if gloo else []  # NCCL's teardown is unverified here (no GPUs)
+    if left:
+        raise BackendError(f"the process group's threads still run after its teardown ({', '.join(left)}): "
+                           f"something holds the group, and the rank's exit could abort")
+
+
+def end_rank(outcome: BaseException | None) -> None:
+    """A rank's last act: on success a barrier (no rank tears down while another still reduces),
+    then end_process_group. A failed rank keeps its exception for torch's spawn to report; its
+    traceback's frames still hold the model, so its group is only destroyed, not waited for."""
+    if outcome is not None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
+    if dist.is_initialized():
+        dist.barrier()
+    end_process_group()
 
 
 def set_worker_threads(world: int) -> None:
@@ -203,33 +268,55 @@ def _start_rank(rank: int, job: dict):
     return model, wrap(model, device), device, config
 
 
-def _rank_main(rank: int, job: dict) -> None:
-    """One rank of train_data_parallel: the whole epoch loop."""
+def _train_rank(rank: int, job: dict) -> None:
+    """One rank of train_data_parallel: the whole epoch loop. Everything that holds the process
+    group (the DDP wrapper, the stepper) lives in this call's frame and goes when it returns."""
     from aiperf_backends.torch.training import Stepper, run_epochs
 
-    try:
-        model, ddp, device, config = _start_rank(rank, job)
-        # Streamed data travels as the StreamingDataset itself (paths and settings); each rank
-        # decodes only its own shard of every batch.
-        data = job["stream"] if "stream" in job else Dataset(*(t.numpy() for t in job["data"]), classes=job["classes"])
-        reports_q, replies_q = job["reports"], job["replies"]
+    model, ddp, device, config = _start_rank(rank, job)
+    # Streamed data travels as the StreamingDataset itself (paths and settings); each rank
+    # decodes only its own shard of every batch.
+    data = job["stream"] if "stream" in job else Dataset(*(t.numpy() for t in job["data"]), classes=job["classes"])
+    reports_q, replies_q = job["reports"], job["replies"]
 
-        def on_epoch(report: EpochReport) -> bool:
-            flag = torch.zeros(1, dtype=torch.int64, device=device)
-            if rank == 0:
-                reports_q.put(("epoch", asdict(report)))
-                flag[0] = int(bool(replies_q.get()))
-            dist.broadcast(flag, src=0)
-            return bool(flag.item())
-
-        run_epochs(ddp, data, config, device, rank=rank, world=job["world"], all_reduce=float_all_reduce(device),
-                   on_epoch=on_epoch, stepper=Stepper(ddp, device, config))
+    def on_epoch(report: EpochReport) -> bool:
+        flag = torch.zeros(1, dtype=torch.int64, device=device)
         if rank == 0:
-            reports_q.put(("weights", model.export_canonical()))
-        dist.barrier()
+            reports_q.put(("epoch", asdict(report)))
+            flag[0] = int(bool(replies_q.get()))
+        dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+    run_epochs(ddp, data, config, device, rank=rank, world=job["world"], all_reduce=float_all_reduce(device),
+               on_epoch=on_epoch, stepper=Stepper(ddp, device, config))
+    if rank == 0:
+        reports_q.put(("weights", model.export_canonical()))
+        reports_q.close()
+        reports_q.join_thread()  # the feeder thread has written everything before the rank ends
+
+
+def _rank_main(rank: int, job: dict) -> None:
+    outcome = None
+    try:
+        _train_rank(rank, job)
+    except BaseException as exc:
+        outcome = exc
+        raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_rank(outcome)
+
+
+def _step_rank(rank: int, job: dict) -> None:
+    from aiperf_backends.torch.training import Stepper
+
+    model, ddp, device, config = _start_rank(rank, job)
+    stepper = Stepper(ddp, device, config)
+    stepper.set_lr(config.schedule.rate(0, max(config.epochs, 1)))
+    losses, grads = [], []
+    for x, y in job["batches"]:
+        losses.append(float(ddp_step(stepper, x.to(device), y.to(device), rank, job["world"])))
+        grads.append(model.canonical_grads())
+    job["results"].put((rank, losses, grads, model.export_canonical()))
 
 
 def run_rank_steps(rank: int, job: dict) -> None:
@@ -240,23 +327,19 @@ def run_rank_steps(rank: int, job: dict) -> None:
     labels), and `results`, a queue. Each step runs ddp_step at epoch 0's learning rate; the rank
     then puts (rank, per-step summed shard losses, per-step canonical gradients, final canonical
     weights) on the queue. The gradients are those after DDP's all-reduce: those of the global
-    batch's mean loss.
+    batch's mean loss. With `job["threads_after"]` (a queue) set, the rank then puts (rank, the
+    names of its process-group threads still running after end_rank) there.
     """
-    from aiperf_backends.torch.training import Stepper
-
+    outcome = None
     try:
-        model, ddp, device, config = _start_rank(rank, job)
-        stepper = Stepper(ddp, device, config)
-        stepper.set_lr(config.schedule.rate(0, max(config.epochs, 1)))
-        losses, grads = [], []
-        for x, y in job["batches"]:
-            losses.append(float(ddp_step(stepper, x.to(device), y.to(device), rank, job["world"])))
-            grads.append(model.canonical_grads())
-        job["results"].put((rank, losses, grads, model.export_canonical()))
-        dist.barrier()
+        _step_rank(rank, job)
+    except BaseException as exc:
+        outcome = exc
+        raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        end_rank(outcome)
+    if job.get("threads_after") is not None:
+        job["threads_after"].put((rank, process_group_threads()))
 
 
 def make_job(model, config: TrainConfig, devices: list[str], **extra) -> dict:
@@ -309,6 +392,10 @@ def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list
             if p.is_alive():
                 p.terminate()
         raise
+    finally:
+        for q in (reports_q, replies_q):
+            q.close()
+        replies_q.join_thread()
     if weights is None:
         raise BackendError("data-parallel training ended without returning the trained weights")
     model.load_canonical(weights)

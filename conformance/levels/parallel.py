@@ -19,7 +19,10 @@ Where fewer than two devices are visible, the level's work runs in a child proce
 AIPERF_CPU_DEVICES=2 (aiperf_core.backend.CPU_DEVICES_ENV; a backend reads it when it first
 initialises its framework, so it cannot be set in this process), with CUDA devices hidden when the
 one visible device is an accelerator; the child writes its outcomes as JSON and the parent reports
-them. With two or more devices visible (GPUs), the work runs in this process.
+them. With two or more devices visible (GPUs), the work runs in this process. The child runs with
+faulthandler on (it and the processes it spawns, a backend's ranks) and its stderr in a file: a
+scenario that raised there, or a child that died, is reported with how it ended, the last lines of
+that stderr and the Python stacks faulthandler wrote (aiperf_conformance.kit.run_child).
 
 A backend that declares no data parallelism is certified as single-device:
 
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -48,7 +50,8 @@ from aiperf_core.builders import resnet_small
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph, Node
 from aiperf_conformance.cases import trained_looking_weights
-from aiperf_conformance.kit import Check, Context, Outcome, relative_error
+from aiperf_conformance.kit import (Check, ChildProcessFailed, Context, Outcome, child_account, output_size,
+                                    read_text, relative_error, run_child)
 
 DATA_PARALLEL_CHECKS = ("matches_one_device", "synchronized_batch_norm", "uneven_last_batch", "empty_shard")
 SINGLE_DEVICE_CHECKS = ("one_device_matches_default", "refuses_two_devices")
@@ -248,14 +251,18 @@ def _single_device(backend, name: str, scenario: Scenario | None, seed: int, tol
                    f"backend '{backend.name}' declares no data parallelism but trained on devices {list(asked)}")
 
 
-def run_scenarios(backend, seed: int, quick: bool, tol: float) -> dict:
+def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str | None = None) -> dict:
     """Every outcome of the level for `backend`, as JSON-ready dicts by check name (an exception
-    in one scenario is that check's 'error', never the others')."""
+    in one scenario is that check's 'error', never the others'). With `stderr_path` (the file this
+    process's stderr goes to), an error also records the span [start, end) of that file written
+    during its scenario, by this process and the ones it spawned."""
     data_parallel = backend.parallelism().data_parallel
     names = DATA_PARALLEL_CHECKS if data_parallel else SINGLE_DEVICE_CHECKS
     scenarios = {**SCENARIOS, **(QUICK_SCENARIOS if quick else {})}
     out: dict[str, dict] = {}
     for name in names:
+        sys.stderr.flush()
+        start = output_size(stderr_path) if stderr_path else 0
         try:
             run = _data_parallel if data_parallel else _single_device
             outcome = run(backend, name, scenarios.get(name), seed, tol)
@@ -268,6 +275,9 @@ def run_scenarios(backend, seed: int, quick: bool, tol: float) -> dict:
             lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
             text = " ".join(line for line in lines if not line.startswith('File "'))
             out[name] = {"error": f"{type(exc).__name__}: {text}"[:600]}
+            if stderr_path:
+                sys.stderr.flush()
+                out[name]["stderr"] = [start, output_size(stderr_path)]
     return out
 
 
@@ -300,29 +310,31 @@ def _is_accelerator(device: str) -> bool:
 
 def _in_child(ctx: Context) -> dict:
     """Run the level in a child process that sees CHILD_DEVICES CPU devices; its outcomes come back
-    as JSON (the frameworks print to stdout and stderr, so the results travel in a file)."""
-    spec = {"backend_class": _class_path(ctx.backend), "seed": ctx.seed, "quick": ctx.quick,
-            "tolerance": ctx.tolerance("parallel"), "sys_path": [p for p in sys.path if p]}
+    as JSON (the frameworks print to stdout and stderr, so the results travel in a file), each
+    error with the account of its scenario's stderr."""
     env = dict(os.environ, **{CPU_DEVICES_ENV: str(CHILD_DEVICES)})
     if _is_accelerator(ctx.device or ""):
         env["CUDA_VISIBLE_DEVICES"] = ""  # one accelerator cannot train on two: certify the path on CPUs
+    what = f"the child process ({CPU_DEVICES_ENV}={CHILD_DEVICES})"
     with tempfile.TemporaryDirectory(prefix="aiperf-parallel-") as tmp:
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "outcomes.json")
+        stderr_path = os.path.join(tmp, "stderr.txt")
+        spec = {"backend_class": _class_path(ctx.backend), "seed": ctx.seed, "quick": ctx.quick,
+                "tolerance": ctx.tolerance("parallel"), "sys_path": [p for p in sys.path if p], "stderr": stderr_path}
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         code = "import sys; from aiperf_conformance.levels.parallel import child_main; sys.exit(child_main(sys.argv[1:]))"
-        try:
-            proc = subprocess.run([sys.executable, "-c", code, spec_path, out_path], env=env, capture_output=True,
-                                  text=True, timeout=CHILD_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            raise ParallelLevelError(f"the child process ({CPU_DEVICES_ENV}={CHILD_DEVICES}) did not finish in "
-                                     f"{CHILD_TIMEOUT} s") from None
-        if proc.returncode != 0 or not os.path.exists(out_path):
-            lines = [line for line in (proc.stderr or "").splitlines() if line.strip()]
-            raise ParallelLevelError(f"the child process ({CPU_DEVICES_ENV}={CHILD_DEVICES}) exited with status "
-                                     f"{proc.returncode}: {lines[-1] if lines else 'no output'}")
+        run_child([sys.executable, "-c", code, spec_path, out_path], env, CHILD_TIMEOUT, stderr_path, what)
+        if not os.path.exists(out_path):
+            raise ChildProcessFailed(f"{what} exited 0 without writing its outcomes\n"
+                                     + child_account(read_text(stderr_path)))
         with open(out_path) as f:
-            return json.load(f)
+            found = json.load(f)
+        for outcome in found["outcomes"].values():
+            span = outcome.pop("stderr", None)
+            if span is not None:
+                outcome["account"] = child_account(read_text(stderr_path, *span))
+        return found
 
 
 def child_main(argv: list[str]) -> int:
@@ -343,7 +355,7 @@ def child_main(argv: list[str]) -> int:
         cls = getattr(cls, part)
     backend = cls()
     devices = list(backend.devices())
-    outcomes = run_scenarios(backend, spec["seed"], spec["quick"], spec["tolerance"])
+    outcomes = run_scenarios(backend, spec["seed"], spec["quick"], spec["tolerance"], spec.get("stderr"))
     write_text_atomic(out_path, json.dumps({"devices": devices, "outcomes": outcomes}))
     return 0
 
@@ -359,11 +371,11 @@ def _outcomes(ctx: Context) -> dict:
             else:
                 ctx.cache["parallel"] = (run_scenarios(backend, ctx.seed, ctx.quick, ctx.tolerance("parallel")),
                                          ", ".join(backend.devices()))
-        except (AiperfError, ParallelLevelError) as exc:
+        except (AiperfError, ParallelLevelError, ChildProcessFailed) as exc:
             ctx.cache["parallel"] = exc
     found = ctx.cache["parallel"]
-    if isinstance(found, Exception):
-        raise ParallelLevelError(str(found))
+    if isinstance(found, Exception):  # every check of the level reports it
+        raise (ChildProcessFailed if isinstance(found, ChildProcessFailed) else ParallelLevelError)(str(found))
     return found
 
 
@@ -373,6 +385,8 @@ def _check(ctx: Context, name: str) -> Outcome:
         kind = "data-parallel" if name in DATA_PARALLEL_CHECKS else "single-device"
         raise ParallelLevelError(f"not a {kind} backend: no outcome for '{name}'")
     found = outcomes[name]
+    if "error" in found and "account" in found:
+        raise ChildProcessFailed(f"on {where}: {found['error']}\n{found['account']}")
     if "error" in found:
         raise ParallelLevelError(f"on {where}: {found['error']}")
     return Outcome(found["passed"], found["measured"], found["expected"], found["tolerance"],
