@@ -14,7 +14,7 @@ from aiperf_core.errors import AiperfError
 # Subcommand modules, in the order `aiperf --help` lists them. Each defines
 # HELP, add_arguments(parser) and run(args) -> int.
 COMMANDS = ("count", "backends", "conformance", "new-backend", "morph", "data", "replica", "score", "report", "run",
-            "system", "peak", "submit", "check", "rank")
+            "system", "peak", "submit", "check", "rank", "metrics", "watch")
 
 EXIT_USAGE = 2
 

@@ -9,7 +9,9 @@ from pathlib import Path
 
 from aiperf_core.commands.options import non_negative_int, positive_int
 from aiperf_core.errors import AiperfError
+from aiperf_core.monitoring.options import DEFAULT_HOST, port_number
 
+FINAL_SCRAPE_S = 120.0  # the endpoint outlives the run until a scraper has read its end, at most this long
 HELP = "run the benchmark: start replicas (local processes or SLURM jobs), stop them at the time budget, score"
 
 
@@ -47,6 +49,11 @@ def add_arguments(p) -> None:
                    help="how long replicas may take to stop after the deadline before they are killed (default 30s)")
     p.add_argument("--stop-after-trials", type=positive_int, default=None, metavar="N",
                    help="each replica stops after N trials (bounded test runs)")
+    metrics = p.add_argument_group("monitoring (docs/monitoring.md)")
+    metrics.add_argument("--metrics-port", type=port_number, default=None, metavar="PORT",
+                         help="serve the run's live figures to Prometheus on this port (/metrics)")
+    metrics.add_argument("--metrics-host", default=None, metavar="ADDRESS",
+                         help=f"address the metrics endpoint listens on (default {DEFAULT_HOST}: this machine only)")
     slurm = p.add_argument_group("SLURM executor")
     slurm.add_argument("--slurm-partition", default=None, metavar="NAME")
     slurm.add_argument("--slurm-account", default=None, metavar="NAME")
@@ -68,9 +75,38 @@ def run(args: argparse.Namespace) -> int:
     request = merge_request(flags, config)
     if args.resume:
         prepared = _prepare_resume(args, config, request)
+        metrics = _start_metrics(args, prepared[1]["executor"])
     else:
-        prepared = _prepare_fresh(args, config, request)
-    return _run_primary(*prepared)
+        metrics = _start_metrics(args, request.executor or "local")  # before anything is written
+        try:
+            prepared = _prepare_fresh(args, config, request)
+        except BaseException:
+            if metrics is not None:
+                metrics.close()
+            raise
+    try:
+        return _run_primary(*prepared, metrics=metrics)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _start_metrics(args, executor_kind: str):
+    """The started metrics endpoint (its run directory attached later), or None without --metrics-port."""
+    if args.metrics_port is None:
+        if args.metrics_host is not None:
+            raise AiperfError("--metrics-host: give --metrics-port too")
+        return None
+    if executor_kind == "slurm" and args.metrics_host is None:
+        # The primary of a SLURM run sits on a login node, which the centre's Prometheus reaches over
+        # the network: on the loopback default nothing outside that node could scrape it.
+        raise AiperfError(f"--metrics-port: a SLURM run's primary on {DEFAULT_HOST} serves only its own node; "
+                          "give --metrics-host (0.0.0.0 or this node's address, or 127.0.0.1 to keep it local)")
+    from aiperf_core.monitoring.collector import RunCollector
+    from aiperf_core.monitoring.server import serve
+
+    return serve(args.metrics_host or DEFAULT_HOST, args.metrics_port, RunCollector(), "--metrics-port",
+                 "--metrics-host")
 
 
 def _prepare_fresh(args, config, request):
@@ -168,7 +204,7 @@ def _executor(kind, root, run, watch, environments):
                           extra_args=slurm.get("extra_args"))
 
 
-def _run_primary(run_dir, run, executor, watch, resume: bool) -> int:
+def _run_primary(run_dir, run, executor, watch, resume: bool, metrics=None) -> int:
     from aiperf_core.workflow.primary import Primary
     from aiperf_core.workflow.progress import LiveDisplay
 
@@ -178,6 +214,9 @@ def _run_primary(run_dir, run, executor, watch, resume: bool) -> int:
                  f"{run['executor']}, {run['replicas']} replica(s) x {run['devices_per_replica']} device(s), "
                  f"precision {_precision_text(run)}, dataset {run['dataset'].get('name')}, "
                  f"budget {run['time_budget_s']:.0f} s")
+    if metrics is not None:
+        metrics.collector.attach(run_dir.root)
+        display.note(f"serving metrics on {metrics.url}")
     primary = Primary(run_dir, run, executor, watch, resume=resume, notify=display.note, tick=display.tick)
     try:
         reason = primary.run_to_end()
@@ -187,6 +226,9 @@ def _run_primary(run_dir, run, executor, watch, resume: bool) -> int:
         print(f"interrupted; continue with: aiperf run --resume {run_dir.root}", file=sys.stderr)
         return 130
     result = _score_and_report(run_dir.root)
+    if metrics is not None and not metrics.collector.ended_scraped.is_set() and metrics.collector.scrapes:
+        print(f"waiting up to {FINAL_SCRAPE_S:.0f} s for a last scrape of {metrics.url}", flush=True)
+        metrics.wait_for_final_scrape(FINAL_SCRAPE_S)
     if result.failure is not None or reason == "all_replicas_failed":
         what = ("every replica failed" if result.failure is None
                 else f"the run produced nothing: {result.failure.describe()}")

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time as _time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from aiperf_core.scoring.ledger import RunLedger
 from aiperf_core.scoring.score import epoch_ops, regulated, scored_error
@@ -46,6 +49,7 @@ class Progress:
     best_accuracy: float | None
     best_error: float | None
     replicas: tuple[ReplicaProgress, ...]
+    operations: int = 0  # analytic operations of the epochs counted
 
     @property
     def fraction(self) -> float:
@@ -98,16 +102,31 @@ class _LiveRun:
 
 
 _LIVE: dict[Path, _LiveRun] = {}
+# The live display (main thread) and a metrics endpoint (its server's threads) of one process share
+# a run's ledger: one refreshes it while the other reads it only under this lock.
+_LOCK = threading.RLock()
 
 
 def snapshot(run_dir: str | os.PathLike, now: float | None = None) -> Progress:
     """The run's progress at `now` (default: the current time)."""
+    with live_ledger(run_dir, now) as (progress, _):
+        return progress
+
+
+@contextmanager
+def live_ledger(run_dir: str | os.PathLike, now: float | None = None) -> Iterator[tuple[Progress, RunLedger]]:
+    """snapshot() and the ledger behind it, which no other thread refreshes until the block ends."""
     now = _time.time() if now is None else now
     key = Path(run_dir).resolve()
-    live = _LIVE.get(key)
-    if live is None:
-        live = _LIVE[key] = _LiveRun(key)
-    live.update(now)
+    with _LOCK:
+        live = _LIVE.get(key)
+        if live is None:
+            live = _LIVE[key] = _LiveRun(key)
+        live.update(now)
+        yield _progress(live, now), live.ledger
+
+
+def _progress(live: _LiveRun, now: float) -> Progress:
     ledger = live.ledger
     info = ledger.info
     end = min(now, info.deadline)
@@ -130,9 +149,11 @@ def snapshot(run_dir: str | os.PathLike, now: float | None = None) -> Progress:
         trials_done=sum(r.trials_done for r in replicas),
         trials_running=sum(r.running is not None for r in replicas), epochs_counted=live.epochs_done,
         ops_per_s=ops_per_s, regulated_ops=regulated(ops_per_s, live.best_error),
-        best_accuracy=live.best_accuracy, best_error=live.best_error, replicas=tuple(replicas))
+        best_accuracy=live.best_accuracy, best_error=live.best_error, replicas=tuple(replicas),
+        operations=live.ops_done)
 
 
 def forget(run_dir: str | os.PathLike) -> None:
     """Drop the cached state of a run (when its display closes)."""
-    _LIVE.pop(Path(run_dir).resolve(), None)
+    with _LOCK:
+        _LIVE.pop(Path(run_dir).resolve(), None)
