@@ -135,7 +135,9 @@ def _last(server: PrometheusServer, expr: str) -> list[dict]:
 def test_prometheus_holds_the_score_trials_replicas_and_hosts(scraped_run):
     run_dir, server, score = scraped_run
     up = server.query("count_over_time(up{job='aiperf'}[1h])")
-    assert up and float(up[0]["value"][1]) >= 5, "Prometheus scraped the run fewer than 5 times"
+    # At least one scrape while the run went and the one `aiperf run` waits for after its end: on an
+    # idle machine the one-trial run lasts only a few scrape intervals (2 scrapes in CI).
+    assert up and float(up[0]["value"][1]) >= 2, "Prometheus scraped the run fewer than 2 times"
     assert float(_last(server, "aiperf_run_ended")[0]["value"][1]) == 1.0
     (ops,) = _last(server, "aiperf_score_ops")
     assert float(ops["value"][1]) == score["score_ops"] and score["score_ops"] > 0
