@@ -16,6 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from apt_packages import apt_install
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 NODE_CPUS = 8  # declared, not real: config_overrides lets slurmd accept more than the machine has
 
@@ -31,13 +33,9 @@ def install_packages() -> None:
     if os.geteuid() != 0:
         raise SlurmSetupError("SLURM is not installed and this is not root: apt-get install -y "
                               "--no-install-recommends " + " ".join(PACKAGES))
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
-    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=False)
-        result = subprocess.run(install, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise SlurmSetupError(f"apt-get install failed: {result.stderr.strip()[-500:]}")
+    error = apt_install(PACKAGES)
+    if error is not None:
+        raise SlurmSetupError(f"apt-get install failed: {error}")
 
 
 def _free_ports(count: int) -> list[int]:

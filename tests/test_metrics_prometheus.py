@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from apt_packages import apt_install
+
 from test_workflow import TINY_POLICY
 
 PACKAGES = ("prometheus",)
@@ -35,13 +37,9 @@ def prometheus_binaries() -> None:
         return
     if os.geteuid() != 0:
         pytest.fail(f"Prometheus is not installed and this is not root: {INSTALL}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
-    if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=False)
-        result = subprocess.run(install, env=env, capture_output=True, text=True)
-        if result.returncode != 0:
-            pytest.fail(f"{INSTALL} failed: {result.stderr.strip()[-500:]}")
+    error = apt_install(PACKAGES)
+    if error is not None:
+        pytest.fail(f"{INSTALL} failed: {error}")
 
 
 def _free_ports(count: int) -> list[int]:
