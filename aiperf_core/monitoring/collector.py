@@ -313,7 +313,8 @@ class RunCollector:
             for trial in ledger.trials.values():
                 status = trial.status or "running"
                 statuses[status if status in statuses else "other"] += 1
-            reasons = validity_reasons(ledger.info.run, ledger.trials.values(), progress.best_error)
+            reasons = validity_reasons(ledger.info.run, ledger.trials.values(), progress.best_error,
+                                       ledger.replicas)
             reasons += damaged
             reasons += [trial.id for trial in ledger.unresolved_trials()]
             if ledger.run_end is not None and ledger.run_end.get("reason") in ("interrupted", "all_replicas_failed"):
@@ -468,7 +469,7 @@ def sample_lines(record: dict[str, Any], sample: dict[str, Any], labels: dict):
         described = {d.get("index"): d for d in record.get("accelerators") or [] if isinstance(d, dict)}
         for index, about in described.items():
             key = (host, str(index), str(about.get("uuid") or ""), str(about.get("name") or ""))
-            labels["device", index] = (key, _label_text(ACCELERATOR_LABELS, key))
+            labels["device", index] = (key, _device_prefixes(key))
         labels["host"] = _label_text(("host",), (host,))
     device_lines = []
     for device in sample.get("accelerators") or []:
@@ -478,14 +479,14 @@ def sample_lines(record: dict[str, Any], sample: dict[str, Any], labels: dict):
         found = labels.get(("device", index))
         if found is None:  # not in the host record
             key = (host, str(index), "", "")
-            found = labels["device", index] = (key, _label_text(ACCELERATOR_LABELS, key))
-        key, text = found
+            found = labels["device", index] = (key, _device_prefixes(key))
+        key, prefixes = found
         entry = {}
-        for name, field, scale in ACCELERATOR_FIELDS:
+        for (name, field, scale), prefix in zip(ACCELERATOR_FIELDS, prefixes):
             value = device.get(field)
             if type(value) in (int, float):
                 number = repr(float(value * scale))
-                entry[name] = f"{name}{text} {number if number[-1].isdigit() else _value(value * scale)}\n"
+                entry[name] = prefix + (number if number[-1].isdigit() else _value(value * scale)) + "\n"
         device_lines.append((key, entry))
     host_labels = labels["host"]
     host_lines = {}
@@ -497,6 +498,13 @@ def sample_lines(record: dict[str, Any], sample: dict[str, Any], labels: dict):
     zone_lines = "".join(f"aiperf_host_energy_joules_total{_label_text(('host', 'zone'), (host, str(zone)))} "
                          f"{_value(value / 1e6)}\n" for zone, value in energy.items() if type(value) in (int, float))
     return t, host, device_lines, host_lines, zone_lines
+
+
+def _device_prefixes(key: tuple[str, ...]) -> tuple[str, ...]:
+    """'name{labels} ' of each accelerator series of one device: built once per host record, since
+    a 4096-node scrape writes ~131,000 such lines and their formatting is most of a later scrape."""
+    text = _label_text(ACCELERATOR_LABELS, key)
+    return tuple(f"{name}{text} " for name, _, _ in ACCELERATOR_FIELDS)
 
 
 def _stalled(figures) -> bool:
