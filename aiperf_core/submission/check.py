@@ -328,6 +328,14 @@ def recorded_inventory(run: _Run) -> _Inventory:
     return _Inventory(sorted(hosts), on_cpu, model, per_node, cpu_model)
 
 
+def _declared_matches(verdict: Verdict, field: str, declared: Any, recorded: Any, unrecorded: str) -> None:
+    """Reject a system.toml value the run's own records contradict, or that they cannot confirm."""
+    if recorded is None:
+        verdict.rejections.append(unrecorded)
+    elif declared != recorded:
+        verdict.rejections.append(f"system.toml: {field} is {declared!r}, but the run recorded {recorded!r}")
+
+
 def _check_inventory(verdict: Verdict, description: dict[str, Any] | None, run: _Run) -> _Inventory:
     inventory = recorded_inventory(run)
     if description is None:
@@ -337,26 +345,16 @@ def _check_inventory(verdict: Verdict, description: dict[str, Any] | None, run: 
     if nodes["count"] != len(inventory.hosts):
         verdict.rejections.append(f"system.toml: nodes.count is {nodes['count']}, but {recorded} "
                                   f"({', '.join(inventory.hosts[:4])}{', ...' if len(inventory.hosts) > 4 else ''})")
-    if inventory.cpu_model is None:
-        verdict.rejections.append("the run recorded no single host CPU model (monitor host records) to check "
-                                  "nodes.cpu_model against")
-    elif nodes["cpu_model"] != inventory.cpu_model:
-        verdict.rejections.append(f"system.toml: nodes.cpu_model is {nodes['cpu_model']!r}, but the run recorded "
-                                  f"{inventory.cpu_model!r}")
+    _declared_matches(verdict, "nodes.cpu_model", nodes["cpu_model"], inventory.cpu_model,
+                      "the run recorded no single host CPU model (monitor host records) to check "
+                      "nodes.cpu_model against")
     if inventory.on_cpu != (accelerators["kind"] == "cpu"):
         verdict.rejections.append(f"system.toml: accelerators.kind is {accelerators['kind']!r}, but the run trained on "
                                   + ("CPU devices" if inventory.on_cpu else "accelerators"))
-    if inventory.model is None:
-        verdict.rejections.append("the run recorded no single accelerator model to check accelerators.model against")
-    elif accelerators["model"] != inventory.model:
-        verdict.rejections.append(f"system.toml: accelerators.model is {accelerators['model']!r}, but the run "
-                                  f"recorded {inventory.model!r}")
-    if inventory.per_node is None:
-        verdict.rejections.append("the run's hosts recorded different accelerator counts: accelerators.per_node "
-                                  "cannot be checked")
-    elif accelerators["per_node"] != inventory.per_node:
-        verdict.rejections.append(f"system.toml: accelerators.per_node is {accelerators['per_node']}, but the run "
-                                  f"recorded {inventory.per_node} per node")
+    _declared_matches(verdict, "accelerators.model", accelerators["model"], inventory.model,
+                      "the run recorded no single accelerator model to check accelerators.model against")
+    _declared_matches(verdict, "accelerators.per_node", accelerators["per_node"], inventory.per_node,
+                      "the run's hosts recorded different accelerator counts: accelerators.per_node cannot be checked")
     return inventory
 
 
