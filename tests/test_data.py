@@ -7,6 +7,7 @@ import random
 import shutil
 import sys
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -464,6 +465,7 @@ def test_workers_leave_when_their_process_is_killed(trees, framework_loaded):
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2
+        started = {pid: _start_time(pid) for pid in pids}
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -471,5 +473,25 @@ def test_workers_leave_when_their_process_is_killed(trees, framework_loaded):
     alive = pids
     while alive and time.time() < deadline:
         time.sleep(0.2)
-        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and "Z" not in open(f"/proc/{p}/stat").read().split()[2]]
-    assert not alive, f"data workers {alive} outlived their process"
+        alive = [pid for pid in pids if _running(pid, started[pid])]
+    assert not alive, f"data workers {alive} outlived their process: " + "; ".join(
+        f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()!r}" for pid in alive)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat after the command name (which may hold spaces): field 3 (state) is [0]."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _stat_fields(pid)
+    return None if fields is None else fields[19]  # field 22, starttime
+
+
+def _running(pid: int, start_time: str | None) -> bool:
+    """The same process (not a later one given the reused PID, as a long test run wraps PIDs), not a zombie."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z" and fields[19] == start_time
