@@ -1,4 +1,4 @@
-"""aiperf data check PATH | aiperf data convert SRC DST --to tfrecord|imagefolder."""
+"""aiperf data check PATH | aiperf data convert SRC DST --to tfrecord|imagefolder | aiperf data stage SRC DST."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import sys
 import time
 
 from aiperf_core.commands.options import non_negative_int, positive_int, writing
+from aiperf_core.errors import AiperfError
 
 HELP = ("check an ImageNet folder (counts, classes, corrupt images) or convert it between the ImageFolder "
-        "and TFRecord layouts")
+        "and TFRecord layouts; stage a prepared one to node-local storage")
 DEFAULT_WORKERS = 4
 EXIT_PROBLEMS = 1  # the check ran and found corrupt images or a class mismatch
 
@@ -21,6 +22,8 @@ def add_arguments(p) -> None:
     c = sub.add_parser("check", help="count images and classes per split; decode every image to find corrupt ones")
     c.add_argument("path", metavar="PATH", help="dataset folder (ImageFolder tree or TFRecord shards)")
     c.add_argument("--json", action="store_true", help="print one JSON object")
+    c.add_argument("--deep", action="store_true",
+                   help="a folder with a manifest.json: checksum every file too (default: sizes only)")
     c.set_defaults(_action=run_check)
     v = sub.add_parser("convert", help="convert a dataset folder between the ImageFolder and TFRecord layouts")
     v.add_argument("src", metavar="SRC", help="source dataset folder")
@@ -29,6 +32,8 @@ def add_arguments(p) -> None:
     v.add_argument("--shard-size", type=positive_int, default=None, metavar="N",
                    help="images per TFRecord shard (default 1024)")
     v.set_defaults(_action=run_convert)
+    _add_stage(sub)
+    _add_prepare(sub)
     for action in (c, v):
         action.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
         action.add_argument("--workers", type=non_negative_int, default=DEFAULT_WORKERS, metavar="N",
@@ -39,8 +44,9 @@ def add_arguments(p) -> None:
 class _Progress:
     """One stderr line per split, rewritten at most ten times a second."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, unit: str = "images"):
         self.enabled = enabled
+        self.unit = unit
         self.last = 0.0
 
     def __call__(self, split: str, done: int, total: int) -> None:
@@ -51,7 +57,7 @@ class _Progress:
             return
         self.last = now
         end = "\n" if done >= total else ""
-        sys.stderr.write(f"\r{split}: {done:,}/{total:,} images ({100.0 * done / max(total, 1):.0f}%)" + end)
+        sys.stderr.write(f"\r{split}: {done:,}/{total:,} {self.unit} ({100.0 * done / max(total, 1):.0f}%)" + end)
         sys.stderr.flush()
 
 
@@ -59,9 +65,92 @@ def run(args) -> int:
     return args._action(args)
 
 
-def run_check(args) -> int:
-    from aiperf_core.data.tools import check
+# -- stage ----------------------------------------------------------------------------------------
+def _add_stage(sub) -> None:
+    from aiperf_core.data.stage import DEFAULT_WORKERS as STAGE_WORKERS
 
+    s = sub.add_parser("stage", help="copy a prepared dataset to node-local storage and verify it against its "
+                       "manifest (resumable; one copy per DST however many start it)")
+    s.add_argument("src", metavar="SRC", help="a prepared dataset (a folder with manifest.json)")
+    s.add_argument("dst", metavar="DST", help="the node-local copy: a new or empty folder, or one staged before")
+    s.add_argument("--workers", type=positive_int, default=STAGE_WORKERS, metavar="N",
+                   help=f"files copied at once (default {STAGE_WORKERS})")
+    s.add_argument("--deep", action="store_true", help="on a copy verified before, checksum every file again "
+                   "(default: sizes and the manifest's digest) and replace those that differ")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
+    s.add_argument("--quiet", action="store_true", help="no progress or waiting message on stderr")
+    s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
+    s.set_defaults(_action=run_stage)
+
+
+class _StageProgress:
+    """One live stderr line: files and bytes done, MB/s, ETA; rewritten at most five times a second."""
+
+    def __init__(self):
+        self.last = 0.0
+        self.phase = None
+        self.started = 0.0
+
+    def __call__(self, phase: str, files: int, total_files: int, done: int, total: int) -> None:
+        now = time.monotonic()
+        if phase != self.phase:
+            self.phase, self.started = phase, now
+        elif files < total_files and now - self.last < 0.2:
+            return
+        self.last = now
+        rate = done / max(now - self.started, 1e-6)
+        eta = _clock((total - done) / rate) if done else "-:--:--"
+        line = (f"\r{phase}: {files:,}/{total_files:,} files, {done / 1e9:,.2f}/{total / 1e9:,.2f} GB "
+                f"({100.0 * done / max(total, 1):.0f}%), {rate / 1e6:,.0f} MB/s, ETA {eta}  ")
+        sys.stderr.write(line + ("\n" if files >= total_files else ""))
+        sys.stderr.flush()
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(seconds + 0.5)
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def run_stage(args) -> int:
+    from aiperf_core.data.stage import stage
+
+    live = not args.quiet and sys.stderr.isatty()
+
+    def waiting(holder: str) -> None:
+        if not args.quiet:
+            print(f"aiperf data stage: {args.dst}: waiting: {holder}", file=sys.stderr, flush=True)
+
+    with writing(args.dst):
+        result = stage(args.src, args.dst, args.workers, args.deep, _StageProgress() if live else None, waiting)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    checks = "sizes and checksums" if result.deep else "sizes and the manifest's digest; --deep checksums them"
+    if result.complete_before:
+        print(f"{result.dst}: already a verified copy of {result.src} ({result.files:,} files; checked: {checks}); "
+              f"nothing copied")
+    else:
+        rate = result.copied_bytes / max(result.seconds, 1e-6) / 1e6
+        print(f"{result.dst}: copied {result.copied:,} files ({result.copied_bytes / 1e9:,.2f} GB) in "
+              f"{result.seconds:,.1f} s ({rate:,.0f} MB/s), each checked by size and checksum as copied; kept "
+              f"{result.kept:,} already there (checked by {result.kept_by})")
+        for name in result.replaced[:20]:
+            print(f"  replaced (differed from the manifest): {name}")
+        if len(result.replaced) > 20:
+            print(f"  ... and {len(result.replaced) - 20} more")
+    print(f"digest {result.digest}")
+    return 0
+
+
+def run_check(args) -> int:
+    from aiperf_core.data.tools import check, check_prepared
+
+    prepared = check_prepared(args.path, args.deep, args.workers,
+                              _Progress(not args.quiet and not args.json, unit="files"))
+    if prepared is not None:
+        return _print_prepared(prepared, args.json)
+    if args.deep:
+        raise AiperfError(f"--deep: {args.path} has no manifest.json; without one every image is decoded anyway")
     report = check(args.path, args.workers, _Progress(not args.quiet and not args.json))
     if args.json:
         print(json.dumps(report.to_dict()))
@@ -81,6 +170,27 @@ def run_check(args) -> int:
     return 0 if report.ok else EXIT_PROBLEMS
 
 
+def _print_prepared(report, as_json: bool) -> int:
+    m = report.manifest
+    if as_json:
+        print(json.dumps(report.to_dict()))
+        return 0 if report.ok else EXIT_PROBLEMS
+    print(f"{report.path}: a prepared dataset (manifest.json), layout {m.layout}, {len(m.classes):,} classes")
+    for split, images in m.images.items():
+        print(f"  {split:<5} {images:>10,} images  {len(m.per_class[split]):>6,} classes")
+    official = "yes" if m.official else "no (it is not the complete ILSVRC2012 set: 1,000 classes, 1,281,167 + 50,000 images)"
+    print(f"  official ILSVRC2012: {official}")
+    print(f"  digest {m.digest}")
+    print(f"  {len(m.files):,} files checked against the manifest: "
+          f"{'sizes and checksums' if report.deep else 'sizes (--deep: checksums too)'}")
+    for problem in report.problems[:20]:
+        print(f"  problem: {problem}")
+    if len(report.problems) > 20:
+        print(f"  ... and {len(report.problems) - 20} more")
+    print("ok" if report.ok else "problems found")
+    return 0 if report.ok else EXIT_PROBLEMS
+
+
 def run_convert(args) -> int:
     from aiperf_core.data.tools import DEFAULT_SHARD_SIZE, convert
 
@@ -92,3 +202,50 @@ def run_convert(args) -> int:
         for error in r["skipped"][:20]:
             print(f"  skipped: {error}")
     return 0
+
+
+# -- prepare -----------------------------------------------------------------------------------
+
+
+def _add_prepare(sub) -> None:
+    import os
+
+    from aiperf_core.data.manifest import LAYOUTS  # light: prepare's own module loads numpy
+
+    r = sub.add_parser("prepare", help="prepare ImageNet from the three official ILSVRC2012 archives "
+                                       "(TFRecord shards or a folder tree, with a manifest)")
+    r.add_argument("source", metavar="SOURCE", help="folder holding ILSVRC2012_img_train.tar, ILSVRC2012_img_val.tar "
+                                                    "and ILSVRC2012_devkit_t12.tar.gz")
+    r.add_argument("out", metavar="OUT", help="output folder (new, empty, or an unfinished prepare to resume)")
+    r.add_argument("--layout", choices=LAYOUTS, default="tfrecord", help="output layout (default tfrecord)")
+    r.add_argument("--workers", type=non_negative_int, default=os.cpu_count() or 1, metavar="N",
+                   help="worker processes converting classes in parallel (default: one per core; 0: none)")
+    r.add_argument("--train-shards", type=positive_int, default=None, metavar="N",
+                   help="TFRecord training shards (default 1024, train-00000-of-01024 ...)")
+    r.add_argument("--val-shards", type=positive_int, default=None, metavar="N",
+                   help="TFRecord validation shards (default 128, validation-00000-of-00128 ...)")
+    r.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    r.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
+    r.set_defaults(_action=run_prepare)
+
+
+def run_prepare(args) -> int:
+    from aiperf_core.data.prepare import ProgressLine, prepare
+
+    with writing(args.out):
+        summary = prepare(args.source, args.out, args.layout, args.workers, args.train_shards, args.val_shards,
+                          ProgressLine(enabled=not args.quiet))
+    if summary.already_complete:
+        print(f"{summary.out}: already prepared from these archives with these settings; nothing to do")
+    images = summary.images
+    print(f"{summary.out}: layout {summary.layout}, {summary.classes:,} classes, {images.get('train', 0):,} train "
+          f"and {images.get('val', 0):,} val images")
+    converted = ", ".join(f"{kind} {n:,}" for kind, n in summary.conversions.items())
+    print(f"  images by kind (jpeg kept as stored; jpeg_grayscale, jpeg_cmyk, png converted to RGB JPEG): {converted}")
+    if not summary.already_complete:
+        rate = sum(images.values()) / summary.seconds if summary.seconds else 0.0
+        resumed = f", resumed after {summary.resumed_units:,} finished units" if summary.resumed_units else ""
+        print(f"  {summary.seconds:.1f} s ({rate:,.0f} images/s{resumed})")
+    print(f"  digest {summary.digest} (manifest.json)")
+    return 0
+

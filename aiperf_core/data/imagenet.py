@@ -158,8 +158,12 @@ class ImageFolderSource(_LayoutSource):
 # -- TFRecord ----------------------------------------------------------------------------------
 
 
+INDEX_SUFFIX = ".idx"  # DALI's per-shard record index (tfrecord2idx), kept beside the shard
+
+
 def shard_files(root: Path, split: str) -> list[Path]:
-    return sorted(p for p in root.iterdir() if p.is_file() and p.name.startswith(SHARD_PREFIXES[split]))
+    return sorted(p for p in root.iterdir() if p.is_file() and p.name.startswith(SHARD_PREFIXES[split])
+                  and not p.name.endswith(INDEX_SUFFIX))
 
 
 def cache_folder() -> Path:

@@ -94,6 +94,17 @@ def check(path, workers: int = 4, progress: Progress | None = None) -> CheckRepo
     return CheckReport(source.path, source.layout, len(source.class_names), splits, source.mismatch)
 
 
+def check_prepared(path, deep: bool = False, workers: int = 4, progress: Progress | None = None):
+    """The check of a prepared or staged dataset (a folder with manifest.json): the folder against
+    its manifest (sizes; `deep`: checksums), a stage.FolderCheck. None for a folder without one,
+    which `check` scans instead. Images are not decoded: `aiperf data prepare` decoded each one, and
+    the checksums prove the bytes are still those."""
+    from aiperf_core.data.stage import verify_folder
+
+    counting = None if progress is None else (lambda done, total: progress("checksums", done, total))
+    return verify_folder(path, deep, workers, counting)
+
+
 def _safe_name(name: str, fallback: str) -> str:
     """A file or folder name from stored text: no separators, no dot-only names."""
     cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(name))

@@ -1,0 +1,738 @@
+"""`aiperf data prepare`: ImageNet from the three official archives to TFRecord shards or an
+ImageFolder tree, streamed, in parallel, restartable, ending with OUT/manifest.json.
+
+Streaming. Nothing is extracted: the parent lists the outer train tar's headers once, and each worker
+reads one inner `<wnid>.tar` in one positioned read and parses it in memory; the validation tar is
+cut into runs of VAL_CHUNK consecutive images, read the same way. Each archive byte is read once.
+
+Units and outputs. A unit is a train class or a validation chunk; units run on `workers` processes.
+- folder: a train unit writes its class folder under OUT/.prepare/ and renames it into
+  OUT/train/<wnid> (atomic); validation images are gathered per class under OUT/.prepare/ and each
+  class folder is renamed into OUT/val/<wnid> once every chunk is done.
+- tfrecord: a shard mixes images of every class (a seeded permutation of the whole split decides
+  each image's shard and place), so no shard can be written before the last class is read. A unit
+  therefore writes its finished records (encoded, framed, checksummed) to spool files under
+  OUT/.prepare/, one per group of GROUP_SHARDS shards, in shard order; then each shard is assembled
+  from the spools (concatenation in permutation order, no re-encoding) and written atomically with
+  its DALI index, and each group's spools are deleted as soon as its shards are complete. The spool is
+  the output's own bytes: the disk holds the archives, the output and at most one group of spool
+  beyond it.
+
+Restart. Every unit records what it wrote (OUT/.prepare/units/*.json, each file's size and
+SHA-256) after its outputs are complete, and every shard its record before the shard appears; a run
+over the same OUT skips what is recorded, so a killed run resumes without redoing finished work or
+leaving a half file. OUT/.prepare/ is removed once the manifest is written.
+
+Content, not names. Each image's format is read from its bytes: a JPEG's components (from its
+frame header: 3 kept, 1 grayscale, 4 CMYK/YCCK) or the PNG signature. Grayscale and CMYK JPEGs and
+PNGs are decoded and re-encoded as RGB JPEG at quality JPEG_QUALITY with 4:4:4 chroma (as close to
+the original pixels as baseline JPEG goes; TensorFlow's conversion re-encodes CMYK and PNG at
+quality 100 too); every other file keeps its bytes exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from aiperf_core.atomic import write_atomic, write_text_atomic
+from aiperf_core.data import ilsvrc, tfrecord
+from aiperf_core.data.crc32c import masked_crc32c
+from aiperf_core.data.imagenet import INDEX_SUFFIX
+from aiperf_core.data.manifest import FileEntry, Manifest, read_manifest, write_manifest
+from aiperf_core.data.stream import prefetch_map
+from aiperf_core.errors import AiperfError
+
+LAYOUTS = ("tfrecord", "folder")
+TRAIN, VAL = "train", "val"
+SPLITS = (TRAIN, VAL)
+SHARD_PREFIX = {TRAIN: "train", VAL: "validation"}  # as the common conversion names them
+DEFAULT_SHARDS = {TRAIN: 1024, VAL: 128}
+SHUFFLE_SEED = 12345  # the seed of TensorFlow's build_imagenet_data.py; part of the dataset's identity
+GROUP_SHARDS = 64  # shards per spool group: the spool left beside the output is at most one group
+VAL_CHUNK = 1000  # validation images per unit
+JPEG_QUALITY = 100
+KINDS = ("jpeg", "jpeg_grayscale", "jpeg_cmyk", "png", "other")  # "jpeg": an RGB (YCbCr) JPEG, kept
+CONVERTED = ("jpeg_grayscale", "jpeg_cmyk", "png")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+STATE = ".prepare"  # resume state, hidden: the loaders and the manifest ignore it
+
+
+class PrepareError(AiperfError):
+    pass
+
+
+# -- what an image really is ---------------------------------------------------------------------
+
+
+def jpeg_frame(data: bytes) -> tuple[int, int, int] | None:
+    """(components, height, width) from a JPEG's frame header (SOFn), or None if `data` is not a
+    JPEG whose header can be read. Only the marker segments before the frame are walked."""
+    if data[:3] != b"\xff\xd8\xff":
+        return None
+    pos, end = 2, len(data)
+    while pos + 4 <= end:
+        if data[pos] != 0xFF:
+            return None
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0x01 or 0xD0 <= marker <= 0xD8:  # segments without a length
+            pos += 2
+            continue
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            if pos + 10 > end:
+                return None
+            height = data[pos + 5] << 8 | data[pos + 6]
+            width = data[pos + 7] << 8 | data[pos + 8]
+            return data[pos + 9], height, width
+        if marker == 0xDA:  # scan data before any frame header
+            return None
+        pos += 2 + (data[pos + 2] << 8 | data[pos + 3])
+    return None
+
+
+def image_kind(data: bytes) -> tuple[str, int, int]:
+    """(kind, height, width): kind one of KINDS; height and width 0 where the header does not say."""
+    frame = jpeg_frame(data)
+    if frame is not None:
+        components, height, width = frame
+        kind = {3: "jpeg", 1: "jpeg_grayscale", 4: "jpeg_cmyk"}.get(components, "other")
+        return kind, height, width
+    if data.startswith(PNG_SIGNATURE) and len(data) >= 24:
+        return "png", int.from_bytes(data[20:24], "big"), int.from_bytes(data[16:20], "big")
+    return "other", 0, 0
+
+
+def rgb_jpeg(data: bytes, where: str) -> tuple[bytes, int, int]:
+    """The image decoded and re-encoded as an RGB JPEG: (bytes, height, width)."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            rgb = image.convert("RGB")
+    except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on damaged images
+        raise PrepareError(f"{where}: cannot be decoded for conversion to RGB JPEG ({exc})") from None
+    out = io.BytesIO()
+    rgb.save(out, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
+    return out.getvalue(), rgb.height, rgb.width
+
+
+def normalised(data: bytes, where: str) -> tuple[bytes, str, int, int]:
+    """(stored bytes, kind, height, width): RGB JPEGs and unknown files as they are, the rest converted."""
+    kind, height, width = image_kind(data)
+    if kind in CONVERTED:
+        data, height, width = rgb_jpeg(data, where)
+    return data, kind, height, width
+
+
+# -- settings, plan and resume state ---------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """What every worker needs, sent once per worker process."""
+    source: dict[str, str]
+    out: str
+    layout: str
+    classes: list[str]
+    words: dict[str, str]
+    train_counts: dict[str, int]
+    val_wnids: list[str]
+    shards: dict[str, int]
+    positions: dict[str, np.ndarray] = field(default_factory=dict)   # split -> image -> place in the split
+    labels: dict[str, int] = field(init=False)                        # WNID -> 0-based class index
+
+    def __post_init__(self):
+        self.labels = {wnid: i for i, wnid in enumerate(self.classes)}
+
+    @property
+    def state(self) -> Path:
+        return Path(self.out) / STATE
+
+    def shard_name(self, split: str, shard: int) -> str:
+        return f"{SHARD_PREFIX[split]}-{shard:05d}-of-{self.shards[split]:05d}"
+
+
+def _shard_of(position: int, total: int, shards: int) -> int:
+    """Shard s holds the places [s * total // shards, (s + 1) * total // shards)."""
+    shard = position * shards // total
+    while (shard + 1) * total // shards <= position:
+        shard += 1
+    while shard * total // shards > position:
+        shard -= 1
+    return shard
+
+
+def _positions(total: int, seed: int, split: str) -> np.ndarray:
+    order = np.random.default_rng([seed, SPLITS.index(split)]).permutation(total)
+    positions = np.empty(total, np.int64)
+    positions[order] = np.arange(total, dtype=np.int64)
+    return positions
+
+
+def _settings(layout: str, shards: dict[str, int], sources: dict[str, int]) -> dict:
+    return {"layout": layout, "seed": SHUFFLE_SEED, "train_shards": shards[TRAIN], "val_shards": shards[VAL],
+            "val_chunk": VAL_CHUNK, "group_shards": GROUP_SHARDS, "jpeg_quality": JPEG_QUALITY,
+            "sources": sources}
+
+
+def _settings_for_layout(settings: dict) -> dict:
+    """The settings that shape the output (shard counts and seed mean nothing to a folder tree)."""
+    if settings["layout"] == "folder":
+        return {k: v for k, v in settings.items() if k not in ("train_shards", "val_shards", "seed", "group_shards")}
+    return settings
+
+
+def _unit_record(plan: Plan, name: str) -> Path:
+    return plan.state / "units" / f"{name}.json"
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise PrepareError(f"{path}: damaged resume state ({exc}); remove {path.parent.parent} to start over") from None
+
+
+# -- the units ---------------------------------------------------------------------------------------
+
+
+def _read_span(path: str, offset: int, size: int) -> bytes:
+    with open(path, "rb") as fh:
+        data = os.pread(fh.fileno(), size, offset)
+    if len(data) != size:
+        raise PrepareError(f"{path}: truncated: {size:,} bytes expected at offset {offset:,}")
+    return data
+
+
+def _train_images(plan: Plan, wnid: str, member: ilsvrc.Member) -> list[tuple[str, str, bytes, int]]:
+    """(file name, WNID, bytes, image number in the split) of one class, from its inner tar."""
+    where = f"{plan.source[ilsvrc.TRAIN_TAR]}:{member.name}"
+    data = _read_span(plan.source[ilsvrc.TRAIN_TAR], member.offset, member.size)
+    members = sorted(ilsvrc.tar_members(io.BytesIO(data), len(data), where), key=lambda m: m.name)
+    expected = plan.train_counts[wnid]
+    if len(members) != expected:
+        raise PrepareError(f"train class {wnid}: {len(members):,} images in {member.name}, the devkit's "
+                           f"meta.mat says num_train_images = {expected:,}")
+    first = sum(plan.train_counts[c] for c in plan.classes[:plan.labels[wnid]])
+    view = memoryview(data)
+    out = []
+    for k, m in enumerate(members):
+        name = _file_name(m.name, where)
+        out.append((name, wnid, view[m.offset:m.offset + m.size], first + k))
+    return out
+
+
+def _val_images(plan: Plan, members: list[tuple[int, ilsvrc.Member]]) -> list[tuple[str, str, bytes, int]]:
+    path = plan.source[ilsvrc.VAL_TAR]
+    start = members[0][1].offset
+    end = max(m.offset + m.size for _, m in members)
+    view = memoryview(_read_span(path, start, end - start))
+    return [(_file_name(m.name, path), plan.val_wnids[number - 1], view[m.offset - start:m.offset - start + m.size],
+             number - 1) for number, m in members]
+
+
+def _file_name(name: str, where: str) -> str:
+    base = name.rsplit("/", 1)[-1]
+    if not base or base.startswith(".") or "\\" in base:
+        raise PrepareError(f"{where}: {name!r} is not a usable image file name")
+    return base
+
+
+def _class_features(plan: Plan, wnid: str) -> bytes:
+    """The serialized map entries of the features every image of a class shares."""
+    return _entries({
+        "image/class/label": [plan.labels[wnid] + 1],  # 1-based, as the common conversion writes it
+        "image/class/synset": [wnid.encode()],
+        "image/class/text": [plan.words[wnid].encode("utf-8")],
+        "image/channels": [3],
+        "image/colorspace": [b"RGB"],
+        "image/format": [b"JPEG"],
+    })
+
+
+def _entries(features: dict) -> bytes:
+    """tf.train.Features' map entries (an Example is field 1 holding them), as tfrecord.encode_example writes them."""
+    return _strip_prefix(tfrecord.encode_example(features))
+
+
+def _strip_prefix(message: bytes) -> bytes:
+    pos = 1  # the tag byte of field 1, then the payload's length
+    while message[pos] & 0x80:
+        pos += 1
+    return message[pos + 1:]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _prefix(number: int, length: int) -> bytes:
+    """A length-delimited field's tag and length."""
+    return _varint(number << 3 | 2) + _varint(length)
+
+
+_ENCODED_KEY = _prefix(1, len(b"image/encoded")) + b"image/encoded"
+
+
+def _example(shared: bytes, name: str, data: bytes, height: int, width: int) -> bytes:
+    """The tf.train.Example of an image: the class's shared entries, then the image's own, the
+    image bytes copied once (tfrecord.encode_example nests them five times; this is the hot path)."""
+    own = _entries({"image/height": [height], "image/width": [width], "image/filename": [name.encode("utf-8")]})
+    bytes_list = _prefix(1, len(data))                                   # BytesList.value
+    feature = _prefix(1, len(bytes_list) + len(data))                    # Feature.bytes_list
+    value = _prefix(2, len(feature) + len(bytes_list) + len(data))       # map entry value
+    entry_length = len(_ENCODED_KEY) + len(value) + len(feature) + len(bytes_list) + len(data)
+    entry = _prefix(1, entry_length)                                     # Features.feature entry
+    body = len(shared) + len(own) + len(entry) + entry_length
+    return b"".join((_prefix(1, body), shared, own, entry, _ENCODED_KEY, value, feature, bytes_list, data))
+
+
+def run_unit(plan: Plan, job: tuple) -> dict:
+    """Convert one unit and write its outputs and then its record; returns the record."""
+    split, name, what = job
+    images = _train_images(plan, name.split("-", 1)[1], what) if split == TRAIN else _val_images(plan, what)
+    counts: dict[str, int] = defaultdict(int)
+    kinds: dict[str, int] = defaultdict(int)
+    record: dict = {"split": split, "unit": name}
+    if plan.layout == "tfrecord":
+        groups: dict[int, list[tuple[int, int, bytes]]] = defaultdict(list)
+        shared = {wnid: _class_features(plan, wnid) for wnid in {image[1] for image in images}}
+        for file_name, wnid, raw, number in images:
+            data, kind, height, width = normalised(bytes(raw), f"{name}/{file_name}")
+            kinds[kind] += 1
+            counts[wnid] += 1
+            position = int(plan.positions[split][number])
+            shard = _shard_of(position, len(plan.positions[split]), plan.shards[split])
+            framed = tfrecord.frame(_example(shared[wnid], file_name, data, height, width))
+            groups[shard // GROUP_SHARDS].append((position, shard, framed))
+        spool = {}
+        for group, records in sorted(groups.items()):
+            records.sort()
+            entries, offset = [], 0
+            for position, shard, framed in records:
+                entries.append([position, shard, offset, len(framed)])
+                offset += len(framed)
+            _write_spool(_spool_path(plan, split, group, name), [r[2] for r in records])
+            spool[str(group)] = entries
+        record["spool"] = spool
+    else:
+        files = {}
+        if split == TRAIN:
+            wnid = name.split("-", 1)[1]
+            building = plan.state / "building" / TRAIN / wnid
+            shutil.rmtree(building, ignore_errors=True)
+        for file_name, wnid, raw, number in images:
+            data, kind, height, width = normalised(bytes(raw), f"{name}/{file_name}")
+            kinds[kind] += 1
+            counts[wnid] += 1
+            folder = building if split == TRAIN else plan.state / "gathering" / VAL / wnid
+            files[f"{split}/{wnid}/{file_name}"] = [len(data), hashlib.sha256(data).hexdigest()]
+            _write_file(folder / file_name, data)
+        _sync_files(plan.state / ("building" if split == TRAIN else "gathering"), files, split)
+        record["files"] = files
+    record["counts"] = dict(counts)
+    record["conversions"] = dict(kinds)
+    write_text_atomic(_unit_record(plan, name), json.dumps(record))
+    if plan.layout == "folder" and split == TRAIN:
+        target = Path(plan.out) / TRAIN / name.split("-", 1)[1]
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(building, target)
+        _fsync_dir(target.parent)
+    return record
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as fh:
+        fh.write(data)
+
+
+def _sync_files(root: Path, files: dict, split: str) -> None:
+    """fsync a unit's files after all are written (the kernel writes them back together), and their folders."""
+    folders = set()
+    for relative in files:
+        _, wnid, name = relative.split("/")
+        path = root / split / wnid / name
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        folders.add(path.parent)
+    for folder in folders:
+        _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_spool(path: Path, records: list[bytes]) -> None:
+    """Written and renamed into place without fsync: a spool is scratch, and what a power loss could
+    leave damaged in it is caught at assembly by the records' own CRCs (a killed process loses nothing:
+    its writes are in the page cache)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as fh:
+        for record in records:
+            fh.write(record)
+    os.replace(tmp, path)
+
+
+def _spool_path(plan: Plan, split: str, group: int, unit: str) -> Path:
+    return plan.state / "spool" / split / f"group-{group:04d}" / f"{unit}.rec"
+
+
+# -- shards ----------------------------------------------------------------------------------------
+
+
+def _shard_record(plan: Plan, split: str, shard: int) -> Path:
+    return plan.state / "shards" / f"{plan.shard_name(split, shard)}.json"
+
+
+def _check_framed(record: bytes, length: int, spool: str, plan: Plan) -> None:
+    """A spooled record is whole: its length and both CRC-32Cs (the spool is not fsynced)."""
+    head = tfrecord.HEADER.size
+    ok = len(record) == length >= head + tfrecord.FOOTER.size
+    if ok:
+        size, crc = tfrecord.HEADER.unpack_from(record)
+        ok = (head + size + tfrecord.FOOTER.size == length and masked_crc32c(record[:8]) == crc
+              and masked_crc32c(record[head:head + size]) == tfrecord.FOOTER.unpack_from(record, head + size)[0])
+    if not ok:
+        raise PrepareError(f"{spool}: a spooled record is damaged (a crash of the machine?): remove {plan.state} "
+                           f"and rerun")
+
+
+def dali_index(records: list[int]) -> bytes:
+    """DALI's tfrecord2idx format: one line 'offset length' per record, in bytes of the whole record."""
+    lines, offset = [], 0
+    for length in records:
+        lines.append(f"{offset} {length}\n")
+        offset += length
+    return "".join(lines).encode()
+
+
+def assemble_shard(plan: Plan, job: tuple) -> dict:
+    """Concatenate a shard's records from the spools in permutation order; write its DALI index, its
+    record, then the shard itself (each atomically: the shard's presence means all three are done)."""
+    split, shard, pieces = job
+    pieces = sorted(pieces)  # (position, spool file, offset, length)
+    handles: dict[str, int] = {}
+    try:
+        chunks = []
+        for _, spool, offset, length in pieces:
+            fd = handles.get(spool)
+            if fd is None:
+                fd = handles[spool] = os.open(spool, os.O_RDONLY)
+            chunk = os.pread(fd, length, offset)
+            _check_framed(chunk, length, spool, plan)
+            chunks.append(chunk)
+    finally:
+        for fd in handles.values():
+            os.close(fd)
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    index = dali_index([len(c) for c in chunks])
+    name = plan.shard_name(split, shard)
+    out = Path(plan.out)
+    record = {name: [sum(len(c) for c in chunks), digest.hexdigest()],
+              name + INDEX_SUFFIX: [len(index), hashlib.sha256(index).hexdigest()]}
+    _write_shared(out / (name + INDEX_SUFFIX), [index])
+    write_text_atomic(_shard_record(plan, split, shard), json.dumps(record))
+    _write_shared(out / name, chunks)
+    return record
+
+
+def _write_shared(path: Path, pieces: list[bytes]) -> None:
+    """Atomically, readable as the umask allows (a dataset is shared; write_atomic's temporary is 0600)."""
+    def write(fh):
+        os.fchmod(fh.fileno(), 0o666 & ~_umask())
+        fh.writelines(pieces)
+
+    write_atomic(path, write)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# -- the pipeline ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    out: str
+    layout: str
+    images: dict[str, int]
+    classes: int
+    conversions: dict[str, int]
+    digest: str
+    resumed_units: int = 0
+    seconds: float = 0.0
+    already_complete: bool = False
+
+
+Progress = Callable[[str, int, int], None]  # (what: "images" or "shards", done, total)
+
+
+def _check_out(out: Path, settings: dict) -> Summary | None:
+    """Refuse an OUT that holds something else; a Summary when it already holds this very dataset."""
+    if out.exists() and not out.is_dir():
+        raise PrepareError(f"{out}: exists and is not a folder")
+    manifest = read_manifest(out) if out.is_dir() else None
+    if manifest is not None:
+        recorded = manifest.extra.get("settings")
+        if recorded != _settings_for_layout(settings):
+            raise PrepareError(f"{out}: already holds a prepared dataset made with other settings or sources")
+        return Summary(str(out), manifest.layout, manifest.images, len(manifest.classes), manifest.conversions,
+                       manifest.digest, already_complete=True)
+    state = _read_json(out / STATE / "settings.json")
+    if state is None:
+        if out.is_dir() and any(p.name != STATE for p in out.iterdir()):
+            raise PrepareError(f"{out}: exists and is not empty (and holds no unfinished prepare): "
+                               f"choose a new or empty folder")
+        write_text_atomic(out / STATE / "settings.json", json.dumps(settings))
+    elif state != settings:
+        differs = sorted(k for k in set(state) | set(settings) if state.get(k) != settings.get(k))
+        raise PrepareError(f"{out}: holds an unfinished prepare with other settings ({', '.join(differs)}); "
+                           f"rerun it with those, or use a new folder")
+    return None
+
+
+def prepare(source, out, layout: str = "tfrecord", workers: int = 1, train_shards: int | None = None,
+            val_shards: int | None = None, progress: Progress | None = None) -> Summary:
+    """Prepare ImageNet at `out` from the official archives in `source` (shard counts default to
+    DEFAULT_SHARDS). Resumes an unfinished run with the same settings; a finished one is left as it is."""
+    started = time.monotonic()
+    train_shards = train_shards or DEFAULT_SHARDS[TRAIN]
+    val_shards = val_shards or DEFAULT_SHARDS[VAL]
+    if layout not in LAYOUTS:
+        raise PrepareError(f"--layout: {layout!r} is not one of {', '.join(LAYOUTS)}")
+    paths = ilsvrc.source_archives(source)
+    devkit = ilsvrc.read_devkit(paths[ilsvrc.DEVKIT])
+    train_members = ilsvrc.list_tar(paths[ilsvrc.TRAIN_TAR])
+    classes = ilsvrc.train_classes(train_members, devkit, str(paths[ilsvrc.TRAIN_TAR]))
+    val = sorted(ilsvrc.val_images(ilsvrc.list_tar(paths[ilsvrc.VAL_TAR]), devkit, str(paths[ilsvrc.VAL_TAR])),
+                 key=lambda item: item[1].offset)
+    totals = {TRAIN: sum(devkit.train_counts.values()), VAL: len(devkit.val_wnids)}
+    shards = {TRAIN: train_shards, VAL: val_shards}
+    if layout == "tfrecord":
+        for split, option in ((TRAIN, "--train-shards"), (VAL, "--val-shards")):
+            if not 1 <= shards[split] <= totals[split]:
+                raise PrepareError(f"{option}: {shards[split]} must be between 1 and the split's "
+                                   f"{totals[split]:,} images")
+    sources = {name: path.stat().st_size for name, path in paths.items()}
+    settings = _settings(layout, shards, sources)
+    out = Path(out)
+    done = _check_out(out, settings)
+    if done is not None:
+        return done
+
+    plan = Plan({k: str(v) for k, v in paths.items()}, str(out), layout, devkit.wnids, devkit.words,
+                devkit.train_counts, devkit.val_wnids, shards)
+    if layout == "tfrecord":
+        plan.positions = {split: _positions(totals[split], SHUFFLE_SEED, split) for split in SPLITS}
+    _remove_stale_temporaries(out)
+
+    jobs = [(TRAIN, f"train-{wnid}", member) for wnid, member in
+            sorted(classes.items(), key=lambda item: item[1].offset)]
+    jobs += [(VAL, f"val-{k // VAL_CHUNK:05d}", val[k:k + VAL_CHUNK]) for k in range(0, len(val), VAL_CHUNK)]
+    records, todo = {}, []
+    for job in jobs:
+        record = _read_json(_unit_record(plan, job[1]))
+        finished = record is not None and (layout == "tfrecord" or job[0] == VAL
+                                            or (out / TRAIN / job[1].split("-", 1)[1]).is_dir())
+        if finished:
+            records[job[1]] = record
+        else:
+            todo.append(job)
+    resumed = len(records)
+    total_images = sum(totals.values())
+    already = sum(sum(r["counts"].values()) for r in records.values())
+    if progress:
+        progress("images", already, total_images)
+    for record in prefetch_map(run_unit, plan, iter(todo), workers, prefetch=max(2, workers)):
+        _unit_done(record, records)
+        already += sum(record["counts"].values())
+        if progress:
+            progress("images", already, total_images)
+
+    files: dict[str, FileEntry] = {}
+    if layout == "tfrecord":
+        for split in SPLITS:
+            files.update(_write_shards(plan, split, records, workers, progress))
+    else:
+        _place_val_folders(plan, records)
+        for record in records.values():
+            files.update({path: FileEntry(*entry) for path, entry in record["files"].items()})
+
+    per_class = {split: {wnid: 0 for wnid in devkit.wnids} for split in SPLITS}
+    conversions = {kind: 0 for kind in KINDS}
+    for record in records.values():
+        for wnid, n in record["counts"].items():
+            per_class[record["split"]][wnid] += n
+        for kind, n in record["conversions"].items():
+            conversions[kind] += n
+    _check_counts(per_class, devkit)
+    manifest = Manifest(layout, list(devkit.wnids), per_class, files, sources, conversions,
+                        {"settings": _settings_for_layout(settings), "jpeg_quality": JPEG_QUALITY,
+                         **({"shuffle_seed": SHUFFLE_SEED} if layout == "tfrecord" else {})})
+    os.chmod(write_manifest(out, manifest), 0o666 & ~_umask())
+    shutil.rmtree(plan.state, ignore_errors=True)
+    return Summary(str(out), layout, manifest.images, len(devkit.wnids), conversions, manifest.digest,
+                   resumed, time.monotonic() - started)
+
+
+def _unit_done(record: dict, records: dict) -> None:
+    """Called in the parent as each unit's record arrives."""
+    records[record["unit"]] = record
+
+
+def _shard_done(record: dict, files: dict) -> None:
+    """Called in the parent as each shard's record arrives."""
+    files.update({name: FileEntry(*entry) for name, entry in record.items()})
+
+
+def _write_shards(plan: Plan, split: str, records: dict, workers: int, progress: Progress | None) -> dict:
+    out = Path(plan.out)
+    count = plan.shards[split]
+    pieces: dict[int, list] = defaultdict(list)
+    for record in records.values():
+        if record["split"] != split:
+            continue
+        for group, entries in record["spool"].items():
+            spool = str(_spool_path(plan, split, int(group), record["unit"]))
+            for position, shard, offset, length in entries:
+                pieces[shard].append((position, spool, offset, length))
+    files: dict[str, FileEntry] = {}
+    todo = []
+    for shard in range(count):
+        record = _read_json(_shard_record(plan, split, shard))
+        if record is not None and (out / plan.shard_name(split, shard)).is_file():
+            _shard_done(record, files)
+        else:
+            todo.append((split, shard, pieces[shard]))
+    total = count * 2
+    if progress:
+        progress(f"{split} shards", len(files), total)
+    for group in range(-(-count // GROUP_SHARDS)):
+        jobs = [job for job in todo if job[1] // GROUP_SHARDS == group]
+        for record in prefetch_map(assemble_shard, plan, iter(jobs), workers, prefetch=max(2, workers)):
+            _shard_done(record, files)
+            if progress:
+                progress(f"{split} shards", len(files), total)
+        shutil.rmtree(plan.state / "spool" / split / f"group-{group:04d}", ignore_errors=True)
+    return files
+
+
+def _place_val_folders(plan: Plan, records: dict) -> None:
+    out = Path(plan.out)
+    (out / VAL).mkdir(parents=True, exist_ok=True)
+    for wnid in plan.classes:
+        target = out / VAL / wnid
+        if target.is_dir():
+            continue
+        gathered = plan.state / "gathering" / VAL / wnid
+        if gathered.is_dir():
+            os.rename(gathered, target)
+        else:
+            target.mkdir()
+    _fsync_dir(out / VAL)
+
+
+def _check_counts(per_class: dict[str, dict[str, int]], devkit: ilsvrc.Devkit) -> None:
+    """The devkit's own figures: num_train_images per class, the ground truth's per-class counts."""
+    for wnid in devkit.wnids:
+        if per_class[TRAIN][wnid] != devkit.train_counts[wnid]:
+            raise PrepareError(f"train class {wnid}: {per_class[TRAIN][wnid]:,} images written, the devkit's "
+                               f"meta.mat says num_train_images = {devkit.train_counts[wnid]:,}")
+    truth: dict[str, int] = defaultdict(int)
+    for wnid in devkit.val_wnids:
+        truth[wnid] += 1
+    for wnid in devkit.wnids:
+        if per_class[VAL][wnid] != truth[wnid]:
+            raise PrepareError(f"val class {wnid}: {per_class[VAL][wnid]:,} images written, the devkit's "
+                               f"ground truth has {truth[wnid]:,}")
+    if sum(per_class[VAL].values()) != len(devkit.val_wnids):
+        raise PrepareError(f"val: {sum(per_class[VAL].values()):,} images written, the ground truth has "
+                           f"{len(devkit.val_wnids):,} lines")
+
+
+def _remove_stale_temporaries(out: Path) -> None:
+    """write_atomic's temporary files left by a killed run (hidden, never a finished file)."""
+    for folder in (out, *(p for p in (out / STATE).rglob("*") if p.is_dir())):
+        for path in folder.glob(".*.tmp"):
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+
+class ProgressLine:
+    """A live stderr line: images done, images/s (this run's), ETA; rewritten at most 4 times a second."""
+
+    def __init__(self, stream=None, enabled: bool = True):
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.last = 0.0
+        self.start: tuple[float, int] | None = None
+        self.what = ""
+
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if what != self.what:
+            if self.what:
+                self.stream.write("\n")
+            self.what, self.start, self.last = what, (now, done), 0.0
+        if done < total and now - self.last < 0.25:
+            return
+        self.last = now
+        elapsed = now - self.start[0]
+        rate = (done - self.start[1]) / elapsed if elapsed > 0 else 0.0
+        eta = f"ETA {_duration((total - done) / rate)}" if rate > 0 and done < total else ""
+        unit = "images" if what == "images" else "files"
+        line = (f"\rprepare: {what}: {done:,}/{total:,} {unit} ({100.0 * done / max(total, 1):.0f}%)  "
+                f"{rate:,.0f} {unit}/s  {eta}")
+        self.stream.write(line.ljust(78) + ("\n" if done >= total else ""))
+        if done >= total:
+            self.what = ""
+        self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
