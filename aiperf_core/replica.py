@@ -161,7 +161,7 @@ class Replica:
         self.policy = self.spec.policy
         self._backend = backend
         self._dataset = dataset
-        self.history = SharedHistory(self.run_dir)
+        self.history = SharedHistory(self.run_dir, replica=replica_id)  # its own trials join as they end
         self._parent_graphs: dict[str, Graph] = {}
         self._distances = nas.DistanceCache()
         self._rejected: set[str] = set()  # trials whose files failed their checks
@@ -211,6 +211,9 @@ class Replica:
             from aiperf_core.data import load_dataset
             self._dataset = load_dataset(self.spec.dataset, workers=self.policy["data_workers"],
                                          loader=self.policy.get("data_loader"))
+        from aiperf_core.data.manifest import recorded_digest
+
+        dataset_digest = recorded_digest(self.spec.dataset.get("path"))  # this node's copy, as its manifest says
         past = read_events(self.run_dir.replica_log(self.id))
         self._log = EventLog(self.run_dir.replica_log(self.id), lease=self._lease).open()
         stopping = threading.Event()
@@ -222,7 +225,8 @@ class Replica:
             self.precision = self._training_precision(past)
             self._append("replica_start", pid=os.getpid(), host=socket.gethostname(), backend=self.spec.backend,
                          framework_version=backend.framework_version(), devices=list(backend.devices()),
-                         precision=self.precision, attempt=1 + sum(e.get("event") == "replica_start" for e in past))
+                         precision=self.precision, attempt=1 + sum(e.get("event") == "replica_start" for e in past),
+                         dataset_digest=dataset_digest)
             beat.start()
             next_seq = sum(e.get("event") == "trial_start" for e in past)
             reason = self._loop(next_seq, planner)

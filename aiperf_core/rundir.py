@@ -82,6 +82,11 @@ class RunDir:
         return self.primary_dir / "lease.json"
 
     @property
+    def history_file(self) -> Path:
+        """The published history: every usable trial, once, as the primary saw it end (docs/run-directory.md)."""
+        return self.primary_dir / "history.jsonl"
+
+    @property
     def executor_dir(self) -> Path:
         """The executor's own job files (submitit pickles): created 0700, never read by a replica."""
         return self.root / "executor"
@@ -225,6 +230,96 @@ def _complete_lines(path: Path) -> Iterator[tuple[bytes, dict[str, Any], int]]:
 def read_events(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Every complete event of a log, in order; a missing log reads as empty."""
     return [record for _, record, _ in _complete_lines(Path(path))]
+
+
+class LogRewritten(Exception):
+    """A log shrank or is another file now: it was replaced, not appended to. Whatever was read
+    from it is stale."""
+
+
+class LogTail:
+    """Incremental reader of one append-only JSON-lines log: scoring, the live display and the
+    shared history all read logs through it.
+
+    Like read_events, it stops at the first torn or unparseable line; it re-reads from that
+    line on the next call, so a line completed later (or cut off and rewritten by the writer's
+    EventLog.open()) is read then. A call costs one path lookup (an open; the size comes from the
+    open file), whatever the log holds: on NFS an open also revalidates the size that a stat may
+    take from a stale attribute cache."""
+
+    def __init__(self, path: Path, name: str):
+        self.path = path
+        self.name = name  # relative to the run directory, for messages
+        self.offset = 0  # bytes consumed: every line before it parsed
+        self.lines = 0  # lines consumed
+        self.damaged_line: int | None = None  # a complete line that is not a JSON object
+        self.exists = False  # whether the log existed at the last read
+        self._file_id: tuple[int, int] | None = None  # (device, inode) of what was read
+
+    def read(self) -> Iterator[tuple[int, dict[str, Any]]]:
+        """(1-based line number, event) for every complete line appended since the last call."""
+        data = self._new_bytes()
+        last = data.rfind(b"\n")
+        if last < 0:
+            return
+        # Fast path: all complete lines as one JSON array, parsed in one call (a JSON line holds no
+        # raw newline, so joining with commas is exact). Any damaged line: go line by line.
+        try:
+            events = json.loads(b"[" + data[:last].replace(b"\n", b",") + b"]")
+        except ValueError:
+            events = None
+        if events is not None and all(type(event) is dict for event in events):
+            first = self.lines + 1
+            self.lines += len(events)
+            self.offset += last + 1
+            yield from enumerate(events, start=first)
+            return
+        start = 0
+        loads = json.loads
+        while True:
+            end = data.find(b"\n", start)
+            if end < 0:
+                break
+            try:
+                event = loads(data[start:end])
+            except ValueError:
+                event = None
+            if not isinstance(event, dict):
+                # A whole line (newline-terminated) that does not parse is damage, not a crash
+                # mid-write: nothing after it can be trusted, and the run cannot be scored whole.
+                self.damaged_line = self.lines + 1
+                break
+            self.lines += 1
+            self.offset += end + 1 - start
+            start = end + 1
+            yield self.lines, event
+
+    def _new_bytes(self) -> bytes:
+        """The bytes after `offset`; LogRewritten if the log is now shorter than that."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            self.exists = False
+            if self.offset:
+                raise LogRewritten(str(self.path)) from None
+            return b""
+        try:
+            self.exists = True
+            status = os.fstat(fd)
+            size, file_id = status.st_size, (status.st_dev, status.st_ino)
+            if size < self.offset or (self._file_id is not None and self.offset and file_id != self._file_id):
+                raise LogRewritten(str(self.path))
+            self._file_id = file_id
+            chunks, position = [], self.offset
+            while position < size:
+                chunk = os.pread(fd, size - position, position)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                position += len(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
 
 
 @dataclass(frozen=True)

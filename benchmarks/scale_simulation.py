@@ -9,13 +9,17 @@ time, the replica-side work that grows with the run: catching up with the shared
 history's size (measured at a few sizes, interpolated). See aiperf_core/workflow/simulation.py
 and docs/performance.md.
 
-Figures: the primary's own wall time per trial (goal <= 1 ms), as it is and with the heartbeat
-caching proposed for primary.py; the history's size and the time for a replica to read it; the
-time to score the 12-hour 4096-replica run in a fresh process (goal <= 30 s); total OPS per
-replica count and the weak-scaling efficiency OPS(N) / (N * OPS(1)) (goal >= 0.95 at 4096),
-plotted in docs/img/weak-scaling.svg.
+Figures: the primary's own wall time per trial (goal <= 1 ms); the filesystem calls on the run
+directory (issue #23, item 3), counted by the simulation's FsCalls wrapper of os/io/builtins in
+this process, in a run of the largest replica count at the primary's 5 s poll: per replica
+history refresh (goal <= 4) and for the whole run per virtual second (goal <= 1,000/s); the
+history's size and the time for a replica to read it cold (goal <= 2 s); the time to score the
+12-hour 4096-replica run in a fresh process (goal <= 30 s); total OPS per replica count and the
+weak-scaling efficiency OPS(N) / (N * OPS(1)) (goal >= 0.95 at 4096), plotted in
+docs/img/weak-scaling.svg.
 
     python benchmarks/scale_simulation.py [--replicas 1 16 256 4096] [--hours 12] [--keep DIR]
+                                          [--parts primary metadata scaling] [--metadata-hours H]
 """
 
 import argparse
@@ -36,7 +40,7 @@ sys.path.insert(0, str(HERE.parent))
 from _common import report  # noqa: E402
 from aiperf_core.atomic import write_text_atomic  # noqa: E402
 from aiperf_core.search.history import SharedHistory  # noqa: E402
-from aiperf_core.workflow.simulation import (NasCostModel, ReplicaModel, expected_ops,  # noqa: E402
+from aiperf_core.workflow.simulation import (FsCalls, NasCostModel, ReplicaModel, expected_ops,  # noqa: E402
                                              resnet50_family, run_dir_bytes, simulate,
                                              write_graph_pool, write_weights_stand_in)
 
@@ -125,12 +129,42 @@ def weak_scaling_svg(points: list[tuple[int, float]]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def report_fs_calls(result, hours: float) -> None:
+    """The metadata figures of issue #23 item 3 from a run with count_fs_calls. Simulated replicas
+    do not read the history; the probe refreshes like one replica once per virtual hour, so every
+    replica's refreshes are counted as trials started x the probe's calls per refresh (a replica
+    refreshes once before each trial)."""
+    calls, replicas = result.fs_calls, result.replicas
+    seconds = result.time_budget_s
+    later = result.probe_calls[1:] or result.probe_calls  # the first refresh, at the start, finds nothing
+    per_refresh = sum(later) / len(later)
+    report(f"{replicas} replicas: filesystem calls per replica history refresh (mean)", per_refresh, "calls",
+           goal=4.0)
+    report(f"{replicas} replicas: filesystem calls per replica history refresh (max)", max(later), "calls")
+    history_calls = result.trials_started * per_refresh
+    parts = {"primary": calls.total("primary"), "replicas' writes and checks": calls.total("replicas"),
+             "replicas' history refreshes": history_calls}
+    for name, count in parts.items():
+        report(f"{replicas} replicas, poll {PRIMARY_POLL_S:g} s: {name}, per second", count / seconds, "calls/s")
+    changes = calls.total(kinds=("change",)) - calls.total("history probe", kinds=("change",))
+    report(f"{replicas} replicas, poll {PRIMARY_POLL_S:g} s: mkdir/rename/link/unlink per second",
+           changes / seconds, "calls/s")
+    report(f"{replicas} replicas, poll {PRIMARY_POLL_S:g} s, {hours:g} h: open/stat/list on the run "
+           "directory per second", sum(parts.values()) / seconds, "calls/s", goal=1000.0)
+    for who, row in sorted(calls.counts.items()):
+        print(f"  {who}: " + ", ".join(f"{kind} {row.get(kind, 0):,}" for kind in FsCalls.KINDS))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 16, 256, 4096])
     parser.add_argument("--hours", type=float, default=12.0)
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories under this folder")
     parser.add_argument("--svg", type=Path, default=SVG_PATH)
+    parser.add_argument("--parts", nargs="+", choices=("primary", "metadata", "scaling"),
+                        default=["primary", "metadata", "scaling"])
+    parser.add_argument("--metadata-hours", type=float, default=None,
+                        help="virtual hours of the counted run (default: --hours)")
     args = parser.parse_args()
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     shm = Path("/dev/shm")
@@ -149,18 +183,34 @@ def main() -> None:
         deadline = START_TIME + budget
 
         # The primary at the SLURM poll interval.
-        replicas, seconds = PRIMARY_RUN
-        result = simulate(work / "primary", replicas, seconds, model, pool, weights,
-                          start_time=START_TIME, poll_interval_s=PRIMARY_POLL_S)
-        print(f"primary: {result.trials_started} trials, primary {result.primary_s:.1f} s of {result.wall_s:.1f} s wall")
-        report(f"primary per trial, {replicas} replicas, poll {PRIMARY_POLL_S:g} s",
-               result.primary_s_per_trial * 1e3, "ms", goal=1.0)
-        if args.keep is None:
-            shutil.rmtree(result.run_dir.root)
+        if "primary" in args.parts:
+            replicas, seconds = PRIMARY_RUN
+            result = simulate(work / "primary", replicas, seconds, model, pool, weights,
+                              start_time=START_TIME, poll_interval_s=PRIMARY_POLL_S)
+            print(f"primary: {result.trials_started} trials, primary {result.primary_s:.1f} s of "
+                  f"{result.wall_s:.1f} s wall")
+            report(f"primary per trial, {replicas} replicas, poll {PRIMARY_POLL_S:g} s",
+                   result.primary_s_per_trial * 1e3, "ms", goal=1.0)
+            if args.keep is None:
+                shutil.rmtree(result.run_dir.root)
+
+        # The filesystem calls of the largest run at the SLURM poll interval (issue #23, item 3).
+        if "metadata" in args.parts:
+            replicas, hours = max(args.replicas), args.metadata_hours or args.hours
+            t = time.perf_counter()
+            result = simulate(work / "metadata", replicas, hours * 3600.0, model, pool, weights,
+                              start_time=START_TIME, poll_interval_s=PRIMARY_POLL_S, nas_cost=nas_cost,
+                              probe_interval_s=3600.0, count_fs_calls=True)
+            print(f"counted run: {replicas} replicas, {hours:g} h, {result.trials_started:,} trials in "
+                  f"{time.perf_counter() - t:.0f} s (primary {result.primary_s:.1f} s, counting included); "
+                  f"load {os.getloadavg()[0]:.2f}")
+            report_fs_calls(result, hours)
+            if args.keep is None:
+                shutil.rmtree(result.run_dir.root)
 
         # Weak scaling.
         points = []
-        for replicas in args.replicas:
+        for replicas in (args.replicas if "scaling" in args.parts else []):
             t = time.perf_counter()
             result = simulate(work / f"run-{replicas}", replicas, budget, model, pool, weights, start_time=START_TIME,
                               poll_interval_s=WEAK_SCALING_POLL_S, nas_cost=nas_cost, probe_interval_s=3600.0)
@@ -181,14 +231,18 @@ def main() -> None:
             if replicas == max(args.replicas):
                 report(f"score {args.hours:g}-h {replicas}-replica logs, fresh process", scored["seconds"], "s",
                        goal=30.0)
-                history = SharedHistory(result.run_dir)
-                t = time.perf_counter()
-                history.refresh()
-                cold = time.perf_counter() - t
+                history = SharedHistory(result.run_dir, replica=0)  # replica 0 restarted at the end
+                with FsCalls(result.run_dir.root) as calls:
+                    t = time.perf_counter()
+                    history.refresh()
+                    cold = time.perf_counter() - t
                 report(f"history at {args.hours:g} h, {replicas} replicas: trials", len(history.records), "trials")
                 report(f"history at {args.hours:g} h, {replicas} replicas: size", run_dir_bytes(result.run_dir) / 2**20,
                        "MiB")
-                report(f"history at {args.hours:g} h, {replicas} replicas: cold read by a replica", cold, "s")
+                report(f"history at {args.hours:g} h, {replicas} replicas: cold read by a replica", cold, "s",
+                       goal=2.0)
+                report(f"history at {args.hours:g} h, {replicas} replicas: cold read, filesystem calls",
+                       calls.total(), "calls")
                 if result.probe_refreshes:
                     report(f"history at {args.hours:g} h, {replicas} replicas: catch-up read per trial",
                            result.probe_refreshes[-1][2], "s")
@@ -197,15 +251,16 @@ def main() -> None:
                 report(f"{replicas} replicas: history + NAS charged per trial", result.charged_s / later_trials, "s")
             if args.keep is None:
                 shutil.rmtree(result.run_dir.root)
-        one = points[0][1] / points[0][0]
-        for replicas, ops in points[1:]:
-            efficiency = ops / (replicas * one)
-            goal = 0.95 if replicas == max(args.replicas) else None
-            report(f"weak-scaling efficiency at {replicas} replicas", efficiency, "fraction", goal=goal,
-                   lower_is_better=False)
-        args.svg.parent.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(args.svg, weak_scaling_svg(points))
-        print(f"wrote {args.svg}")
+        if points:
+            one = points[0][1] / points[0][0]
+            for replicas, ops in points[1:]:
+                efficiency = ops / (replicas * one)
+                goal = 0.95 if replicas == max(args.replicas) else None
+                report(f"weak-scaling efficiency at {replicas} replicas", efficiency, "fraction", goal=goal,
+                       lower_is_better=False)
+            args.svg.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(args.svg, weak_scaling_svg(points))
+            print(f"wrote {args.svg}")
         print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     finally:
         if args.keep is None:

@@ -53,6 +53,12 @@ class Ledger:
         logs = [log for log in logs if log.exists()]
         for log in logs:
             assert verify_chain(log) == [], f"{where}: {log} chain broken"
+        # The published history: its chain holds (a torn last line aside) and no trial is in it twice.
+        history = self.run_dir / "primary/history.jsonl"
+        if history.exists():
+            assert verify_chain(history) == [], f"{where}: history chain broken"
+        published = [line["trial"] for line in read_events(history)]
+        assert len(published) == len(set(published)), f"{where}: a trial was published twice"
         events = [e for log in logs[1:] for e in read_events(log)]
         epochs = [(e["trial"], e["epoch"]) for e in events if e["event"] == "epoch_end"]
         assert len(epochs) == len(set(epochs)), f"{where}: an epoch is logged twice"
@@ -173,6 +179,10 @@ def test_sigkill_at_seeded_points_loses_nothing_and_counts_nothing_twice(tmp_pat
     # A primary killed before it logged run_start leaves no record; every later one is a resume.
     assert starts[1:] == [True] * (len(starts) - 1) and len(starts) <= kills["primary"] + 1, starts
     assert primary_log[-1]["event"] == "run_end" and primary_log[-1]["reason"] == "interrupted"
+    # Whatever the kills, every usable trial was published exactly once by the end.
+    published = [line["trial"] for line in read_events(run_dir / "primary/history.jsonl")]
+    usable = [t for t, status in ledger.trials_ended.items() if status in ("ok", "early_stopped")]
+    assert sorted(published) == sorted(usable) and usable, (published, usable)
     crashed = [e for e in primary_log if e["event"] == "replica_exit" and e["status"] == "crashed"]
     assert len(crashed) == landed >= 5, (landed, crashed)
     assert all("signal 9" in e["reason"] for e in crashed), crashed

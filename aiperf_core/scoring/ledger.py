@@ -14,11 +14,11 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from aiperf_core.errors import AiperfError
 from aiperf_core.gcpause import gc_paused
-from aiperf_core.rundir import RunDir, RunDirError, sha256_bytes
+from aiperf_core.rundir import LogRewritten, LogTail, RunDir, RunDirError, sha256_bytes
 
 # graph sha256 -> (FP, BP) per image, paper convention. Content-addressed, so it is safe to share
 # across runs and calls: re-scoring a run (or scoring it after the live display) costs reading and
@@ -139,73 +139,6 @@ def read_run_info(run_dir: RunDir) -> RunInfo:
     if deadline <= start:
         raise RunDirError(f"{where}: deadline {deadline} is not after start_time {start}")
     return RunInfo(run, start, deadline, budget)
-
-
-class LogRewritten(Exception):
-    """A log shrank: it was replaced, not appended to. Whatever was read from it is stale."""
-
-
-class LogTail:
-    """Incremental reader of one append-only JSON-lines log.
-
-    Like rundir.read_events, it stops at the first torn or unparseable line; it re-reads from that
-    line on the next call, so a line completed later (or cut off and rewritten by the writer's
-    EventLog.open()) is read then."""
-
-    def __init__(self, path: Path, name: str):
-        self.path = path
-        self.name = name  # relative to the run directory, for messages
-        self.offset = 0  # bytes consumed: every line before it parsed
-        self.lines = 0  # lines consumed
-        self.damaged_line: int | None = None  # a complete line that is not a JSON object
-
-    def read(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """(1-based line number, event) for every complete line appended since the last call."""
-        try:
-            size = os.stat(self.path).st_size
-        except FileNotFoundError:
-            size = 0
-        if size < self.offset:
-            raise LogRewritten(str(self.path))
-        if size == self.offset:
-            return
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read(size - self.offset)
-        last = data.rfind(b"\n")
-        if last < 0:
-            return
-        # Fast path: all complete lines as one JSON array, parsed in one call (a JSON line holds no
-        # raw newline, so joining with commas is exact). Any damaged line: go line by line.
-        try:
-            events = json.loads(b"[" + data[:last].replace(b"\n", b",") + b"]")
-        except ValueError:
-            events = None
-        if events is not None and all(type(event) is dict for event in events):
-            first = self.lines + 1
-            self.lines += len(events)
-            self.offset += last + 1
-            yield from enumerate(events, start=first)
-            return
-        start = 0
-        loads = json.loads
-        while True:
-            end = data.find(b"\n", start)
-            if end < 0:
-                break
-            try:
-                event = loads(data[start:end])
-            except ValueError:
-                event = None
-            if not isinstance(event, dict):
-                # A whole line (newline-terminated) that does not parse is damage, not a crash
-                # mid-write: nothing after it can be trusted, and the run cannot be scored whole.
-                self.damaged_line = self.lines + 1
-                break
-            self.lines += 1
-            self.offset += end + 1 - start
-            start = end + 1
-            yield self.lines, event
 
 
 class Trial:

@@ -1,15 +1,16 @@
 """The rules of a scored run (paper section 4.5, Table 4): what makes a run official.
 
-A run is valid only if it trained on ImageNet, started from ResNet-50, searched by network
-morphism and Bayesian optimisation, trained every trial at FP16 or above, reached a validation
-error of at most 30%, and changed no fixed setting. Anything else is labelled unofficial, with
+A run is valid only if it trained on ImageNet, every replica reading the copy of it that the run
+recorded (the dataset digest), started from ResNet-50, searched by network morphism and Bayesian
+optimisation, trained every trial at FP16 or above, reached a validation error of at most 30%,
+and changed no fixed setting. Anything else is labelled unofficial, with
 every reason listed. The limits are Table 4's own values (the fixed items' defaults), never the
 run's configuration: a run cannot pass by loosening its own rules.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from aiperf_core.policy import BY_NAME, ITEMS, Policy, PolicyError, precision_allowed
 from aiperf_core.rundir import RunDirError
@@ -31,8 +32,40 @@ def run_policy(run: dict[str, Any]) -> Policy:
         raise RunDirError(str(exc)) from None
 
 
-def validity_reasons(run: dict[str, Any], trials: Iterable[Any], best_error: float | None) -> list[str]:
-    """Every reason the run is unofficial; empty for a valid run. `trials` have .id and .precision."""
+def _short(digest: Any) -> str:
+    return f"{digest[:16]}..." if isinstance(digest, str) else repr(digest)
+
+
+def dataset_digest_reasons(run: dict[str, Any], replicas: Mapping[int, Any]) -> list[str]:
+    """One reason per replica that read other data than the run's: an attempt whose
+    replica_start.dataset_digest (the digest of the copy that replica read) differs from run.json's
+    dataset.digest. `replicas` map replica ids to objects whose .starts are their replica_start events."""
+    dataset = run.get("dataset")
+    expected = dataset.get("digest") if isinstance(dataset, dict) else None
+    reasons = []
+    for replica, state in sorted(replicas.items()):
+        for start in state.starts:
+            digest = start.get("dataset_digest")
+            if digest == expected:
+                continue
+            attempt = start.get("attempt")
+            if digest is None:
+                reasons.append(f"replica {replica} recorded no dataset digest (attempt {attempt}), not the run's "
+                               f"{_short(expected)}")
+            elif expected is None:
+                reasons.append(f"replica {replica} read dataset digest {_short(digest)} (attempt {attempt}), but "
+                               "run.json records none")
+            else:
+                reasons.append(f"replica {replica} read dataset digest {_short(digest)} (attempt {attempt}), not the "
+                               f"run's {_short(expected)}")
+            break
+    return reasons
+
+
+def validity_reasons(run: dict[str, Any], trials: Iterable[Any], best_error: float | None,
+                     replicas: Mapping[int, Any] | None = None) -> list[str]:
+    """Every reason the run is unofficial; empty for a valid run. `trials` have .id and .precision;
+    `replicas` (the ledger's, each with its .starts) are checked for the dataset digest."""
     reasons: list[str] = []
     covered: set[str] = set()  # fixed items a fact-based reason already names
 
@@ -42,6 +75,7 @@ def validity_reasons(run: dict[str, Any], trials: Iterable[Any], best_error: flo
         reasons.append("run.json records no dataset name (ImageNet required)" if name is None else
                        f"dataset is {name!r}, not ImageNet ({OFFICIAL_DATASET!r})")
         covered.add("dataset")
+    reasons += dataset_digest_reasons(run, replicas or {})
     model = run.get("model")
     if model != OFFICIAL_MODEL:
         reasons.append("run.json records no initial model (ResNet-50 required)" if model is None else

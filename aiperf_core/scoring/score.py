@@ -208,7 +208,7 @@ def score_ledger(ledger: RunLedger, now: float | None = None) -> ScoreResult:
 
     trials = list(ledger.trials.values())
     _fill_precision_from_trial_files(ledger, trials)
-    reasons = validity_reasons(info.run, trials, best)
+    reasons = validity_reasons(info.run, trials, best, ledger.replicas)
     reasons += ledger.damaged_logs()
     for trial in ledger.unresolved_trials():
         reasons.append(f"{trial.problem}: {trial.epochs} epoch(s) of {trial.id} not counted")

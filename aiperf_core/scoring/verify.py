@@ -4,7 +4,11 @@
 - the primary's run_end.log_heads, which pin the last line of every replica log, so that lines
   removed from or added to the end of a log are caught too;
 - trial_start.graph_sha256 against trials/<trial>/graph.json;
-- trial_end.files against the files each trial wrote.
+- trial_end.files against the files each trial wrote;
+- the published history (primary/history.jsonl), when the run has one: its hash chain, and that
+  each line is a trial published once, whose trial_end and trial.json say what the line says; once
+  the run ended, also that every usable trial was published (the primary publishes them all
+  before run_end). The score never reads the history: this is about what replicas planned on.
 Each problem is one line naming the file; an empty list means the run directory is intact.
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 import os
 
 from aiperf_core.rundir import RunDir, chain_head, read_events, sha256_file, verify_chain
+from aiperf_core.search.history import HISTORY_NAME, PUBLISHED, PUBLISHED_FIELDS, published_fields, usable_end
 
 PRIMARY_LOG = "primary/events.jsonl"
 
@@ -41,9 +46,12 @@ def verify_run(run_dir: str | os.PathLike | RunDir, withheld: frozenset[str] = f
 
     hashes: dict[str, str | None] = {}  # relative path -> sha256, None when missing
     reported: set[str] = set()
+    usable: dict[str, tuple[int, dict]] = {}  # trial -> (replica, its trial_end), for the history
     for replica in replicas:
         for event in read_events(run.replica_log(replica)):
             kind = event.get("event")
+            if usable_end(event):
+                usable.setdefault(event["trial"], (replica, event))
             if kind == "trial_start":
                 problems += _check_file(run, hashes, reported, event.get("trial"), "graph.json",
                                         event.get("graph_sha256"), "trial_start.graph_sha256", withheld)
@@ -56,6 +64,54 @@ def verify_run(run_dir: str | os.PathLike | RunDir, withheld: frozenset[str] = f
                 for name, digest in sorted(files.items()):
                     problems += _check_file(run, hashes, reported, event.get("trial"), name, digest,
                                             "trial_end.files", withheld)
+    if run.history_file.exists():
+        problems += _check_history(run, usable, ended=run_end is not None)
+    return problems
+
+
+def _check_history(run: RunDir, usable: dict[str, tuple[int, dict]], ended: bool) -> list[str]:
+    """The published history against the replica logs and trial.json files (a missing history is
+    no finding: replicas run without a primary, or by an aiperf before it, read the logs)."""
+    problems = [f"{HISTORY_NAME}: line {p.line}: {p.message}" for p in verify_chain(run.history_file)]
+    published: set[str] = set()
+    expected_of: dict[str, dict | None] = {}
+
+    def expected(trial: str) -> dict | None:
+        if trial not in expected_of:
+            replica, end = usable[trial]
+            try:
+                raw = (run.trial_dir(trial) / "trial.json").read_bytes()
+            except OSError:
+                raw = b""
+            expected_of[trial] = published_fields(trial, replica, raw, end["files"])
+        return expected_of[trial]
+
+    for number, line in enumerate(read_events(run.history_file), start=1):
+        trial = line.get("trial")
+        where = f"{HISTORY_NAME}: line {number}"
+        if line.get("event") != PUBLISHED or not isinstance(trial, str):
+            problems.append(f"{where}: not a published trial")
+            continue
+        if trial in published:
+            problems.append(f"{where}: trial {trial} published again")
+            continue
+        published.add(trial)
+        if trial not in usable:
+            problems.append(f"{where}: trial {trial} has no trial_end with status ok or early_stopped and files "
+                            "in any replica log")
+            continue
+        fields = expected(trial)
+        if fields is None:
+            problems.append(f"{where}: trial {trial}: its trial.json is not the one its trial_end recorded")
+        elif {key: line.get(key) for key in PUBLISHED_FIELDS} != fields:
+            differing = [key for key in PUBLISHED_FIELDS if line.get(key) != fields[key]]
+            problems.append(f"{where}: trial {trial}: {', '.join(differing)} differ from its trial_end and "
+                            "trial.json (the line was forged or altered)")
+    if ended:
+        for trial in sorted(set(usable) - published):
+            if expected(trial) is not None:
+                problems.append(f"{HISTORY_NAME}: trial {trial} ended usable but was never published (lines "
+                                "removed, or published by no primary before run_end)")
     return problems
 
 

@@ -1,25 +1,50 @@
-"""The shared history: every replica's finished trials, read from the run directory.
+"""The shared history: every replica's usable trials, as the primary publishes them.
 
-A trial enters the history when its replica's log holds its `trial_end` with status `ok` or
-`early_stopped` (the trials whose weights were saved), and its trial.json matches the hash that
-event recorded. Logs are read incrementally: each refresh parses only the lines appended since
-the last one, and each trial.json is read once, so a refresh costs what is new, not the run's size.
+A trial is usable when its replica's log holds its `trial_end` with status `ok` or
+`early_stopped` (the trials whose weights were saved) and its trial.json matches the hash that
+event recorded. The primary, which watches every replica's log anyway, publishes each usable
+trial once, as one line of the hash-chained log primary/history.jsonl carrying everything a
+replica reads of its trial.json (`HistoryPublisher`). A replica tails that one file by byte
+offset, and its own event log for its own trials, which it must see as soon as they end
+(`SharedHistory`). A refresh so costs a fixed number of filesystem calls, however many replicas
+the run has: two opens and one per own trial ended since the last refresh (docs/run-directory.md,
+"The published history").
+
+A run directory without that file (replicas run without a primary: tests, `aiperf replica` by
+hand) is read as before it existed: every replica's log, and each new trial's trial.json.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import heapq
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from aiperf_core.clock import SYSTEM_CLOCK, Clock
 from aiperf_core.errors import AiperfError
-from aiperf_core.rundir import RunDir, sha256_bytes
+from aiperf_core.rundir import (EventLog, LogRewritten, LogTail, RunDir, RunDirError, read_events, sha256_bytes,
+                                verify_chain)
 from aiperf_core.search.arch import ArchCode
 
 USABLE = ("ok", "early_stopped")
+HISTORY_NAME = "primary/history.jsonl"  # how messages name RunDir.history_file
+PUBLISHED = "trial"  # the event of every line of the published history
+# The fields of a published line besides event, time, seq and prev: what a replica reads of a trial.
+PUBLISHED_FIELDS = ("trial", "replica", "round", "target", "best_val_accuracy", "batch_size", "kernel_size", "arch",
+                    "signature", "files")
+# The primary reads a replica's log again after this fraction of the time since its current trial
+# was seen to start, and at least every PUBLISH_DELAY_MAX_S: about 12 reads in a trial's first
+# 10 minutes, then one every 5, so some 17 for a 36-minute trial and 26 for a 78-minute one (each
+# read is an open on the shared filesystem and about 10 us of the primary). A trial is published
+# within half its length, and at most 5 minutes (plus a poll), after it ends: a replica plans each
+# round while the one before trains, so what it plans on is up to a trial old anyway.
+PUBLISH_DELAY_FRACTION = 0.5
+PUBLISH_DELAY_MAX_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -36,80 +61,240 @@ class TrialRecord:
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256, from trial_end
 
 
-class LogTail:
-    """Complete lines appended to one log since the last call; a torn last line waits."""
+def usable_end(event: dict[str, Any]) -> bool:
+    """Whether a replica log's event ends a trial that may join the history (its files permitting)."""
+    files = event.get("files")
+    return (event.get("event") == "trial_end" and event.get("status") in USABLE and isinstance(event.get("trial"), str)
+            and isinstance(files, dict) and "trial.json" in files and "weights.npz" in files)
 
-    def __init__(self, path: Path):
-        self.path = path
-        self.offset = 0
 
-    def read_new(self) -> list[dict[str, Any]]:
+ARCH_INT = np.dtype("<i4")  # a published architecture code: little-endian int32 rows, base64
+
+
+def encode_arch(arch: Any) -> dict[str, str]:
+    """An architecture code as published: `layers` ([kind, width, kernel] rows) and `skips` ([u, d]
+    rows) as base64 of little-endian int32. A cold read decodes tens of thousands of them: as JSON
+    lists of lists they cost more to parse than everything else in the file."""
+    code = ArchCode.from_json(arch)
+    out = {}
+    for name, rows in (("layers", code.layers), ("skips", code.skips)):
+        ints = rows.astype(ARCH_INT)
+        if not np.array_equal(ints, rows):
+            raise AiperfError(f"arch: {name} are not 32-bit integers")
+        out[name] = base64.b64encode(ints.tobytes()).decode("ascii")
+    return out
+
+
+def _arch_bytes(arch: Any) -> tuple[bytes, bytes]:
+    """The raw layers and skips of a published architecture code (ValueError if it is not one)."""
+    try:
+        layers = binascii.a2b_base64(arch["layers"], strict_mode=True)
+        skips = binascii.a2b_base64(arch["skips"], strict_mode=True)
+    except (KeyError, TypeError, binascii.Error):
+        raise ValueError("not a published architecture code") from None
+    if len(layers) % (3 * ARCH_INT.itemsize) or len(skips) % (2 * ARCH_INT.itemsize):
+        raise ValueError("not a published architecture code")
+    return layers, skips
+
+
+def published_fields(trial: str, replica: int, raw: bytes, files: dict[str, str]) -> dict[str, Any] | None:
+    """What the history publishes of a usable trial, from its trial.json bytes and its trial_end's
+    files; None when the bytes do not hash to files["trial.json"] or are not a trial.json this
+    aiperf wrote. The one definition the publisher, the fallback reader and --verify share."""
+    if sha256_bytes(raw) != files.get("trial.json"):
+        return None  # changed since its trial ended: not trusted
+    try:
+        info = json.loads(raw)
+        fields = {"trial": trial, "replica": replica, "round": int(info["round"]), "target": float(info["target"]),
+                  "best_val_accuracy": float(info["best_val_accuracy"]),
+                  "batch_size": int(info["hyper"]["batch_size"]), "kernel_size": int(info["hyper"]["kernel_size"]),
+                  "arch": encode_arch(info["arch"]), "signature": str(info["signature"]), "files": dict(files)}
+    except (ValueError, KeyError, TypeError, AiperfError):
+        return None
+    if not all(np.isfinite([fields["target"], fields["best_val_accuracy"]])):
+        return None  # not JSON: a trial with weights always has both
+    return fields
+
+
+def records_of(lines: list[dict[str, Any]]) -> list[tuple[TrialRecord, np.ndarray]]:
+    """(record, arch summary) of every published line (or published_fields) that is one, in order.
+    The architecture codes are decoded together: one array for all, one view per record."""
+    kept, layer_bytes, skip_bytes = [], [], []
+    for fields in lines:
         try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        events = []
-        start = 0
-        while True:
-            end = data.find(b"\n", start)
-            if end < 0:
-                break
-            try:
-                events.append(json.loads(data[start:end]))
-            except ValueError:
-                break  # damage: nothing after it can be trusted
-            start = end + 1
-        self.offset += start
-        return events
+            files = fields["files"]
+            if not isinstance(fields["trial"], str) or not isinstance(files, dict):
+                continue
+            values = (int(fields["replica"]), int(fields["round"]), float(fields["target"]),
+                      float(fields["best_val_accuracy"]), int(fields["batch_size"]), int(fields["kernel_size"]),
+                      str(fields["signature"]))
+            layers, skips = _arch_bytes(fields["arch"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        kept.append((fields["trial"], values, dict(files)))
+        layer_bytes.append(layers)
+        skip_bytes.append(skips)
+    if not kept:
+        return []
+    all_layers = np.frombuffer(b"".join(layer_bytes), ARCH_INT).astype(np.float64).reshape(-1, 3)
+    all_skips = np.frombuffer(b"".join(skip_bytes), ARCH_INT).astype(np.float64).reshape(-1, 2)
+    layer_ends = np.cumsum([len(b) // (3 * ARCH_INT.itemsize) for b in layer_bytes])
+    skip_ends = np.cumsum([len(b) // (2 * ARCH_INT.itemsize) for b in skip_bytes])
+    layer_starts = np.concatenate(([0], layer_ends[:-1]))
+    skip_starts = np.concatenate(([0], skip_ends[:-1]))
+    # ArchCode.summary, for all at once: layers, skips, log2(summed widths + 1).
+    widths = np.concatenate(([0.0], np.cumsum(all_layers[:, 1])))
+    summaries = np.stack([layer_ends - layer_starts, skip_ends - skip_starts,
+                          np.log2(widths[layer_ends] - widths[layer_starts] + 1.0)], axis=1).astype(np.float64)
+    out = []
+    for k, (trial, values, files) in enumerate(kept):
+        arch = ArchCode(all_layers[layer_starts[k]:layer_ends[k]], all_skips[skip_starts[k]:skip_ends[k]])
+        replica, round_number, target, best, batch, kernel, signature = values
+        out.append((TrialRecord(trial, replica, round_number, target, best, batch, kernel, arch, signature, files),
+                    summaries[k]))
+    return out
+
+
+def _log_tail(run_dir: RunDir, replica: int) -> LogTail:
+    return LogTail(run_dir.replica_log(replica), f"replicas/{replica}/events.jsonl")
+
+
+def _read(tail: LogTail) -> list[dict[str, Any]]:
+    """The events appended since the last read; a log that shrank (replaced) is read again from
+    its start: whoever reads it knows each trial by id and skips what it has."""
+    try:
+        return [event for _, event in tail.read()]
+    except LogRewritten:
+        tail.offset, tail.lines, tail.damaged_line = 0, 0, None
+        return [event for _, event in tail.read()]  # offset 0: whatever file is there now is read
 
 
 class SharedHistory:
-    def __init__(self, run_dir: RunDir):
+    """The history as one replica sees it. `replica`: whose own log is read directly, so that its
+    trials join as soon as they end; None for a reader that is no replica (tools, benchmarks)."""
+
+    def __init__(self, run_dir: RunDir | None, replica: int | None = None):
         self.run_dir = run_dir
+        self.replica = replica
         self.records: list[TrialRecord] = []
-        self._tails: dict[int, LogTail] = {}
+        self._known: set[str] = set()
         self._summaries: list[np.ndarray] = []
+        self._published = None if run_dir is None else LogTail(run_dir.history_file, HISTORY_NAME)
+        self._logs: dict[int, LogTail] = {}
 
     def refresh(self) -> list[TrialRecord]:
-        """Read what the replicas appended since the last refresh; return the trials that joined."""
-        joined = []
-        for replica in self.run_dir.replica_ids():
-            tail = self._tails.setdefault(replica, LogTail(self.run_dir.replica_log(replica)))
-            for event in tail.read_new():
-                if event.get("event") == "trial_end" and event.get("status") in USABLE:
-                    record = self._load(replica, event)
-                    if record is not None:
-                        joined.append(record)
-        self.records.extend(joined)
-        self._summaries.extend(r.arch.summary() for r in joined)
+        """Read what was published (and what this replica ended) since the last refresh; return
+        the trials that joined."""
+        joined: list[TrialRecord] = []
+        published = _read(self._published)
+        if self.replica is not None:
+            self._read_log(self.replica, joined)
+        if self._published.exists:
+            fresh = [event for event in published
+                     if event.get("event") == PUBLISHED and event.get("trial") not in self._known]
+            for record, summary in records_of(fresh):
+                if record.trial not in self._known:  # published twice: the first counts
+                    self._join(record, joined, summary)
+        else:  # nobody publishes: read every replica's log
+            for replica in self.run_dir.replica_ids():
+                if replica != self.replica:
+                    self._read_log(replica, joined)
         return joined
 
     def add(self, record: TrialRecord) -> None:
         """Put a record in directly (benchmarks and tests build histories without a run directory)."""
-        self.records.append(record)
-        self._summaries.append(record.arch.summary())
+        self._join(record, [], record.arch.summary())
 
     def summaries(self) -> np.ndarray:
         return np.asarray(self._summaries).reshape(-1, 3)
 
-    def _load(self, replica: int, event: dict[str, Any]) -> TrialRecord | None:
-        trial = event.get("trial")
-        files = event.get("files") or {}
-        if not isinstance(trial, str) or "trial.json" not in files or "weights.npz" not in files:
-            return None
-        try:
-            raw = (self.run_dir.trial_dir(trial) / "trial.json").read_bytes()
-        except OSError:
-            return None
-        if sha256_bytes(raw) != files["trial.json"]:
-            return None  # changed since its trial ended: not trusted
-        try:
-            info = json.loads(raw)
-            return TrialRecord(trial, replica, int(info["round"]), float(info["target"]),
-                               float(info["best_val_accuracy"]), int(info["hyper"]["batch_size"]),
-                               int(info["hyper"]["kernel_size"]), ArchCode.from_json(info["arch"]),
-                               str(info["signature"]), dict(files))
-        except (ValueError, KeyError, TypeError, AiperfError):
-            return None  # not a trial.json this aiperf wrote
+    def _join(self, record: TrialRecord, joined: list[TrialRecord], summary: np.ndarray) -> None:
+        self._known.add(record.trial)
+        self.records.append(record)
+        self._summaries.append(summary)
+        joined.append(record)
+
+    def _read_log(self, replica: int, joined: list[TrialRecord]) -> None:
+        tail = self._logs.get(replica)
+        if tail is None:
+            tail = self._logs[replica] = _log_tail(self.run_dir, replica)
+        for event in _read(tail):
+            if usable_end(event) and event["trial"] not in self._known:
+                fields = _load(self.run_dir, replica, event)
+                if fields is not None:
+                    for record, summary in records_of([fields]):
+                        self._join(record, joined, summary)
+
+
+def _load(run_dir: RunDir, replica: int, event: dict[str, Any]) -> dict[str, Any] | None:
+    """published_fields of a usable trial_end, read from its trial.json; None if it is not trusted."""
+    try:
+        raw = (run_dir.trial_dir(event["trial"]) / "trial.json").read_bytes()
+    except OSError:
+        return None
+    return published_fields(event["trial"], replica, raw, event["files"])
+
+
+class HistoryPublisher:
+    """The primary's side of the history: reads every replica's log and appends each usable trial,
+    once, to primary/history.jsonl (an EventLog under the primary's lease).
+
+    A log is read again after PUBLISH_DELAY_FRACTION of the time since its replica's current trial
+    was seen to start, and at least every PUBLISH_DELAY_MAX_S: a bounded number of reads per trial
+    whatever its length, where reading every log at every poll would cost the primary, and the
+    filesystem, one open per replica every few seconds. `publish_all` reads every log to its end."""
+
+    def __init__(self, run_dir: RunDir, replicas: int, clock: Clock = SYSTEM_CLOCK, lease=None):
+        self.run_dir = run_dir
+        self.log = EventLog(run_dir.history_file, clock, lease=lease)
+        self.published: set[str] = set()
+        self._tails = [_log_tail(run_dir, replica) for replica in range(replicas)]
+        self._since: list[float | None] = [None] * replicas  # when the current trial was seen to start
+        self._due: list[tuple[float, int]] = []  # heap of (time of the next read, replica)
+
+    def open(self, now: float) -> None:
+        """Continue the history a primary before this one wrote, after checking its hash chain
+        (RunDirError when a line was changed: replicas may have planned on it); a line torn by a
+        crash is cut off and its trial published again. Every log is then read from its start."""
+        path = self.run_dir.history_file
+        for problem in ([] if not path.exists() else verify_chain(path)):
+            raise RunDirError(f"{path}: line {problem.line}: {problem.message}: the published history was changed "
+                              "(move the file aside to have every trial published anew)")
+        self.published = {event.get("trial") for event in read_events(path) if event.get("event") == PUBLISHED}
+        self.log.open()
+        self._due = [(now, replica) for replica in range(len(self._tails))]
+
+    def poll(self, now: float) -> int:
+        """Read the logs that are due; returns the number of trials published."""
+        due = []
+        while self._due and self._due[0][0] <= now:
+            due.append(heapq.heappop(self._due)[1])
+        count = 0
+        for replica in due:
+            count += self._read(replica, now)
+            delay = min(PUBLISH_DELAY_MAX_S, PUBLISH_DELAY_FRACTION * (now - self._since[replica]))
+            heapq.heappush(self._due, (now + delay, replica))
+        return count
+
+    def publish_all(self, now: float) -> int:
+        """Read every log to its end (before run_end: every trial that ended is published)."""
+        return sum(self._read(replica, now) for replica in range(len(self._tails)))
+
+    def close(self) -> None:
+        self.log.close()
+
+    def _read(self, replica: int, now: float) -> int:
+        count = 0
+        for event in _read(self._tails[replica]):
+            kind = event.get("event")
+            if kind in ("trial_start", "trial_end", "replica_start"):
+                self._since[replica] = now
+            if kind == "trial_end" and usable_end(event) and event["trial"] not in self.published:
+                fields = _load(self.run_dir, replica, event)
+                if fields is not None:
+                    self.log.append(PUBLISHED, **fields)
+                    self.published.add(event["trial"])
+                    count += 1
+        if self._since[replica] is None:
+            self._since[replica] = now  # nothing started yet: read less often as the wait goes on
+        return count

@@ -152,8 +152,10 @@ def build_policy(request: RunRequest, dataset: str, base: Mapping[str, Any] | No
 
 def describe_dataset(name: str, path: str | None, image_size: int, data_loader: str = "native") -> dict[str, Any]:
     """run.json's `dataset`: the data is opened and checked now, with the loader the policy names,
-    so a bad one (or DALI asked for where it has nothing to decode) fails before the start."""
+    so a bad one (or DALI asked for where it has nothing to decode) fails before the start. `digest`
+    is the one identity of the data: its manifest's (docs/data.md), None for a folder without one."""
     from aiperf_core import data
+    from aiperf_core.data.manifest import recorded_digest
 
     spec = {"name": name, "path": path, "image_size": image_size, "data_loader": data_loader}
     try:
@@ -161,7 +163,7 @@ def describe_dataset(name: str, path: str | None, image_size: int, data_loader: 
     except AiperfError as exc:
         raise AiperfError(f"--data {path or name}: {exc}") from None
     keep = ("name", "path", "layout", "classes", "train_images", "val_images", "image_size")
-    return {key: described.get(key, spec.get(key)) for key in keep}
+    return {**{key: described.get(key, spec.get(key)) for key in keep}, "digest": recorded_digest(path)}
 
 
 def run_device(devices: list[str]) -> str:

@@ -7,6 +7,9 @@ trial was in flight) and its heartbeat (is it alive, and are its training steps 
 Everything it decides goes to primary/events.jsonl, which is also what `--resume` reads to pick up
 where a killed primary left off (docs/workflow.md). It holds the run's lease (primary/lease.json)
 while it runs, so that no second primary ever watches, or writes to, the same run.
+
+It also publishes the shared history: each usable trial it reads in a replica's log goes, once,
+to primary/history.jsonl, the one file every replica tails (aiperf_core.search.history).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from aiperf_core.atomic import write_text_atomic
 from aiperf_core.clock import SYSTEM_CLOCK, Clock
 from aiperf_core.errors import AiperfError
 from aiperf_core.rundir import LEASE_RENEW_S, EventLog, Lease, LeaseHeld, RunDir, chain_head, read_events
+from aiperf_core.search.history import HistoryPublisher
 from aiperf_core.workflow.duration import format_duration
 from aiperf_core.workflow.executors.base import (Executor, ProcessEnd, ReplicaCommand, ReplicaHandle, log_tail,
                                                  replica_argv)
@@ -110,6 +114,7 @@ class Primary:
         self.slots = [ReplicaSlot(i) for i in range(int(run["replicas"]))]
         self.lease = Lease(run_dir.primary_lease, "primary")
         self.log = EventLog(run_dir.primary_log, clock, lease=self.lease)
+        self.publisher = HistoryPublisher(run_dir, len(self.slots), clock, lease=self.lease)
         self._interrupted: int | None = None
         self._lease_lost = False
 
@@ -152,6 +157,7 @@ class Primary:
         if taken:
             why = "its process is gone" if taken["verdict"] == "gone" else "its lease was stale"
             self.notify(f"took the run over from the primary pid {taken.get('pid')} on host {taken.get('host')} ({why})")
+        self.publisher.open(self.clock.time())  # before anything is written: a changed history is refused
         self.log.open()
         previous = self._install_signal_handlers()
         try:
@@ -167,6 +173,7 @@ class Primary:
         finally:
             self._restore_signal_handlers(previous)
             self.log.close()
+            self.publisher.close()
 
     def _watch(self) -> str:
         while True:
@@ -178,6 +185,7 @@ class Primary:
             if now >= self.deadline:
                 return self._end_at_deadline()
             self._poll(now)
+            self.publisher.poll(now)
             for slot in self.slots:
                 if slot.handle is None and not slot.done:
                     self._launch(slot)
@@ -399,6 +407,7 @@ class Primary:
         return self._end(reason)
 
     def _end(self, reason: str) -> str:
+        self.publisher.publish_all(self.clock.time())  # every trial that ended, before run_end
         heads = {str(slot.replica): chain_head(self.run_dir.replica_log(slot.replica)) for slot in self.slots}
         self.log.append("run_end", reason=reason, log_heads=heads)
         self.notify(f"run ended: {reason}")

@@ -4,7 +4,8 @@ virtual clock, so that thousands of replicas and a 12-hour budget fit in minutes
 
 What is real: the Primary (aiperf_core.workflow.primary) and its executor protocol, every file of
 the run directory (run.json, the hash-chained event logs written through rundir.EventLog,
-heartbeats, graph.json, trial.json), SharedHistory reading it, and score_run scoring it.
+heartbeats, graph.json, trial.json, the history the primary publishes), SharedHistory reading it,
+and score_run scoring it.
 
 What is simulated: the replicas. A SimulatedReplica trains nothing. Its accelerators run at a
 fixed rate (`device_ops_per_s`), so an epoch takes its analytic operations divided by that rate
@@ -20,15 +21,20 @@ aiperf_core.clock.Clock); the primary's sleeps advance it instantly. On every po
 SimulatedExecutor's refresh() moves each replica forward to the virtual now, writing the events
 that fall due. Replica-side costs that grow with the run are charged in virtual time before each
 trial: reading what is new in the shared history (measured on the growing run directory by a
-real SharedHistory, `HistoryProbe`) and NAS selection at the history's current size
+real SharedHistory of replica 0, `HistoryProbe`) and NAS selection at the history's current size
 (`NasCostModel`, measured at a few sizes and interpolated). They are charged in series, as if
 the replica's planner thread did not overlap training (the real replica overlaps it from round 3
 on), so the weak-scaling efficiency this gives is a lower bound.
+
+Filesystem calls: with `count_fs_calls`, `FsCalls` counts every open, stat, listdir, scandir and
+mkdir/rename/link/unlink on the run directory made in this process, by the primary, the
+simulated replicas and the history probe (issue #23, item 3).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 import time
@@ -124,6 +130,84 @@ def write_weights_stand_in(path: Path) -> str:
     return sha256_file(path)
 
 
+# --- counting filesystem calls -------------------------------------------------------------------
+class FsCalls:
+    """Counts this process's path-based filesystem calls on one directory tree, by kind and by who
+    made them: what a metadata server would be asked. Installed, it wraps the module attributes that
+    every caller here goes through (pathlib, tempfile, os.path and the aiperf code all call `os.stat`,
+    `os.open`, `io.open`... by attribute), so calls on other paths and calls on open file descriptors
+    (fstat, read, write, fsync) are not counted. Kinds: open, stat (stat, lstat), list (listdir,
+    scandir) and change (mkdir, rmdir, rename, replace, link, unlink: what a writer adds)."""
+
+    WRAPPED = {"open": ("open",), "stat": ("stat", "lstat"), "list": ("listdir", "scandir"),
+               "change": ("mkdir", "rmdir", "rename", "replace", "link", "unlink")}
+    KINDS = tuple(WRAPPED)
+
+    def __init__(self, root: Path):
+        self.root = os.path.abspath(root)
+        self.prefix = self.root + os.sep
+        self.who = "primary"
+        self.counts: dict[str, dict[str, int]] = {}
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def charged_to(self, who: str) -> "_Charged":
+        """Within the block, calls count for `who` (the simulated replicas, the history probe)."""
+        return _Charged(self, who)
+
+    def total(self, who: str | None = None, kinds: Sequence[str] = ("open", "stat", "list")) -> int:
+        rows = self.counts.values() if who is None else [self.counts.get(who, {})]
+        return sum(row.get(kind, 0) for row in rows for kind in kinds)
+
+    def _count(self, kind: str, path: Any) -> None:
+        if isinstance(path, (str, os.PathLike)):
+            name = os.fspath(path)
+            if isinstance(name, str) and (name.startswith(self.prefix) or name == self.root):
+                row = self.counts.setdefault(self.who, {})
+                row[kind] = row.get(kind, 0) + 1
+
+    def __enter__(self) -> "FsCalls":
+        import builtins
+        import io
+
+        for kind, names in self.WRAPPED.items():
+            for name in names:
+                self._wrap(os, name, kind)
+        self._wrap(io, "open", "open")
+        self._wrap(builtins, "open", "open")
+        return self
+
+    def _wrap(self, module: Any, name: str, kind: str) -> None:
+        real = getattr(module, name)
+        count = self._count
+
+        def counted(path, *args, **kwargs):
+            count(kind, path)
+            return real(path, *args, **kwargs)
+
+        self._saved.append((module, name, real))
+        setattr(module, name, counted)
+
+    def __exit__(self, *exc) -> None:
+        while self._saved:
+            module, name, real = self._saved.pop()
+            setattr(module, name, real)
+
+
+class _Charged:
+    def __init__(self, calls: FsCalls, who: str):
+        self.calls, self.who = calls, who
+
+    def __enter__(self) -> None:
+        self.before, self.calls.who = self.calls.who, self.who
+
+    def __exit__(self, *exc) -> None:
+        self.calls.who = self.before
+
+
+def _charged(calls: FsCalls | None, who: str):
+    return contextlib.nullcontext() if calls is None else calls.charged_to(who)
+
+
 # --- replica-side costs that grow with the run ----------------------------------------------------
 class NasCostModel:
     """NAS selection time as a function of the history's size: measured at a few sizes,
@@ -179,25 +263,31 @@ class NasCostModel:
 
 
 class HistoryProbe:
-    """A real SharedHistory on the growing run directory, refreshed once per `interval_s` of
-    virtual time (about one trial): the wall time of its latest refresh is what a replica pays
-    to catch up with the history before planning a trial."""
+    """A real SharedHistory of replica 0 on the growing run directory, refreshed once per
+    `interval_s` of virtual time (about one trial): the wall time of its latest refresh is what a
+    replica pays to catch up with the history before planning a trial."""
 
-    def __init__(self, run_dir: RunDir, interval_s: float | None):
+    def __init__(self, run_dir: RunDir, interval_s: float | None, fs_calls: FsCalls | None = None):
         from aiperf_core.search.history import SharedHistory
 
-        self.history = SharedHistory(run_dir)
+        self.history = SharedHistory(run_dir, replica=0)  # what replica 0 reads
         self.interval_s = interval_s
+        self.fs_calls = fs_calls
         self.next_at = 0.0
         self.last_refresh_s = 0.0
         self.refreshes: list[tuple[float, int, float]] = []  # (virtual time, history trials, wall seconds)
+        self.calls: list[int] = []  # filesystem calls (open, stat, list) of each refresh, with fs_calls
 
     def maybe_refresh(self, now: float) -> None:
         if self.interval_s is None or now < self.next_at:
             return
-        start = time.perf_counter()
-        self.history.refresh()
-        self.last_refresh_s = time.perf_counter() - start
+        before = 0 if self.fs_calls is None else self.fs_calls.total("history probe")
+        with _charged(self.fs_calls, "history probe"):
+            start = time.perf_counter()
+            self.history.refresh()
+            self.last_refresh_s = time.perf_counter() - start
+        if self.fs_calls is not None:
+            self.calls.append(self.fs_calls.total("history probe") - before)
         self.refreshes.append((now, len(self.history.records), self.last_refresh_s))
         self.next_at = now + self.interval_s
 
@@ -362,7 +452,8 @@ class SimulatedExecutor(Executor):
 
     def __init__(self, run_dir: RunDir, run: dict, clock: VirtualClock, model: ReplicaModel,
                  pool: Sequence[PoolGraph], weights_path: Path, *, poll_interval_s: float = 5.0,
-                 nas_cost: NasCostModel | None = None, probe_interval_s: float | None = None):
+                 nas_cost: NasCostModel | None = None, probe_interval_s: float | None = None,
+                 fs_calls: FsCalls | None = None):
         self.run_dir = run_dir
         self.clock = clock
         self.model = model
@@ -377,7 +468,8 @@ class SimulatedExecutor(Executor):
         self.weights_path = weights_path
         self.weights_sha256 = sha256_file(weights_path)
         self.nas_cost = nas_cost or NasCostModel.free()
-        self.probe = HistoryProbe(run_dir, probe_interval_s)
+        self.fs_calls = fs_calls
+        self.probe = HistoryProbe(run_dir, probe_interval_s, fs_calls)
         self.simulation_s = 0.0
         self.trials_started = 0
         self.trials_ended = 0
@@ -402,7 +494,8 @@ class SimulatedExecutor(Executor):
 
     def launch(self, command: ReplicaCommand) -> SimulatedHandle:
         start = time.perf_counter()
-        replica = SimulatedReplica(self, command.replica, command.attempt, self.clock.now)
+        with _charged(self.fs_calls, "replicas"):
+            replica = SimulatedReplica(self, command.replica, command.attempt, self.clock.now)
         self.replicas.append(replica)
         self.simulation_s += time.perf_counter() - start
         return SimulatedHandle(command, replica)
@@ -411,14 +504,16 @@ class SimulatedExecutor(Executor):
         start = time.perf_counter()
         now = self.clock.now
         self.probe.maybe_refresh(now)
-        for handle in handles:
-            handle.simulated.advance(now)
+        with _charged(self.fs_calls, "replicas"):
+            for handle in handles:
+                handle.simulated.advance(now)
         self.simulation_s += time.perf_counter() - start
 
     def stop(self, handles: list[ReplicaHandle], grace_s: float) -> None:
         start = time.perf_counter()
-        for handle in handles:
-            handle.simulated.kill()
+        with _charged(self.fs_calls, "replicas"):
+            for handle in handles:
+                handle.simulated.kill()
         self.simulation_s += time.perf_counter() - start
 
     def end_leftover(self, replica: int, job: str) -> None:
@@ -438,6 +533,8 @@ class SimulationResult:
     trials_ended: int
     charged_s: float
     probe_refreshes: list[tuple[float, int, float]] = field(default_factory=list)
+    probe_calls: list[int] = field(default_factory=list)  # filesystem calls of each probe refresh
+    fs_calls: FsCalls | None = None
 
     @property
     def primary_s_per_trial(self) -> float:
@@ -448,9 +545,11 @@ def simulate(root: Path, replicas: int, time_budget_s: float, model: ReplicaMode
              weights_path: Path, *, start_time: float = 1.8e9, poll_interval_s: float = 5.0,
              nas_cost: NasCostModel | None = None, probe_interval_s: float | None = None,
              policy: dict | None = None, stop_after_trials: int | None = None,
-             watch: WatchSettings | None = None) -> SimulationResult:
+             watch: WatchSettings | None = None, count_fs_calls: bool = False) -> SimulationResult:
     """Run the real Primary over `replicas` simulated replicas for `time_budget_s` of virtual time
-    in a new run directory at `root` (on the same filesystem as the pool, for the hard links)."""
+    in a new run directory at `root` (on the same filesystem as the pool, for the hard links).
+    With count_fs_calls, the result's `fs_calls` holds every filesystem call made on the run
+    directory (FsCalls), by the primary, the simulated replicas and the history probe."""
     from aiperf_core.workflow.primary import Primary
 
     clock = VirtualClock(start_time)
@@ -465,15 +564,17 @@ def simulate(root: Path, replicas: int, time_budget_s: float, model: ReplicaMode
                      precision=precision)
     run_dir.write_run(run)
     run_dir.primary_dir.mkdir(parents=True, exist_ok=True)
+    fs_calls = FsCalls(root) if count_fs_calls else None
     executor = SimulatedExecutor(run_dir, run, clock, model, pool, weights_path, poll_interval_s=poll_interval_s,
-                                 nas_cost=nas_cost, probe_interval_s=probe_interval_s)
+                                 nas_cost=nas_cost, probe_interval_s=probe_interval_s, fs_calls=fs_calls)
     primary = Primary(run_dir, run, executor, watch, clock=clock)
-    started = time.perf_counter()
-    reason = primary.run_to_end()
-    wall = time.perf_counter() - started
+    with fs_calls or contextlib.nullcontext():
+        started = time.perf_counter()
+        reason = primary.run_to_end()
+        wall = time.perf_counter() - started
     return SimulationResult(run_dir, replicas, time_budget_s, reason, wall, wall - executor.simulation_s,
                             executor.trials_started, executor.trials_ended, executor.charged_s,
-                            executor.probe.refreshes)
+                            executor.probe.refreshes, executor.probe.calls, fs_calls)
 
 
 def expected_ops(pool_graph: PoolGraph, model: ReplicaModel) -> int:
@@ -481,8 +582,11 @@ def expected_ops(pool_graph: PoolGraph, model: ReplicaModel) -> int:
     return pool_graph.epoch_ops(model.train_images, model.val_images)
 
 
-def run_dir_bytes(run_dir: RunDir) -> int:
-    """Bytes a replica reads to load the whole history: every replica log and trial.json."""
+def run_dir_bytes(run_dir: RunDir, replica: int = 0) -> int:
+    """Bytes a replica reads to load the whole history: the published history and its own log, or,
+    in a run without a published history, every replica log and trial.json."""
+    if run_dir.history_file.exists():
+        return run_dir.history_file.stat().st_size + run_dir.replica_log(replica).stat().st_size
     total = 0
     for replica in run_dir.replica_ids():
         total += run_dir.replica_log(replica).stat().st_size
