@@ -40,14 +40,13 @@ from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph
 from aiperf_core.monitor import DEFAULT_INTERVAL_S, Sampler
 from aiperf_core.policy import Policy
-from aiperf_core.rundir import (LEASE_RENEW_S, EventLog, Lease, RunDir, read_events, sha256_bytes, sha256_file,
+from aiperf_core.rundir import (EventLog, Lease, RunDir, replica_cadence, read_events, sha256_bytes, sha256_file,
                                 trial_id)
 from aiperf_core.search import curve, hpo, nas
 from aiperf_core.search.arch import encode
 from aiperf_core.search.history import SharedHistory, TrialRecord
 from aiperf_core.weights import Weights
 
-HEARTBEAT_INTERVAL_S = 5.0
 LEASE_LOST_EXIT = 75  # the replica's exit status when another process took its replica id over
 MAX_CONSECUTIVE_FAILURES = 3  # failed trials in a row before the replica gives up (stop reason "failures")
 STOP_FILE = "stop"  # RUN_DIR/primary/stop: the primary's request that every replica stop
@@ -79,6 +78,7 @@ class RunSpec:
     stop_after_trials: int | None
     precision: str | None = None  # run.json's resolved precision; None: this replica resolves `auto`
     monitor_interval_s: float = DEFAULT_INTERVAL_S
+    replicas: int = 1  # the run's replica count: it sets how often each one beats (rundir.replica_cadence)
 
     @classmethod
     def from_run(cls, run: Mapping[str, Any]) -> "RunSpec":
@@ -99,11 +99,15 @@ class RunSpec:
         interval = run.get("monitor_interval_s", DEFAULT_INTERVAL_S)
         if not isinstance(interval, (int, float)) or isinstance(interval, bool) or not interval > 0:
             raise ReplicaError(f"run.json.monitor_interval_s: {interval!r} is not a positive number of seconds")
+        replicas = run.get("replicas", 1)
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            raise ReplicaError(f"run.json.replicas: {replicas!r} is not a positive integer")
         return cls(backend=need("backend", str, "a backend name"), model=need("model", str, "a model name"),
                    dataset=dict(dataset), policy=Policy(need("policy", dict, "an object"), "run.json.policy"),
                    seed=need("seed", int, "an integer"), deadline=float(need("deadline", (int, float), "a Unix time")),
                    devices_per_replica=need("devices_per_replica", int, "an integer"),
-                   stop_after_trials=stop_after, precision=precision, monitor_interval_s=float(interval))
+                   stop_after_trials=stop_after, precision=precision, monitor_interval_s=float(interval),
+                   replicas=replicas)
 
 
 @dataclass
@@ -177,7 +181,9 @@ class Replica:
         append to one event log. A lease left by a process of another host is waited for until it
         is stale (rundir.Lease). Steps report their progress (StepClock) to a node-local file that
         the heartbeat carries to the primary."""
-        self._lease = Lease(self.run_dir.replica_lease(self.id), f"replica {self.id}")
+        self._cadence = replica_cadence(self.spec.replicas)
+        self._lease = Lease(self.run_dir.replica_lease(self.id), f"replica {self.id}",
+                            stale_s=self._cadence.lease_stale_s)
         try:
             self._lease.acquire(wait=True)
         except AiperfError as exc:
@@ -479,7 +485,7 @@ class Replica:
         while True:
             try:
                 self.run_dir.write_heartbeat(self.id, **self._state.beat())
-                if time.monotonic() - renewed >= LEASE_RENEW_S:
+                if time.monotonic() - renewed >= self._cadence.lease_renew_s:
                     if not self._lease.renew():
                         # Another process took this replica id over (this one was frozen for longer
                         # than a lease lives): it owns the logs now, so stop writing at once.
@@ -489,7 +495,7 @@ class Replica:
                     renewed = time.monotonic()
             except OSError as exc:  # a full or flaky shared disk must not kill training; retry next beat
                 print(f"replica {self.id}: heartbeat not written: {exc}", file=sys.stderr, flush=True)
-            if stopping.wait(HEARTBEAT_INTERVAL_S):
+            if stopping.wait(self._cadence.heartbeat_s):
                 return
 
 

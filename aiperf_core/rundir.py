@@ -370,6 +370,41 @@ LEASE_RENEW_S = 15.0  # an owner rewrites its lease this often
 LEASE_STALE_S = 90.0  # seen from another host, a lease not rewritten for this long is an abandoned one
 LEASE_WAIT_POLL_S = 1.0
 
+# --- how often a replica writes to the run directory on its own --------------------------------
+# Every replica rewrites its heartbeat (an atomic write: 3 metadata calls on the shared filesystem)
+# and, every third beat, its lease (4 calls). At a 5 s beat that is 0.87 calls/s a replica: 3,550/s
+# at 4,096 replicas, more than the whole run's budget of 1,000/s (docs/performance.md, issue #23).
+# So the beat slows down as replicas are added, keeping their own calls within REPLICA_CALLS_PER_S,
+# to at most 30 s: half of the live display's freshness window (workflow/progress.py LIVE_FRESH_S)
+# and far inside the primary's heartbeat timeout (10 min by default).
+HEARTBEAT_INTERVAL_S = 5.0
+HEARTBEAT_MAX_INTERVAL_S = 30.0
+HEARTBEAT_CALLS = 3
+LEASE_RENEW_CALLS = 4
+BEATS_PER_LEASE_RENEWAL = 3
+REPLICA_CALLS_PER_S = 600.0  # all replicas' heartbeats and lease renewals together, per second
+
+
+@dataclass(frozen=True)
+class ReplicaCadence:
+    heartbeat_s: float
+    lease_renew_s: float
+    lease_stale_s: float  # as LEASE_STALE_S is to LEASE_RENEW_S: six renewals missed
+
+    @property
+    def calls_per_s(self) -> float:
+        """One replica's metadata calls per second on the run directory from its beat and lease."""
+        return (HEARTBEAT_CALLS + LEASE_RENEW_CALLS / BEATS_PER_LEASE_RENEWAL) / self.heartbeat_s
+
+
+def replica_cadence(replicas: int) -> ReplicaCadence:
+    """The heartbeat and lease intervals of every replica of a run of `replicas` replicas: 5 s,
+    15 s and 90 s up to about 700 replicas, then slower in proportion, to 30 s, 90 s and 540 s."""
+    per_beat = HEARTBEAT_CALLS + LEASE_RENEW_CALLS / BEATS_PER_LEASE_RENEWAL
+    beat = min(HEARTBEAT_MAX_INTERVAL_S, max(HEARTBEAT_INTERVAL_S, max(replicas, 1) * per_beat / REPLICA_CALLS_PER_S))
+    renew = beat * BEATS_PER_LEASE_RENEWAL
+    return ReplicaCadence(beat, renew, renew * LEASE_STALE_S / LEASE_RENEW_S)
+
 
 class LeaseHeld(RunDirError):
     """The lease belongs to another process that is, as far as can be told, alive."""
@@ -440,7 +475,7 @@ class Lease:
         """Hold the lease, taking over an abandoned one. LeaseHeld when its holder is alive.
         With wait, a lease of another host that is still fresh is watched until it goes stale
         (taken over then) or is renewed (LeaseHeld at once): at most stale_s plus a renewal."""
-        give_up = time.time() + self.stale_s + LEASE_RENEW_S
+        give_up = time.time() + self.stale_s * (1 + LEASE_RENEW_S / LEASE_STALE_S)  # and one renewal
         watched: bytes | None = None
         for _ in range(1000):  # every round wins, takes an abandoned lease aside, or waits a second
             if self._create():

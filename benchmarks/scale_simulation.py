@@ -39,6 +39,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from _common import report  # noqa: E402
 from aiperf_core.atomic import write_text_atomic  # noqa: E402
+from aiperf_core.rundir import replica_cadence  # noqa: E402
 from aiperf_core.search.history import SharedHistory  # noqa: E402
 from aiperf_core.workflow.simulation import (FsCalls, NasCostModel, ReplicaModel, expected_ops,  # noqa: E402
                                              resnet50_family, run_dir_bytes, simulate,
@@ -142,8 +143,16 @@ def report_fs_calls(result, hours: float) -> None:
            goal=4.0)
     report(f"{replicas} replicas: filesystem calls per replica history refresh (max)", max(later), "calls")
     history_calls = result.trials_started * per_refresh
+    # Simulated replicas beat once a virtual minute and hold no lease; real ones beat and renew at
+    # rundir.replica_cadence's pace, whose calls are added here at their full rate (the simulated
+    # beats stay counted in the replicas' writes too: the sum errs high).
+    cadence = replica_cadence(replicas)
+    beats = replicas * cadence.calls_per_s * seconds
+    print(f"  real replicas at {replicas}: heartbeat every {cadence.heartbeat_s:.1f} s, lease renewed every "
+          f"{cadence.lease_renew_s:.1f} s (stale after {cadence.lease_stale_s:.0f} s)")
     parts = {"primary": calls.total("primary"), "replicas' writes and checks": calls.total("replicas"),
-             "replicas' history refreshes": history_calls}
+             "replicas' history refreshes": history_calls,
+             "real replicas' heartbeats and lease renewals (rundir.replica_cadence)": beats}
     for name, count in parts.items():
         report(f"{replicas} replicas, poll {PRIMARY_POLL_S:g} s: {name}, per second", count / seconds, "calls/s")
     changes = calls.total(kinds=("change",)) - calls.total("history probe", kinds=("change",))

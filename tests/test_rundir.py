@@ -85,3 +85,32 @@ def test_a_new_run_json_is_created_by_exactly_one_of_racing_writers(tmp_path):
         t.join()
     assert sorted(outcomes) == ["refused"] * 7 + ["written"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # no temporary file left
+
+
+def test_replicas_beat_slower_as_they_are_added_so_the_run_directory_load_stays_bounded():
+    from aiperf_core.rundir import LEASE_RENEW_S, LEASE_STALE_S, REPLICA_CALLS_PER_S, replica_cadence
+
+    small = replica_cadence(1)
+    assert (small.heartbeat_s, small.lease_renew_s, small.lease_stale_s) == (5.0, LEASE_RENEW_S, LEASE_STALE_S)
+    assert replica_cadence(600) == small
+    at_scale = replica_cadence(4096)
+    assert 5.0 < at_scale.heartbeat_s <= 30.0
+    assert 4096 * at_scale.calls_per_s <= REPLICA_CALLS_PER_S + 1e-9
+    assert at_scale.lease_renew_s == 3 * at_scale.heartbeat_s
+    assert at_scale.lease_stale_s == 6 * at_scale.lease_renew_s
+    assert replica_cadence(100_000).heartbeat_s == 30.0  # capped: a beat must stay fresh for the live display
+    for n in (1, 10, 700, 1000, 4096, 10_000):
+        assert replica_cadence(n).heartbeat_s <= replica_cadence(n + 1).heartbeat_s
+
+
+def test_a_replica_takes_its_cadence_from_the_run_s_replica_count(tmp_path):
+    from aiperf_core.replica import RunSpec, write_run_json
+    from aiperf_core.rundir import RunDir, replica_cadence
+
+    write_run_json(tmp_path, replicas=4096)
+    spec = RunSpec.from_run(RunDir(tmp_path).read_run())
+    assert spec.replicas == 4096 and replica_cadence(spec.replicas).heartbeat_s > 5.0
+    run = RunDir(tmp_path).read_run()
+    run["replicas"] = 0
+    with pytest.raises(Exception, match="run.json.replicas: 0 is not a positive integer"):
+        RunSpec.from_run(run)
