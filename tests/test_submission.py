@@ -442,3 +442,18 @@ def test_power_levels():
 
 def test_the_description_written_for_tests_is_valid_toml():
     assert tomllib.loads(to_toml(system_description()))["nodes"]["count"] == 2
+
+
+def test_a_measured_peak_above_the_declared_one_is_reported(package, tmp_path):
+    files = members(package)
+    measured = {p: {"ops_per_s": 2 * 1024**3 / 1e-4, "size": 1024, "best_seconds": 1e-4, "repeats": 3}
+                for p in ("fp32", "bf16", "fp16")}  # 21.5 Tera-OPS per device, against 2 declared
+    files["peak.json"] = json.dumps({"schema_version": 1, "kind": "aiperf-peak", "backend": "numpy",
+                                     "framework_version": "1", "host": "n1", "measured_at": "2026-11-25T00:00:00+00:00",
+                                     "devices": [{"device": "cpu", "model": "Test CPU 9000",
+                                                  "precisions": measured}]}).encode()
+    repack(files, tmp_path / "t.tar.gz")
+    verdict = check_submission(tmp_path / "t.tar.gz")
+    assert verdict.accepted, verdict.rejections
+    assert any(f.startswith("the measured matrix-multiply peak") and "is 10.7x the declared peak" in f
+               and "looks understated" in f for f in verdict.findings), verdict.findings
