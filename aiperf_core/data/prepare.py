@@ -576,6 +576,9 @@ def prepare(source, out, layout: str = "tfrecord", workers: int = 1, train_shard
             records[job[1]] = record
         else:
             todo.append(job)
+    # Longest units first (a class of 1,300 images or a validation chunk of 1,000 before a class of
+    # 732): the workers then finish together instead of one of them taking a big unit last.
+    todo.sort(key=lambda job: -(plan.train_counts[job[1].split("-", 1)[1]] if job[0] == TRAIN else len(job[2])))
     resumed = len(records)
     total_images = sum(totals.values())
     already = sum(sum(r["counts"].values()) for r in records.values())
