@@ -136,3 +136,31 @@ def test_a_killed_primary_resumes_and_adopts_its_running_jobs(cluster, tmp_path)
         assert sum(e["event"] == "replica_start" for e in replica_events) == 1
         assert not [e for e in replica_events if e.get("status") == "interrupted"]
     assert json.loads((run_dir / "score.json").read_text())["epochs_counted"] == 4
+
+
+def test_data_stage_under_srun_one_task_per_node_and_two_at_once(cluster, tmp_path):
+    """docs/data.md's staging line, as a job step: `srun --ntasks-per-node=1 aiperf data stage`; then
+    two tasks on the one node at once, as a careless `srun -n 2` would start: one copies, the other
+    waits for it and finds the verified copy."""
+    from test_data_stage import jpeg_dataset
+
+    src = tmp_path / "shared" / "imagenet"
+    manifest = jpeg_dataset(src)
+    env = {**cluster.env, "OMP_NUM_THREADS": "1"}
+    stage = [sys.executable, "-m", "aiperf_core", "data", "stage", str(src), str(tmp_path / "local"), "--json"]
+    one = subprocess.run(["srun", "--nodes=1", "--ntasks-per-node=1", *stage], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert one.returncode == 0, one.stdout + one.stderr
+    (result,) = [json.loads(line) for line in one.stdout.splitlines()]
+    assert result["copied"] == len(manifest.files) and result["digest"] == manifest.digest
+
+    stage[-2] = str(tmp_path / "local2")
+    two = subprocess.run(["srun", "--nodes=1", "--ntasks=2", *stage], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert two.returncode == 0, two.stdout + two.stderr
+    results = [json.loads(line) for line in two.stdout.splitlines()]
+    assert sorted(r["copied"] for r in results) == [0, len(manifest.files)]
+    assert {r["digest"] for r in results} == {manifest.digest}
+    check = subprocess.run([sys.executable, "-m", "aiperf_core", "data", "check", "--deep", str(tmp_path / "local2")],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0 and check.stdout.rstrip().endswith("ok"), check.stdout + check.stderr
