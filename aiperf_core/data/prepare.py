@@ -584,7 +584,7 @@ def prepare(source, out, layout: str = "tfrecord", workers: int = 1, train_shard
     already = sum(sum(r["counts"].values()) for r in records.values())
     if progress:
         progress("images", already, total_images)
-    for record in prefetch_map(run_unit, plan, iter(todo), workers, prefetch=max(2, workers)):
+    for record in prefetch_map(run_unit, plan, iter(todo), workers, prefetch=_window(workers)):
         _unit_done(record, records)
         already += sum(record["counts"].values())
         if progress:
@@ -592,8 +592,7 @@ def prepare(source, out, layout: str = "tfrecord", workers: int = 1, train_shard
 
     files: dict[str, FileEntry] = {}
     if layout == "tfrecord":
-        for split in SPLITS:
-            files.update(_write_shards(plan, split, records, workers, progress))
+        files.update(_write_shards(plan, records, workers, progress))
     else:
         _place_val_folders(plan, records)
         for record in records.values():
@@ -616,6 +615,13 @@ def prepare(source, out, layout: str = "tfrecord", workers: int = 1, train_shard
                    resumed, time.monotonic() - started)
 
 
+def _window(workers: int) -> int:
+    """Units or shards in flight. prefetch_map returns results in order, so a long one at the head
+    holds back the next submissions: a window of twice the workers keeps them busy meanwhile (each
+    result is a small record: the images go to disk)."""
+    return 2 * workers + 2
+
+
 def _unit_done(record: dict, records: dict) -> None:
     """Called in the parent as each unit's record arrives."""
     records[record["unit"]] = record
@@ -626,35 +632,44 @@ def _shard_done(record: dict, files: dict) -> None:
     files.update({name: FileEntry(*entry) for name, entry in record.items()})
 
 
-def _write_shards(plan: Plan, split: str, records: dict, workers: int, progress: Progress | None) -> dict:
+def _write_shards(plan: Plan, records: dict, workers: int, progress: Progress | None) -> dict:
+    """Assemble every shard of both splits in one pass over the workers (one pass per split would
+    leave workers idle at each split's last shards), deleting each group's spool once its last
+    shard is written."""
     out = Path(plan.out)
-    count = plan.shards[split]
-    pieces: dict[int, list] = defaultdict(list)
+    pieces: dict[tuple[str, int], list] = defaultdict(list)
     for record in records.values():
-        if record["split"] != split:
-            continue
+        split = record["split"]
         for group, entries in record["spool"].items():
             spool = str(_spool_path(plan, split, int(group), record["unit"]))
             for position, shard, offset, length in entries:
-                pieces[shard].append((position, spool, offset, length))
+                pieces[split, shard].append((position, spool, offset, length))
     files: dict[str, FileEntry] = {}
     todo = []
-    for shard in range(count):
-        record = _read_json(_shard_record(plan, split, shard))
-        if record is not None and (out / plan.shard_name(split, shard)).is_file():
-            _shard_done(record, files)
-        else:
-            todo.append((split, shard, pieces[shard]))
-    total = count * 2
+    waiting: dict[tuple[str, int], int] = defaultdict(int)  # (split, group) -> shards not yet written
+    for split in SPLITS:
+        for shard in range(plan.shards[split]):
+            record = _read_json(_shard_record(plan, split, shard))
+            if record is not None and (out / plan.shard_name(split, shard)).is_file():
+                _shard_done(record, files)
+            else:
+                todo.append((split, shard, pieces[split, shard]))
+                waiting[split, shard // GROUP_SHARDS] += 1
+    total = 2 * sum(plan.shards.values())  # a shard and its DALI index each
     if progress:
-        progress(f"{split} shards", len(files), total)
-    for group in range(-(-count // GROUP_SHARDS)):
-        jobs = [job for job in todo if job[1] // GROUP_SHARDS == group]
-        for record in prefetch_map(assemble_shard, plan, iter(jobs), workers, prefetch=max(2, workers)):
-            _shard_done(record, files)
-            if progress:
-                progress(f"{split} shards", len(files), total)
-        shutil.rmtree(plan.state / "spool" / split / f"group-{group:04d}", ignore_errors=True)
+        progress("shards", len(files), total)
+    for split in SPLITS:  # groups finished before a restart
+        for group in range(-(-plan.shards[split] // GROUP_SHARDS)):
+            if not waiting[split, group]:
+                shutil.rmtree(plan.state / "spool" / split / f"group-{group:04d}", ignore_errors=True)
+    shards = prefetch_map(assemble_shard, plan, iter(todo), workers, prefetch=_window(workers))
+    for (split, shard, _), record in zip(todo, shards):  # prefetch_map keeps the order
+        _shard_done(record, files)
+        waiting[split, shard // GROUP_SHARDS] -= 1
+        if not waiting[split, shard // GROUP_SHARDS]:
+            shutil.rmtree(plan.state / "spool" / split / f"group-{shard // GROUP_SHARDS:04d}", ignore_errors=True)
+        if progress:
+            progress("shards", len(files), total)
     return files
 
 
