@@ -31,13 +31,19 @@ SUMMARY_SCHEMA_VERSION = 1
 UTILISATION_BUCKETS = 240  # points per utilisation line, whatever the run's length
 
 
-def write_report(run_dir: str | os.PathLike) -> tuple[Path, Path]:
+def write_report(run_dir: str | os.PathLike, as_of_run_end: bool = False) -> tuple[Path, Path]:
+    """report.html and summary.json of the run. With `as_of_run_end` (a submission package), an
+    ended run's summary is dated at its run_end instead of now, so that the same run always packs
+    to the same bytes."""
     run = RunDir(run_dir)
     ledger = RunLedger(run)
     ledger.refresh()
     result = score_ledger(ledger)
     monitors = read_monitors(run, ledger, result)
     summary = build_summary(ledger, result, node_descriptions(ledger, monitors.host_records), monitors.energy)
+    ended = ledger.run_end.get("time") if as_of_run_end and ledger.run_end else None
+    if isinstance(ended, (int, float)):
+        summary["generated"] = _dt.datetime.fromtimestamp(ended, _dt.timezone.utc).isoformat(timespec="seconds")
     html_path, summary_path = run.root / "report.html", run.root / "summary.json"
     write_text_atomic(summary_path, json.dumps(summary, indent=1) + "\n")
     write_text_atomic(html_path, render_page(summary, result, ledger, monitors.utilisation, monitors.power))

@@ -99,7 +99,7 @@ def refresh_derived(run_dir: Path) -> None:
 
     score_and_record(run_dir)
     try:
-        write_report(run_dir)
+        write_report(run_dir, as_of_run_end=True)
     except OSError as exc:
         print(f"aiperf: warning: report not rewritten: {exc}", file=sys.stderr)
     for name in RUN_FILES:
@@ -169,8 +169,9 @@ def pack(run_dir: str | os.PathLike, system: str | os.PathLike, conformance: Ite
                             say(f"packed {k}/{len(members)} files ({time.monotonic() - started:.0f} s)")
                     ident = submission_id(files)
                     manifest = {"kind": MANIFEST_KIND, "schema_version": MANIFEST_SCHEMA_VERSION,
-                                "submission_id": ident, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                                "aiperf": _aiperf_version(), "withheld": sorted(WITHHELD), "files": files}
+                                # No packing time: the same files must pack to the same bytes.
+                                "submission_id": ident, "aiperf": _aiperf_version(), "withheld": sorted(WITHHELD),
+                                "files": files}
                     _add(tar, MANIFEST, (json.dumps(manifest, indent=1, sort_keys=True) + "\n").encode())
             raw.flush()
             os.fsync(raw.fileno())
