@@ -1,11 +1,16 @@
 """Shared helpers for benchmark scripts: timing, one JSON line per figure, and the paired
-lowered-against-hand-written comparison of every *_throughput.py."""
+lowered-against-hand-written comparison of every *_throughput.py, and the folder a benchmark writes in."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 
@@ -94,3 +99,19 @@ def compare_training_throughput(framework: str, batch: int, lowered_step: Callab
     report(f"{framework} lowered / hand-written ({best})", statistics.median(ratios), "ratio", 0.97,
            lower_is_better=False)
     return lowered_rate
+
+
+@contextlib.contextmanager
+def benchmark_folder(keep: Path | None, prefix: str, parent: Path | None = None):
+    """The folder a benchmark writes its runs in: `keep` (left in place), else a new temporary one,
+    removed at the end. The load average is printed at the start and at a normal end: the machine is
+    shared, and a figure means little without it."""
+    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
+    work = keep or Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        yield work
+        print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    finally:
+        if keep is None:
+            shutil.rmtree(work, ignore_errors=True)

@@ -34,7 +34,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -43,7 +42,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _common import report  # noqa: E402
+from _common import benchmark_folder, report  # noqa: E402
 from aiperf_core.rundir import RunDir, sha256_bytes  # noqa: E402
 from aiperf_core.workflow.simulation import (ReplicaModel, expected_ops, resnet50_family, simulate,  # noqa: E402
                                              write_graph_pool, write_weights_stand_in)
@@ -202,11 +201,8 @@ def main() -> None:
     parser.add_argument("--source", choices=("simulation", "synthetic"), default="simulation")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories under this folder")
     args = parser.parse_args()
-    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     # On disk, not /dev/shm: 4096 12-hour monitor logs are about 8 GiB.
-    work = args.keep or Path(tempfile.mkdtemp(prefix="aiperf-scrape-"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
+    with benchmark_folder(args.keep, "aiperf-scrape-") as work:
         pool = write_graph_pool(resnet50_family(POOL_SIZE), work / "pool")
         weights = work / "pool" / "weights.npz"
         weights_sha256 = write_weights_stand_in(weights)
@@ -227,10 +223,6 @@ def main() -> None:
             measure(run_dir.root, replicas, model, start + budget, replicas >= GOAL_REPLICAS)
             if args.keep is None:
                 shutil.rmtree(run_dir.root)
-        print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    finally:
-        if args.keep is None:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

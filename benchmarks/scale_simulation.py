@@ -29,7 +29,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +36,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _common import report  # noqa: E402
+from _common import benchmark_folder, report  # noqa: E402
 from aiperf_core.atomic import write_text_atomic  # noqa: E402
 from aiperf_core.rundir import replica_cadence  # noqa: E402
 from aiperf_core.search.history import SharedHistory  # noqa: E402
@@ -175,11 +174,8 @@ def main() -> None:
     parser.add_argument("--metadata-hours", type=float, default=None,
                         help="virtual hours of the counted run (default: --hours)")
     args = parser.parse_args()
-    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
     shm = Path("/dev/shm")
-    work = args.keep or Path(tempfile.mkdtemp(prefix="aiperf-scale-", dir=shm if shm.is_dir() else None))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
+    with benchmark_folder(args.keep, "aiperf-scale-", shm if shm.is_dir() else None) as work:
         t = time.perf_counter()
         pool = write_graph_pool(resnet50_family(POOL_SIZE), work / "pool")
         weights = work / "pool" / "weights.npz"
@@ -270,10 +266,6 @@ def main() -> None:
             args.svg.parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(args.svg, weak_scaling_svg(points))
             print(f"wrote {args.svg}")
-        print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    finally:
-        if args.keep is None:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

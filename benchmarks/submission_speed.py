@@ -14,11 +14,8 @@ node of 8 such devices. The 50 ordinary submissions are 4-replica, 12-hour simul
 
 import argparse
 import json
-import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,7 +23,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from _common import report  # noqa: E402
+from _common import benchmark_folder, report  # noqa: E402
 from aiperf_core.inventory import host_cpu  # noqa: E402
 from aiperf_core.submission.system import to_toml, validate_system  # noqa: E402
 from aiperf_core.workflow.simulation import (ReplicaModel, expected_ops, resnet50_family, simulate,  # noqa: E402
@@ -93,10 +90,7 @@ def main() -> None:
     parser.add_argument("--ordinary", type=int, default=50, help="submissions ranked together")
     parser.add_argument("--keep", type=Path, default=None, help="keep the run directories and packages here")
     args = parser.parse_args()
-    print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
-    work = args.keep or Path(tempfile.mkdtemp(prefix="aiperf-submission-"))
-    work.mkdir(parents=True, exist_ok=True)
-    try:
+    with benchmark_folder(args.keep, "aiperf-submission-") as work:
         pool = write_graph_pool(resnet50_family(8), work / "pool")
         weights = work / "pool" / "weights.npz"
         write_weights_stand_in(weights)
@@ -136,10 +130,6 @@ def main() -> None:
         ranking = json.loads(result.stdout)
         print(f"ranked {len(ranking['entries'])}, rejected {len(ranking['rejected'])}")
         report(f"rank {len(packages)} ordinary submissions", seconds, "s", goal=30.0)
-        print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    finally:
-        if args.keep is None:
-            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
