@@ -87,6 +87,12 @@ class RunDir:
         return self.primary_dir / "history.jsonl"
 
     @property
+    def progress_checkpoint(self) -> Path:
+        """Where the primary leaves its live ledger's totals and log positions, for monitoring only:
+        a new `aiperf metrics` or `aiperf watch` starts from it (scoring.progress; never the score)."""
+        return self.primary_dir / "progress.json"
+
+    @property
     def executor_dir(self) -> Path:
         """The executor's own job files (submitit pickles): created 0700, never read by a replica."""
         return self.root / "executor"
@@ -255,6 +261,29 @@ class LogTail:
         self.damaged_line: int | None = None  # a complete line that is not a JSON object
         self.exists = False  # whether the log existed at the last read
         self._file_id: tuple[int, int] | None = None  # (device, inode) of what was read
+        # The inode a tail made by from_state read on another machine, where st_dev may differ
+        # (each NFS or Lustre client numbers its mounts) but the inode is the file's own.
+        self._inode: int | None = None
+
+    def state(self) -> dict[str, Any]:
+        """Where this tail stands, as JSON-ready values (from_state continues from there)."""
+        return {"offset": self.offset, "lines": self.lines, "damaged_line": self.damaged_line,
+                "exists": self.exists,
+                "inode": self._file_id[1] if self._file_id is not None else self._inode}
+
+    @classmethod
+    def from_state(cls, path: Path, name: str, state: dict[str, Any]) -> "LogTail":
+        """A tail at `state`'s position. A log replaced since (another file, or shorter) raises
+        LogRewritten at the first read, as it would for a tail that read it."""
+        tail = cls(path, name)
+        tail.offset, tail.lines = int(state["offset"]), int(state["lines"])
+        if tail.offset < 0 or tail.lines < 0:
+            raise ValueError(f"{name}: a negative position")
+        damaged = state["damaged_line"]
+        tail.damaged_line = None if damaged is None else int(damaged)
+        tail.exists = bool(state["exists"])
+        tail._inode = None if state["inode"] is None else int(state["inode"])
+        return tail
 
     def read(self) -> Iterator[tuple[int, dict[str, Any]]]:
         """(1-based line number, event) for every complete line appended since the last call."""
@@ -307,7 +336,9 @@ class LogTail:
             self.exists = True
             status = os.fstat(fd)
             size, file_id = status.st_size, (status.st_dev, status.st_ino)
-            if size < self.offset or (self._file_id is not None and self.offset and file_id != self._file_id):
+            if size < self.offset or (self.offset and (
+                    (self._file_id is not None and file_id != self._file_id)
+                    or (self._inode is not None and status.st_ino != self._inode))):
                 raise LogRewritten(str(self.path))
             self._file_id = file_id
             chunks, position = [], self.offset

@@ -10,17 +10,21 @@ run directories are on disk, not in /dev/shm. The run lies in the past (it ended
 
 Figures, per replica count, over HTTP against a fresh `aiperf metrics RUN_DIR --port` process (so
 no graph is counted before the first scrape, as on a login node):
-  - first scrape: seconds and bytes (OpenMetrics, as Prometheus asks for it);
+  - first scrape: seconds and bytes (OpenMetrics, as Prometheus asks for it), starting from the
+    checkpoint the primary leaves (primary/progress.json, written here as the primary writes it at
+    its end), and again without it (every log read: a run whose primary never wrote one);
   - later scrape, after one more monitor sample per replica (30 s of a run): seconds and bytes;
   - the cold history read it is held to: a new SharedHistory reading the same run, in a fresh
-    process (benchmarks/scale_simulation.py's "cold read by a replica").
+    process (benchmarks/scale_simulation.py's "cold read by a replica");
+  - the primary's cost of one checkpoint write (it writes one a minute), and the file's size.
 Goals, at 4096 replicas: a later scrape <= 0.5 s; a first scrape <= the cold
 history read.
 
 --source synthetic writes the run directory directly instead of simulating it, with the
 simulation's 12-hour shape (12 trials of 10 epochs per replica: the 4096-replica simulation has
 49,152 trials and 471,040 epochs), through benchmarks/score_speed.py's writer, plus a replica_stop
-per replica and the primary's launches and run_end. It takes a minute where the simulation of 4096
+per replica, the primary's launches and run_end, and the history the primary publishes
+(primary/history.jsonl, which the cold history read reads). It takes a minute or two where the simulation of 4096
 replicas takes about 3 minutes on an idle machine and far longer on a loaded one.
 
     python benchmarks/metrics_scrape.py [--replicas 16 256 4096] [--hours 12] [--source simulation|synthetic]
@@ -44,6 +48,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from _common import benchmark_folder, report  # noqa: E402
 from aiperf_core.rundir import RunDir, sha256_bytes  # noqa: E402
+from aiperf_core.search.history import HistoryPublisher  # noqa: E402
 from aiperf_core.workflow.simulation import (ReplicaModel, expected_ops, resnet50_family, simulate,  # noqa: E402
                                              write_graph_pool, write_weights_stand_in)
 from scale_simulation import EPOCH_S, POOL_SIZE, WEAK_SCALING_POLL_S  # noqa: E402
@@ -62,6 +67,18 @@ from aiperf_core.search.history import SharedHistory
 history = SharedHistory(RunDir(sys.argv[1]))
 start = time.perf_counter()
 history.refresh()
+print(time.perf_counter() - start)
+"""
+
+
+# The primary's checkpoint (aiperf_core.scoring.progress.write_checkpoint): its live ledger has
+# followed the run, so the first write (reading every log) is not its cost; the second is.
+PRIMARY_CHECKPOINT = """
+import sys, time
+from aiperf_core.scoring.progress import write_checkpoint
+write_checkpoint(sys.argv[1])
+start = time.perf_counter()
+write_checkpoint(sys.argv[1])
 print(time.perf_counter() - start)
 """
 
@@ -134,6 +151,11 @@ def synthetic_run(root: Path, replicas: int, start: float, budget: float, pool_g
         else:
             writer.append("replica_stop", time=start + budget, replica=int(path.parent.name), reason="deadline")
         writer.close()
+    # The history the primary publishes as trials end (primary/history.jsonl), all at once here.
+    publisher = HistoryPublisher(run_dir, replicas)
+    publisher.open(start + budget)
+    publisher.publish_all(start + budget)
+    publisher.close()
     return run_dir
 
 
@@ -165,8 +187,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(root: Path, replicas: int, model: ReplicaModel, run_end: float, largest: bool) -> None:
-    run_dir = RunDir(root)
+def serve_and_scrape(root: Path, scrapes) -> list[tuple[float, int]]:
+    """Start a fresh `aiperf metrics RUN_DIR` process (as on a login node: nothing read before its
+    first scrape), then for each callable in `scrapes`: call it, scrape; (seconds, bytes) each."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "aiperf_core", "metrics", str(root), "--port", str(port)],
                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=HERE.parent,
@@ -174,24 +197,48 @@ def measure(root: Path, replicas: int, model: ReplicaModel, run_end: float, larg
     try:
         server.stdout.readline()  # "serving ...": the port is bound
         url = f"http://127.0.0.1:{port}/metrics"
-        first_s, first_bytes = scrape(url)
-        samples = int((run_end - RunDir(root).read_run()["start_time"]) // MONITOR_INTERVAL_S)
-        append_monitor_samples(run_dir, run_end, samples, model.devices)
-        later_s, later_bytes = scrape(url)
-        quiet_s, _ = scrape(url)
+        results = []
+        for before in scrapes:
+            before()
+            results.append(scrape(url))
+        return results
     finally:
         server.terminate()  # SIGTERM: a background job may ignore SIGINT
         server.wait(timeout=60)
-    cold = float(subprocess.run([sys.executable, "-c", COLD_HISTORY, str(root)], check=True, capture_output=True,
-                                text=True, cwd=HERE.parent, env={**os.environ, "PYTHONPATH": str(HERE.parent)}
-                                ).stdout.strip().splitlines()[-1])
-    report(f"{replicas} replicas: first scrape", first_s, "s", goal=cold if largest else None)
+
+
+def in_fresh_process(code: str, root: Path) -> list[str]:
+    return subprocess.run([sys.executable, "-c", code, str(root)], check=True, capture_output=True, text=True,
+                          cwd=HERE.parent, env={**os.environ, "PYTHONPATH": str(HERE.parent)}
+                          ).stdout.strip().splitlines()
+
+
+def measure(root: Path, replicas: int, model: ReplicaModel, run_end: float, largest: bool) -> None:
+    run_dir = RunDir(root)
+    checkpoint_s = float(in_fresh_process(PRIMARY_CHECKPOINT, root)[-1])
+    checkpoint_bytes = run_dir.progress_checkpoint.stat().st_size
+    samples = int((run_end - run_dir.read_run()["start_time"]) // MONITOR_INTERVAL_S)
+    nothing = lambda: None  # noqa: E731
+    (first_s, first_bytes), (later_s, later_bytes), (quiet_s, _) = serve_and_scrape(
+        root, [nothing, lambda: append_monitor_samples(run_dir, run_end, samples, model.devices), nothing])
+    away = run_dir.progress_checkpoint.with_name("progress.json.away")
+    run_dir.progress_checkpoint.rename(away)
+    try:
+        [(logs_s, _)] = serve_and_scrape(root, [nothing])
+    finally:
+        away.rename(run_dir.progress_checkpoint)
+    cold = float(in_fresh_process(COLD_HISTORY, root)[-1])
+    report(f"{replicas} replicas: first scrape (from primary/progress.json)", first_s, "s",
+           goal=cold if largest else None)
     report(f"{replicas} replicas: first scrape size", first_bytes / 2**10, "KiB")
+    report(f"{replicas} replicas: first scrape without primary/progress.json (every log read)", logs_s, "s")
     report(f"{replicas} replicas: later scrape (+1 monitor sample each)", later_s, "s",
            goal=0.5 if largest else None)
     report(f"{replicas} replicas: later scrape, nothing new", quiet_s, "s")
     report(f"{replicas} replicas: later scrape size", later_bytes / 2**10, "KiB")
     report(f"{replicas} replicas: cold history read (fresh process)", cold, "s")
+    report(f"{replicas} replicas: the primary's checkpoint write (each minute)", checkpoint_s, "s")
+    report(f"{replicas} replicas: primary/progress.json size", checkpoint_bytes / 2**20, "MiB")
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from aiperf_core.cli import main
 from aiperf_core.rundir import RunDir, read_events
+from aiperf_core.scoring import progress, score_run
 from aiperf_core.workflow.plan import CONFIG_KEYS, config_sha256
 from test_workflow import TINY_POLICY
 
@@ -93,6 +94,18 @@ def test_a_local_run_to_its_deadline_then_resume_rules(tmp_path, config, capsys)
     assert replica[0]["event"] == "replica_start"
     assert (run_dir / "score.json").exists() and json.loads((run_dir / "score.json").read_text())["epochs_counted"] >= 0
     assert (run_dir / "summary.json").exists() and (run_dir / "report.html").exists()
+
+    # The primary left its live ledger's checkpoint at its end: a new reader (aiperf metrics or
+    # watch on a login node) starts from it and shows the score's figures.
+    checkpoint = json.loads((run_dir / "primary/progress.json").read_text())
+    assert checkpoint["run_id"] == run["run_id"] and set(checkpoint["ledger"]["tails"]) == {"0"}
+    progress.forget(run_dir)
+    with progress.live_ledger(run_dir) as (shown, _):
+        assert progress._LIVE[run_dir.resolve()].from_checkpoint
+    progress.forget(run_dir)
+    scored = score_run(run_dir)
+    assert (shown.ops_per_s, shown.epochs_counted, shown.operations) == (scored.score_ops, scored.epochs_counted,
+                                                                          scored.total_ops)
 
     # A different fixed configuration is refused, naming what differs; nothing is written.
     size = (run_dir / "primary/events.jsonl").stat().st_size

@@ -206,9 +206,10 @@ def _executor(kind, root, run, watch, environments):
 
 def _run_primary(run_dir, run, executor, watch, resume: bool, metrics=None) -> int:
     from aiperf_core.workflow.primary import Primary
-    from aiperf_core.workflow.progress import LiveDisplay
+    from aiperf_core.workflow.progress import CheckpointWriter, LiveDisplay
 
     display = LiveDisplay(run_dir.root)
+    checkpoints = CheckpointWriter(run_dir.root, display.note)
     verb = "resuming" if resume else "starting"
     display.note(f"{verb} run {run['run_id']} in {run_dir.root}: backend {run['backend']}, executor "
                  f"{run['executor']}, {run['replicas']} replica(s) x {run['devices_per_replica']} device(s), "
@@ -217,9 +218,14 @@ def _run_primary(run_dir, run, executor, watch, resume: bool, metrics=None) -> i
     if metrics is not None:
         metrics.collector.attach(run_dir.root)
         display.note(f"serving metrics on {metrics.url}")
-    primary = Primary(run_dir, run, executor, watch, resume=resume, notify=display.note, tick=display.tick)
+    def tick(now: float) -> None:
+        display.tick(now)
+        checkpoints.tick(now)
+
+    primary = Primary(run_dir, run, executor, watch, resume=resume, notify=display.note, tick=tick)
     try:
         reason = primary.run_to_end()
+        checkpoints.write()
     finally:
         display.close()
     if reason == "interrupted":

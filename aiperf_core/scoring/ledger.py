@@ -168,6 +168,23 @@ class Trial:
         self.problem: str | None = None  # why per_image is None
         self.compile_seconds: float | None = None  # summed epoch_end.compile_seconds; None: none measured
 
+    def state(self) -> list:
+        """Every field, in __slots__ order (RunLedger.state)."""
+        return [getattr(self, name) for name in self.__slots__]
+
+    @classmethod
+    def from_state(cls, values: list) -> "Trial":
+        """The trial `state()` gave (ValueError if it does not hold together). One assignment of
+        every field: a checkpoint of a 4096-replica run holds about 50,000 trials."""
+        trial = cls.__new__(cls)
+        (trial.id, trial.replica, trial.round, trial.parent, trial.graph_sha256, trial.precision, trial.started,
+         trial.ended, trial.status, trial.reason, trial.epochs, trial.last_epoch, trial.last_epoch_time,
+         trial.best_accuracy, per_image, trial.problem, trial.compile_seconds) = values
+        if type(trial.id) is not str or type(trial.replica) is not int or type(trial.epochs) is not int:
+            raise ValueError(f"trial {trial.id!r} of replica {trial.replica!r}")
+        trial.per_image = None if per_image is None else (int(per_image[0]), int(per_image[1]))
+        return trial
+
     def to_dict(self) -> dict[str, Any]:
         return {"trial": self.id, "replica": self.replica, "round": self.round, "parent": self.parent,
                 "started": self.started, "ended": self.ended, "status": self.status, "epochs": self.epochs,
@@ -190,6 +207,23 @@ class ReplicaState:
         self.last_time: float | None = None
         self.step_seconds = 0.0  # summed epoch_end.step_seconds: time in train and eval steps
         self.compile_seconds: float | None = None  # summed epoch_end.compile_seconds; None: none measured
+
+    def state(self) -> dict[str, Any]:
+        return {"starts": self.starts, "stop": self.stop, "trials_done": self.trials_done,
+                "running": None if self.running is None else self.running.id, "last_time": self.last_time,
+                "step_seconds": self.step_seconds, "compile_seconds": self.compile_seconds}
+
+    @classmethod
+    def from_state(cls, replica: int, state: dict[str, Any], trials: dict[str, "Trial"]) -> "ReplicaState":
+        restored = cls(replica)
+        restored.starts = list(state["starts"])
+        restored.stop = state["stop"]
+        restored.trials_done = int(state["trials_done"])
+        restored.running = None if state["running"] is None else trials[state["running"]]
+        restored.last_time = state["last_time"]
+        restored.step_seconds = float(state["step_seconds"])
+        restored.compile_seconds = state["compile_seconds"]
+        return restored
 
     def busy_fraction(self) -> float | None:
         """Time in train and eval steps over the replica's life, from its first replica_start to
@@ -256,6 +290,35 @@ class RunLedger:
                 self._replica_event(state, event, tail.name, line)
         self._resolve_new_trials()
         return grew
+
+    def state(self) -> dict[str, Any]:
+        """What this ledger has read of the replicas' logs, with each log's position, as JSON-ready
+        values: `from_state` continues from there without reading those bytes again. The epochs
+        read so far are left out (a live reader keeps only their totals: progress._LiveRun), and so
+        is the primary log (small: read again whole). Call it between refreshes."""
+        return {"trials": [trial.state() for trial in self.trials.values()],
+                "replicas": {str(r): state.state() for r, state in self.replicas.items()},
+                "tails": {str(r): tail.state() for r, tail in self._tails.items() if r is not None},
+                "problems": self.problems,
+                "resolved": {sha: list(value) for sha, value in self._resolved.items()},
+                "waiting": {sha: [trial.id for trial in trials] for sha, trials in self._waiting.items()}}
+
+    @classmethod
+    def from_state(cls, run_dir: str | os.PathLike | RunDir, state: dict[str, Any]) -> "RunLedger":
+        """A ledger positioned where `state()` left one (its `epochs` start empty). ValueError,
+        KeyError or TypeError on a state that does not hold together."""
+        ledger = cls(run_dir)
+        ledger.trials = {trial.id: trial for trial in map(Trial.from_state, state["trials"])}
+        for key, tail_state in state["tails"].items():
+            replica = int(key)
+            ledger._tails[replica] = LogTail.from_state(ledger.run_dir.replica_log(replica),
+                                                        f"replicas/{replica}/events.jsonl", tail_state)
+            ledger.replicas[replica] = ReplicaState.from_state(replica, state["replicas"][key], ledger.trials)
+        ledger.problems = [str(problem) for problem in state["problems"]]
+        ledger._resolved = {str(sha): (int(fp), int(bp)) for sha, (fp, bp) in state["resolved"].items()}
+        # Not into _PER_IMAGE: that cache serves scoring, and holds only what this process counted.
+        ledger._waiting = {str(sha): [ledger.trials[i] for i in ids] for sha, ids in state["waiting"].items()}
+        return ledger
 
     def _read_primary(self) -> bool:
         tail = self._tails.get(None)

@@ -4,10 +4,18 @@
 the bytes the logs gained, and adds only the new epochs' operations to a running total, so its
 cost follows what happened since the last call, not the size of the run. Figures are the same
 definitions as the score (aiperf_core.scoring.score); `score_run` remains the authority.
+
+The primary writes its ledger's state and totals to primary/progress.json every minute and at its
+end (`write_checkpoint`). A process that starts following a run (`aiperf metrics` or `aiperf
+watch` on a login node, a primary that resumes) starts from that file and reads only what the logs
+gained since, instead of every log whole (seconds at 4096 replicas). The file serves monitoring
+only: scoring never reads it. One that is missing, unreadable, of another run or another format,
+or that does not hold together is ignored, and the logs are read whole.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -17,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from aiperf_core.atomic import write_bytes_atomic
+from aiperf_core.rundir import RunDir
 from aiperf_core.scoring.ledger import RunLedger
 from aiperf_core.scoring.score import epoch_ops, regulated, scored_error
 
@@ -57,11 +67,19 @@ class Progress:
         return min(max(self.elapsed_s / self.budget_s, 0.0), 1.0) if self.budget_s > 0 else 1.0
 
 
+CHECKPOINT_FORMAT = "aiperf-progress-checkpoint"
+CHECKPOINT_VERSION = 1
+CHECKPOINT_INTERVAL_S = 60.0  # how often the primary writes it
+
+
 class _LiveRun:
     """A run's ledger plus the running totals over the epochs it has already added up."""
 
-    def __init__(self, run_dir: Path):
-        self.ledger = RunLedger(run_dir)
+    def __init__(self, run_dir: Path, ledger: RunLedger | None = None):
+        self.run_dir = run_dir
+        self.ledger = RunLedger(run_dir) if ledger is None else ledger
+        # A ledger from a checkpoint holds none of the epochs before it: only the totals do.
+        self.from_checkpoint = ledger is not None
         self._restart()
 
     def _restart(self) -> None:
@@ -71,14 +89,21 @@ class _LiveRun:
         self.best_error: float | None = None
         self.best_accuracy: float | None = None
         self.pending: list[tuple[float, int, float | None, float | None]] = []  # finished after `now`
-        self.now = -math.inf
+        self.latest_counted = -math.inf  # the time of the latest epoch in the totals
 
     def update(self, now: float) -> None:
         generation = self.ledger.generation
         self.ledger.refresh()
-        if self.ledger.generation != generation or now < self.now:
-            self._restart()  # a log was replaced, or the clock went back: add up again
-        self.now = now
+        if self.ledger.generation != generation:  # a log was replaced: the ledger read every log again
+            self.from_checkpoint = False
+            self._restart()
+        elif now < self.latest_counted:  # the clock went back past epochs in the totals: add up again
+            if self.from_checkpoint:  # from the logs: the epochs before the checkpoint are not at hand
+                fresh = RunLedger(self.run_dir)
+                fresh.generation = generation + 1  # holders of derived state see a new ledger
+                self.ledger, self.from_checkpoint = fresh, False
+                self.ledger.refresh()
+            self._restart()
         deadline = self.ledger.info.deadline
         for time, trial, train_images, val_images, accuracy in self.ledger.epochs[self.epochs_seen:]:
             # An epoch of a trial whose graph has not resolved is left out here; score_run counts it
@@ -96,9 +121,44 @@ class _LiveRun:
                 continue
             self.ops_done += ops
             self.epochs_done += 1
+            self.latest_counted = max(self.latest_counted, time)
             if error is not None and (self.best_error is None or error < self.best_error):
                 self.best_error, self.best_accuracy = error, accuracy
         self.pending = still_pending
+
+    def checkpoint(self) -> dict:
+        """The ledger's state and these totals, after an update (every epoch read is in them)."""
+        info = self.ledger.info
+        return {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "run_id": info.run.get("run_id"),
+                "start_time": info.start_time, "written": _time.time(), "ledger": self.ledger.state(),
+                "totals": {"ops_done": self.ops_done, "epochs_done": self.epochs_done,
+                           "best_error": self.best_error, "best_accuracy": self.best_accuracy,
+                           "pending": self.pending,
+                           "latest_counted": None if self.latest_counted == -math.inf else self.latest_counted}}
+
+    @classmethod
+    def from_checkpoint_file(cls, run_dir: Path) -> "_LiveRun | None":
+        """The live run the checkpoint describes, or None where there is none to trust for it."""
+        try:
+            state = json.loads(RunDir(run_dir).progress_checkpoint.read_bytes())
+        except (OSError, ValueError):
+            return None
+        try:
+            if (state["format"], state["version"]) != (CHECKPOINT_FORMAT, CHECKPOINT_VERSION):
+                return None
+            ledger = RunLedger.from_state(run_dir, state["ledger"])
+            if (state["run_id"], state["start_time"]) != (ledger.info.run.get("run_id"), ledger.info.start_time):
+                return None
+            live = cls(run_dir, ledger)
+            totals = state["totals"]
+            live.ops_done, live.epochs_done = int(totals["ops_done"]), int(totals["epochs_done"])
+            live.best_error, live.best_accuracy = totals["best_error"], totals["best_accuracy"]
+            live.pending = [(float(t), int(ops), error, accuracy) for t, ops, error, accuracy in totals["pending"]]
+            latest = totals["latest_counted"]
+            live.latest_counted = -math.inf if latest is None else float(latest)
+            return live
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
 
 
 _LIVE: dict[Path, _LiveRun] = {}
@@ -121,7 +181,7 @@ def live_ledger(run_dir: str | os.PathLike, now: float | None = None) -> Iterato
     with _LOCK:
         live = _LIVE.get(key)
         if live is None:
-            live = _LIVE[key] = _LiveRun(key)
+            live = _LIVE[key] = _LiveRun.from_checkpoint_file(key) or _LiveRun(key)
         live.update(now)
         yield _progress(live, now), live.ledger
 
@@ -151,6 +211,13 @@ def _progress(live: _LiveRun, now: float) -> Progress:
         ops_per_s=ops_per_s, regulated_ops=regulated(ops_per_s, live.best_error),
         best_accuracy=live.best_accuracy, best_error=live.best_error, replicas=tuple(replicas),
         operations=live.ops_done)
+
+
+def write_checkpoint(run_dir: str | os.PathLike, now: float | None = None) -> None:
+    """Bring the run's live ledger up to date and write primary/progress.json from it, atomically."""
+    with live_ledger(run_dir, now):
+        data = json.dumps(_LIVE[Path(run_dir).resolve()].checkpoint(), separators=(",", ":")).encode()
+    write_bytes_atomic(RunDir(run_dir).progress_checkpoint, data)
 
 
 def forget(run_dir: str | os.PathLike) -> None:

@@ -229,3 +229,34 @@ class LiveDisplay:
         if self.interactive and self._drawn:
             self.stream.write(f"\x1b[{self._drawn}F\x1b[J")  # up to the block's first line, clear below
             self._drawn = 0
+
+
+class CheckpointWriter:
+    """The primary's side of primary/progress.json (aiperf_core.scoring.progress.write_checkpoint):
+    written every CHECKPOINT_INTERVAL_S from the live display's ledger, and once at the end, so that
+    a later `aiperf metrics` or `aiperf watch` starts from it instead of reading every log. A failed
+    write is said once and never stops the run: the file only saves readers time."""
+
+    def __init__(self, run_dir, notify=None):
+        self.run_dir = run_dir
+        self.notify = notify or (lambda text: None)
+        self._last = time.monotonic()  # the first one a full interval in: a new run has little to save
+        self._failed = False
+
+    def tick(self, now: float) -> None:
+        from aiperf_core.scoring.progress import CHECKPOINT_INTERVAL_S
+
+        if time.monotonic() - self._last >= CHECKPOINT_INTERVAL_S:
+            self.write(now)
+
+    def write(self, now: float | None = None) -> None:
+        from aiperf_core.scoring.progress import write_checkpoint
+
+        self._last = time.monotonic()
+        try:
+            write_checkpoint(self.run_dir, now)
+        except Exception as exc:  # noqa: BLE001 - monitoring's file must never stop the run
+            if not self._failed:
+                self._failed = True
+                self.notify(f"primary/progress.json not written ({type(exc).__name__}: {exc}); monitoring "
+                            "reads the logs whole instead")
