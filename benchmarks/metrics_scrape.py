@@ -16,7 +16,7 @@ no graph is counted before the first scrape, as on a login node):
   - later scrape, after one more monitor sample per replica (30 s of a run): seconds and bytes;
   - the cold history read it is held to: a new SharedHistory reading the same run, in a fresh
     process (benchmarks/scale_simulation.py's "cold read by a replica");
-  - the primary's cost of one checkpoint write (it writes one a minute), and the file's size.
+  - the primary's cost of one checkpoint write (it writes one every five minutes), and the file's size.
 Goals, at 4096 replicas: a later scrape <= 0.5 s; a first scrape <= the cold
 history read.
 
@@ -237,7 +237,7 @@ def measure(root: Path, replicas: int, model: ReplicaModel, run_end: float, larg
     report(f"{replicas} replicas: later scrape, nothing new", quiet_s, "s")
     report(f"{replicas} replicas: later scrape size", later_bytes / 2**10, "KiB")
     report(f"{replicas} replicas: cold history read (fresh process)", cold, "s")
-    report(f"{replicas} replicas: the primary's checkpoint write (each minute)", checkpoint_s, "s")
+    report(f"{replicas} replicas: the primary's checkpoint write (one every 5 minutes)", checkpoint_s, "s")
     report(f"{replicas} replicas: primary/progress.json size", checkpoint_bytes / 2**20, "MiB")
 
 

@@ -5,7 +5,7 @@ the bytes the logs gained, and adds only the new epochs' operations to a running
 cost follows what happened since the last call, not the size of the run. Figures are the same
 definitions as the score (aiperf_core.scoring.score); `score_run` remains the authority.
 
-The primary writes its ledger's state and totals to primary/progress.json every minute and at its
+The primary writes its ledger's state and totals to primary/progress.json every five minutes and at its
 end (`write_checkpoint`). A process that starts following a run (`aiperf metrics` or `aiperf
 watch` on a login node, a primary that resumes) starts from that file and reads only what the logs
 gained since, instead of every log whole (seconds at 4096 replicas). The file serves monitoring
@@ -69,7 +69,7 @@ class Progress:
 
 CHECKPOINT_FORMAT = "aiperf-progress-checkpoint"
 CHECKPOINT_VERSION = 1
-CHECKPOINT_INTERVAL_S = 60.0  # how often the primary writes it
+CHECKPOINT_INTERVAL_S = 300.0  # how often the primary writes it: a reader then reads at most 5 minutes of logs
 
 
 class _LiveRun:
