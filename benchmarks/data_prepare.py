@@ -148,8 +148,10 @@ def main() -> None:
     p.add_argument("--per-class", type=int, default=500)
     p.add_argument("--val", type=int, default=1000)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where the archives and outputs go (default: the system's temp "
+                   "folder; /dev/shm takes the disk out of the figures)")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="aiperf-prepare-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="aiperf-prepare-bench-", dir=args.dir) as tmp:
         src = Path(tmp) / "src"
         src.mkdir()
         mean = make_archives(src, args.classes, args.per_class, args.val)

@@ -430,3 +430,12 @@ def test_every_series_is_documented():
     doc = DOC.read_text()
     for name in SERIES:
         assert f"`{name}`" in doc, name
+
+
+def test_a_monitor_lines_time_is_read_from_its_head_or_else_from_the_whole_line():
+    assert MonitorTail._line_time(b'{"kind": "sample", "time": 1764100000.125, "cpu_percent": 3}') == 1764100000.125
+    assert MonitorTail._line_time(b'{"kind": "host", "time": 1.5e9}') == 1.5e9
+    assert MonitorTail._line_time(b'{"time": 12, "kind": "sample"}') == 12.0  # another writer's key order
+    assert MonitorTail._line_time(b'{"kind": "sample", "time": true}') is None
+    assert MonitorTail._line_time(b'{"kind": "sample", "time": 3') is None  # torn
+    assert MonitorTail._line_time(b"not json") is None
