@@ -5,12 +5,13 @@ the bytes the logs gained, and adds only the new epochs' operations to a running
 cost follows what happened since the last call, not the size of the run. Figures are the same
 definitions as the score (aiperf_core.scoring.score); `score_run` remains the authority.
 
-The primary writes its ledger's state and totals to primary/progress.json every five minutes and at its
-end (`write_checkpoint`). A process that starts following a run (`aiperf metrics` or `aiperf
-watch` on a login node, a primary that resumes) starts from that file and reads only what the logs
-gained since, instead of every log whole (seconds at 4096 replicas). The file serves monitoring
-only: scoring never reads it. One that is missing, unreadable, of another run or another format,
-or that does not hold together is ignored, and the logs are read whole.
+The primary writes its ledger's state and totals to primary/progress.json every five minutes and
+at its end (`write_checkpoint`). A process that starts following a run (`aiperf metrics` or
+`aiperf watch` on a login node, a primary that resumes) starts from that file and reads only what
+the logs gained since, instead of every log whole (seconds at 4096 replicas). The file serves
+monitoring only: scoring never reads it. One that is missing, unreadable, of another run or
+another format, or that does not hold together is ignored, and the logs are read whole
+(docs/run-directory.md, "The progress checkpoint").
 """
 
 from __future__ import annotations
