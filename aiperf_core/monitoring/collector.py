@@ -185,20 +185,29 @@ class MonitorTail:
         return None
 
     def _first_at_or_after(self, f, size: int, since: float) -> int:
-        """An offset at or after the end of the lines written before `since` (bisection on time)."""
-        lo, hi = 0, size
+        """An offset at or after the end of the lines written before `since`: galloping from the
+        log's start (a replica that started once started within its first lines: one or two
+        probes), then bisection on time."""
+        lo, hi = 0, self.PROBE_BYTES
+        while hi < size and self._time_at(f, hi, since):
+            lo, hi = hi, hi * 2
+        hi = min(hi, size)
         while hi - lo > self.PROBE_BYTES:
             mid = (lo + hi) // 2
-            f.seek(mid)
-            data = f.read(self.PROBE_BYTES)
-            first = data.find(b"\n") + 1
-            second = data.find(b"\n", first)
-            when = self._line_time(data[first:second]) if first and second > 0 else None
-            if when is not None and when < since:
+            if self._time_at(f, mid, since):
                 lo = mid
             else:
                 hi = mid
         return min(hi + self.PROBE_BYTES, size)
+
+    def _time_at(self, f, offset: int, since: float) -> bool:
+        """Whether the first whole line after `offset` was written before `since`."""
+        f.seek(offset)
+        data = f.read(self.PROBE_BYTES)
+        first = data.find(b"\n") + 1
+        second = data.find(b"\n", first)
+        when = self._line_time(data[first:second]) if first and second > 0 else None
+        return when is not None and when < since
 
     @classmethod
     def _line_time(cls, line: bytes) -> float | None:

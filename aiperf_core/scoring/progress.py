@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Iterator
 
 from aiperf_core.atomic import write_bytes_atomic
+from aiperf_core.gcpause import gc_paused
 from aiperf_core.rundir import RunDir
 from aiperf_core.scoring.ledger import RunLedger
 from aiperf_core.scoring.score import epoch_ops, regulated, scored_error
@@ -140,6 +141,13 @@ class _LiveRun:
     @classmethod
     def from_checkpoint_file(cls, run_dir: Path) -> "_LiveRun | None":
         """The live run the checkpoint describes, or None where there is none to trust for it."""
+        # Hundreds of thousands of objects, none in a cycle: the cyclic collector would rescan the
+        # growing heap many times over while they are made.
+        with gc_paused():
+            return cls._from_checkpoint_file(run_dir)
+
+    @classmethod
+    def _from_checkpoint_file(cls, run_dir: Path) -> "_LiveRun | None":
         try:
             state = json.loads(RunDir(run_dir).progress_checkpoint.read_bytes())
         except (OSError, ValueError):
@@ -216,7 +224,7 @@ def _progress(live: _LiveRun, now: float) -> Progress:
 
 def write_checkpoint(run_dir: str | os.PathLike, now: float | None = None) -> None:
     """Bring the run's live ledger up to date and write primary/progress.json from it, atomically."""
-    with live_ledger(run_dir, now):
+    with live_ledger(run_dir, now), gc_paused():
         data = json.dumps(_LIVE[Path(run_dir).resolve()].checkpoint(), separators=(",", ":")).encode()
     write_bytes_atomic(RunDir(run_dir).progress_checkpoint, data)
 
