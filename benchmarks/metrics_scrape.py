@@ -267,6 +267,7 @@ def main() -> None:
             written = write_monitors(run_dir, start, budget, model.devices)
             print(f"{replicas} replicas ({args.source}): {trials:,} trials, {written / 2**20:,.0f} MiB of monitor logs "
                   f"written, in {time.perf_counter() - t:.0f} s")
+            os.sync()  # the 8 GiB just written goes to disk now, not during the figures
             measure(run_dir.root, replicas, model, start + budget, replicas >= GOAL_REPLICAS)
             if args.keep is None:
                 shutil.rmtree(run_dir.root)
