@@ -260,16 +260,14 @@ class LogTail:
         self.lines = 0  # lines consumed
         self.damaged_line: int | None = None  # a complete line that is not a JSON object
         self.exists = False  # whether the log existed at the last read
-        self._file_id: tuple[int, int] | None = None  # (device, inode) of what was read
-        # The inode a tail made by from_state read on another machine, where st_dev may differ
-        # (each NFS or Lustre client numbers its mounts) but the inode is the file's own.
+        # The inode of what was read. Not the device number: a tail made by from_state may have
+        # been written on another machine, and each NFS or Lustre client numbers its mounts.
         self._inode: int | None = None
 
     def state(self) -> dict[str, Any]:
         """Where this tail stands, as JSON-ready values (from_state continues from there)."""
         return {"offset": self.offset, "lines": self.lines, "damaged_line": self.damaged_line,
-                "exists": self.exists,
-                "inode": self._file_id[1] if self._file_id is not None else self._inode}
+                "exists": self.exists, "inode": self._inode}
 
     @classmethod
     def from_state(cls, path: Path, name: str, state: dict[str, Any]) -> "LogTail":
@@ -335,12 +333,10 @@ class LogTail:
         try:
             self.exists = True
             status = os.fstat(fd)
-            size, file_id = status.st_size, (status.st_dev, status.st_ino)
-            if size < self.offset or (self.offset and (
-                    (self._file_id is not None and file_id != self._file_id)
-                    or (self._inode is not None and status.st_ino != self._inode))):
+            size = status.st_size
+            if size < self.offset or (self._inode is not None and self.offset and status.st_ino != self._inode):
                 raise LogRewritten(str(self.path))
-            self._file_id = file_id
+            self._inode = status.st_ino
             chunks, position = [], self.offset
             while position < size:
                 chunk = os.pread(fd, size - position, position)
