@@ -140,34 +140,27 @@ class _LiveRun:
 
     @classmethod
     def from_checkpoint_file(cls, run_dir: Path) -> "_LiveRun | None":
-        """The live run the checkpoint describes, or None where there is none to trust for it."""
-        # Hundreds of thousands of objects, none in a cycle: the cyclic collector would rescan the
-        # growing heap many times over while they are made.
+        """The live run the checkpoint describes, or None where there is none to trust for it.
+        Hundreds of thousands of objects and no cycles: the cyclic collector is paused, or it would
+        rescan the growing heap many times over while they are made."""
         with gc_paused():
-            return cls._from_checkpoint_file(run_dir)
-
-    @classmethod
-    def _from_checkpoint_file(cls, run_dir: Path) -> "_LiveRun | None":
-        try:
-            state = json.loads(RunDir(run_dir).progress_checkpoint.read_bytes())
-        except (OSError, ValueError):
-            return None
-        try:
-            if (state["format"], state["version"]) != (CHECKPOINT_FORMAT, CHECKPOINT_VERSION):
+            try:
+                state = json.loads(RunDir(run_dir).progress_checkpoint.read_bytes())
+                if (state["format"], state["version"]) != (CHECKPOINT_FORMAT, CHECKPOINT_VERSION):
+                    return None
+                ledger = RunLedger.from_state(run_dir, state["ledger"])
+                if (state["run_id"], state["start_time"]) != (ledger.info.run.get("run_id"), ledger.info.start_time):
+                    return None
+                live = cls(run_dir, ledger)
+                totals = state["totals"]
+                live.ops_done, live.epochs_done = int(totals["ops_done"]), int(totals["epochs_done"])
+                live.best_error, live.best_accuracy = totals["best_error"], totals["best_accuracy"]
+                live.pending = [(float(t), int(ops), error, accuracy) for t, ops, error, accuracy in totals["pending"]]
+                latest = totals["latest_counted"]
+                live.latest_counted = -math.inf if latest is None else float(latest)
+                return live
+            except (OSError, KeyError, TypeError, ValueError, AttributeError):  # unreadable or not whole
                 return None
-            ledger = RunLedger.from_state(run_dir, state["ledger"])
-            if (state["run_id"], state["start_time"]) != (ledger.info.run.get("run_id"), ledger.info.start_time):
-                return None
-            live = cls(run_dir, ledger)
-            totals = state["totals"]
-            live.ops_done, live.epochs_done = int(totals["ops_done"]), int(totals["epochs_done"])
-            live.best_error, live.best_accuracy = totals["best_error"], totals["best_accuracy"]
-            live.pending = [(float(t), int(ops), error, accuracy) for t, ops, error, accuracy in totals["pending"]]
-            latest = totals["latest_counted"]
-            live.latest_counted = -math.inf if latest is None else float(latest)
-            return live
-        except (KeyError, TypeError, ValueError, AttributeError):
-            return None
 
 
 _LIVE: dict[Path, _LiveRun] = {}
