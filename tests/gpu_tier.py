@@ -7,6 +7,11 @@ Steps, each reported, all run even when one fails:
 2. the conformance kit at --level all for every available backend that sees an accelerator; the kit
    itself runs each level at every precision the backend declares on that device.
 
+The steps are independent, so they run at once (a lent GPU is paid by the minute); each step's
+output goes to its own log in the report folder and is printed whole when the step ends. Their
+processes share the GPU, so none of them may take all of its memory up front: jax's preallocation
+is off unless the caller set it.
+
 It exits 1 when no accelerator is visible (a GPU tier that checked nothing must not pass), and
 non-zero when any step failed. Reports go to $AIPERF_GPU_TIER_OUT (default gpu-tier/).
 """
@@ -43,12 +48,36 @@ def accelerators() -> list[str]:
     return seen
 
 
-def step(name: str, argv: list[str]) -> int:
-    print(f"== {name}: {' '.join(argv)}", flush=True)
-    start = time.monotonic()
-    rc = subprocess.run(argv, cwd=ROOT).returncode
-    print(f"== {name}: exit {rc} after {time.monotonic() - start:.0f} s", flush=True)
-    return rc
+def gpu_test_files() -> list[str]:
+    """The test modules marked `gpu`. Only these are collected: the CPU suite's modules hold
+    frameworks that `make test` installs and a CUDA image may lack (TensorFlow, MindSpore), and one
+    failed collection would stop pytest before any GPU test ran."""
+    return [str(path) for path in sorted((ROOT / "tests").glob("test_*.py"))
+            if "pytestmark = pytest.mark.gpu" in path.read_text()]
+
+
+def run_steps(steps: dict[str, list[str]], out: Path) -> dict[str, int]:
+    """Start every step at once; print each one's log whole as it ends. {name: exit status}."""
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    running = {}
+    for name, argv in steps.items():
+        log = out / (name.replace(" ", "-") + ".log")
+        print(f"== {name}: {' '.join(argv)} (log: {log})", flush=True)
+        with log.open("wb") as sink:
+            running[name] = (subprocess.Popen(argv, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT),
+                             log, time.monotonic())
+    results = {}
+    while running:
+        for name, (process, log, start) in list(running.items()):
+            if process.poll() is None:
+                continue
+            del running[name]
+            results[name] = process.returncode
+            print(f"== {name}: exit {process.returncode} after {time.monotonic() - start:.0f} s", flush=True)
+            print(log.read_text(errors="replace"), flush=True)
+        time.sleep(0.5)
+    return results
 
 
 def main() -> int:
@@ -59,8 +88,8 @@ def main() -> int:
     print("gpu tier: accelerators: " + "; ".join(seen), flush=True)
     out = Path(os.environ.get("AIPERF_GPU_TIER_OUT", ROOT / "gpu-tier"))
     out.mkdir(parents=True, exist_ok=True)
-    results = {"pytest -m gpu": step("pytest -m gpu", [sys.executable, "-m", "pytest", "-m", "gpu", "-q",
-                                                        "-p", "no:cacheprovider", str(ROOT / "tests")])}
+    steps = {"pytest -m gpu": [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider",
+                               *gpu_test_files()]}
     from aiperf_core.registry import list_backends
 
     for info in list_backends():
@@ -71,9 +100,10 @@ def main() -> int:
             print(f"== conformance {info.name}: skipped, it sees no accelerator ({', '.join(info.devices)})",
                   flush=True)
             continue
-        results[f"conformance {info.name}"] = step(
-            f"conformance {info.name}", [sys.executable, "-m", "aiperf_core", "conformance", "--backend", info.name,
-                                         "--level", "all", "--report", str(out / f"conformance-{info.name}.json")])
+        steps[f"conformance {info.name}"] = [sys.executable, "-m", "aiperf_core", "conformance", "--backend",
+                                             info.name, "--level", "all", "--report",
+                                             str(out / f"conformance-{info.name}.json")]
+    results = run_steps(steps, out)
     failed = [name for name, rc in results.items() if rc != 0]
     ran = [name for name in results if name.startswith("conformance")]
     if not ran:
