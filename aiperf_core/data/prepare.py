@@ -32,6 +32,7 @@ quality 100 too); every other file keeps its bytes exactly.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -42,7 +43,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -316,26 +317,20 @@ def run_unit(plan: Plan, job: tuple) -> dict:
     kinds: dict[str, int] = defaultdict(int)
     record: dict = {"split": split, "unit": name}
     if plan.layout == "tfrecord":
-        groups: dict[int, list[tuple[int, int, bytes]]] = defaultdict(list)
         shared = {wnid: _class_features(plan, wnid) for wnid in {image[1] for image in images}}
-        for file_name, wnid, raw, number in images:
-            data, kind, height, width = normalised(bytes(raw), f"{name}/{file_name}")
-            kinds[kind] += 1
-            counts[wnid] += 1
-            position = int(plan.positions[split][number])
-            shard = _shard_of(position, len(plan.positions[split]), plan.shards[split])
-            framed = tfrecord.frame(_example(shared[wnid], file_name, data, height, width))
-            groups[shard // GROUP_SHARDS].append((position, shard, framed))
-        spool = {}
-        for group, records in sorted(groups.items()):
-            records.sort()
-            entries, offset = [], 0
-            for position, shard, framed in records:
-                entries.append([position, shard, offset, len(framed)])
-                offset += len(framed)
-            _write_spool(_spool_path(plan, split, group, name), [r[2] for r in records])
-            spool[str(group)] = entries
-        record["spool"] = spool
+        spool: dict[str, list] = {}
+        with _Spools(plan, split, name) as spools:
+            for file_name, wnid, raw, number in images:
+                data, kind, height, width = normalised(bytes(raw), f"{name}/{file_name}")
+                kinds[kind] += 1
+                counts[wnid] += 1
+                position = int(plan.positions[split][number])
+                shard = _shard_of(position, len(plan.positions[split]), plan.shards[split])
+                group = shard // GROUP_SHARDS
+                offset, length = spools.write(group, tfrecord.frame(_example(shared[wnid], file_name, data, height,
+                                                                             width)))
+                spool.setdefault(str(group), []).append([position, shard, offset, length])
+        record["spool"] = {group: sorted(entries) for group, entries in sorted(spool.items(), key=lambda g: int(g[0]))}
     else:
         files = {}
         if split == TRAIN:
@@ -394,16 +389,41 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _write_spool(path: Path, records: list[bytes]) -> None:
-    """Written and renamed into place without fsync: a spool is scratch, and what a power loss could
-    leave damaged in it is caught at assembly by the records' own CRCs (a killed process loses nothing:
-    its writes are in the page cache)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        for record in records:
-            fh.write(record)
-    os.replace(tmp, path)
+class _Spools:
+    """A unit's spool files, one per shard group, each record written as soon as it is framed (so
+    that a unit never holds its images' records in memory: on two cores the conversion is bound by
+    memory traffic, and a record written at once is written from memory still in cache). Each file
+    is renamed into place when the unit's conversion ends, without fsync: a spool is scratch, and
+    what a power loss could leave damaged in it is caught at assembly by the records' own CRCs (a
+    killed process loses nothing: its writes are in the page cache)."""
+
+    def __init__(self, plan: Plan, split: str, unit: str):
+        self.plan, self.split, self.unit = plan, split, unit
+        self.files: dict[int, tuple[Path, Any, list[int]]] = {}
+
+    def __enter__(self) -> "_Spools":
+        return self
+
+    def write(self, group: int, record: bytes) -> tuple[int, int]:
+        """(offset, length) of `record` in its group's spool."""
+        entry = self.files.get(group)
+        if entry is None:
+            path = _spool_path(self.plan, self.split, group, self.unit)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            entry = self.files[group] = (path, open(path.with_name(f".{path.name}.tmp"), "wb"), [0])
+        _, fh, end = entry
+        fh.write(record)
+        offset, end[0] = end[0], end[0] + len(record)
+        return offset, len(record)
+
+    def __exit__(self, kind, *_):
+        for path, fh, _ in self.files.values():
+            fh.close()
+            if kind is None:
+                os.replace(fh.name, path)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(fh.name)
 
 
 def _spool_path(plan: Plan, split: str, group: int, unit: str) -> Path:
