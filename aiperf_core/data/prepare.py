@@ -399,7 +399,7 @@ class _Spools:
 
     def __init__(self, plan: Plan, split: str, unit: str):
         self.plan, self.split, self.unit = plan, split, unit
-        self.files: dict[int, tuple[Path, Any, list[int]]] = {}
+        self.files: dict[int, tuple[Path, Any]] = {}
 
     def __enter__(self) -> "_Spools":
         return self
@@ -410,14 +410,13 @@ class _Spools:
         if entry is None:
             path = _spool_path(self.plan, self.split, group, self.unit)
             path.parent.mkdir(parents=True, exist_ok=True)
-            entry = self.files[group] = (path, open(path.with_name(f".{path.name}.tmp"), "wb"), [0])
-        _, fh, end = entry
-        fh.write(record)
-        offset, end[0] = end[0], end[0] + len(record)
+            entry = self.files[group] = (path, open(path.with_name(f".{path.name}.tmp"), "wb"))
+        offset = entry[1].tell()
+        entry[1].write(record)
         return offset, len(record)
 
     def __exit__(self, kind, *_):
-        for path, fh, _ in self.files.values():
+        for path, fh in self.files.values():
             fh.close()
             if kind is None:
                 os.replace(fh.name, path)
