@@ -78,7 +78,11 @@ def child(scope: str) -> int:
 
 def measured(scope: str) -> float:
     done = subprocess.run([sys.executable, __file__, "--child", scope], capture_output=True, text=True)
-    checks = json.loads(done.stdout)["checks"]
+    try:
+        checks = json.loads(done.stdout)["checks"]
+    except (ValueError, KeyError):
+        tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
+        raise SystemExit(f"{scope}: the kit printed no report (exit {done.returncode}): {tail[0]}") from None
     check = next(c for c in checks if c["id"] == "train/gradients_match_reference")
     if not isinstance(check["measured"], float):
         raise SystemExit(f"{scope}: the check measured no gradient error: {check['message']}")
