@@ -1,7 +1,9 @@
 """Atomic file writes: a temporary file in the same folder, fsync, then rename.
 
 A reader never sees a half-written file, and a crash never destroys the
-previous version of a finished result.
+previous version of a finished result. The file gets the mode a plain open(2) would give it
+(0666 less the umask), not mkstemp's 0600: run directories and datasets are read by other users
+of a site (a metrics exporter, a colleague checking a result, every node's stager).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ def write_atomic(path, write: Callable[[IO[bytes]], None], exclusive: bool = Fal
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as fh:
             write(fh)
             fh.flush()
@@ -45,6 +48,22 @@ def write_atomic(path, write: Callable[[IO[bytes]], None], exclusive: bool = Fal
         pass
     finally:
         os.close(dir_fd)
+
+
+def new_file_mode() -> int:
+    """0666 less this process's umask: the mode open(2) gives a new file. Read from /proc where it
+    can be (Linux 4.7 on), because os.umask can only be read by setting it, which races with other
+    threads creating files."""
+    try:
+        with open("/proc/self/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def write_bytes_atomic(path, data: bytes, exclusive: bool = False) -> None:

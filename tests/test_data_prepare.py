@@ -10,6 +10,7 @@ import io
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import tarfile
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from aiperf_core.atomic import new_file_mode
 from aiperf_core.cli import main
 from aiperf_core.data import tfrecord
 from aiperf_core.data.imagenet import open_imagenet
@@ -126,6 +128,15 @@ def test_folder_labels_and_conversions(prepared, archives):
     for split in ("train", "val"):
         for path, label in zip(source.files(split), source.labels(split)):
             assert label == truth.label(os.path.basename(path))  # 0-based, sorted WNIDs
+
+
+@pytest.mark.parametrize("layout", ["tfrecord", "folder"])
+def test_every_output_file_is_readable_as_the_umask_allows(prepared, layout):
+    """As open(2) would make it (not a temporary file's 0600): every node's stager and every user
+    of a site reads a prepared dataset."""
+    modes = {str(p.relative_to(prepared[layout])): stat.S_IMODE(p.stat().st_mode)
+             for p in prepared[layout].rglob("*") if p.is_file()}
+    assert MANIFEST in modes and {name: mode for name, mode in modes.items() if mode != new_file_mode()} == {}
 
 
 @pytest.mark.parametrize("layout", ["tfrecord", "folder"])

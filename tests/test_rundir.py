@@ -1,7 +1,10 @@
 import json
+import os
+import stat
 
 import pytest
 
+from aiperf_core.atomic import new_file_mode, write_text_atomic
 from aiperf_core.rundir import EventLog, RunDir, RunDirError, chain_head, read_events, trial_id, verify_chain
 
 
@@ -114,3 +117,18 @@ def test_a_replica_takes_its_cadence_from_the_run_s_replica_count(tmp_path):
     run["replicas"] = 0
     with pytest.raises(Exception, match="run.json.replicas: 0 is not a positive integer"):
         RunSpec.from_run(run)
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_an_atomic_write_has_the_mode_open_would_give(tmp_path, umask, mode):
+    """Not the temporary file's 0600: a run directory's files are read by other users of a site."""
+    old = os.umask(umask)
+    try:
+        assert new_file_mode() == mode
+        write_text_atomic(tmp_path / "plain.json", "{}")
+        write_text_atomic(tmp_path / "exclusive.json", "{}", exclusive=True)
+        RunDir(tmp_path / "run").write_run({"run_id": "x"})
+    finally:
+        os.umask(old)
+    for path in (tmp_path / "plain.json", tmp_path / "exclusive.json", tmp_path / "run" / "run.json"):
+        assert stat.S_IMODE(path.stat().st_mode) == mode, path

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
 import pytest
 
+from aiperf_core.atomic import new_file_mode
 from aiperf_core.cli import main
 from aiperf_core.rundir import RunDir, read_events
 from aiperf_core.scoring import progress, score_run
@@ -94,6 +96,9 @@ def test_a_local_run_to_its_deadline_then_resume_rules(tmp_path, config, capsys)
     assert replica[0]["event"] == "replica_start"
     assert (run_dir / "score.json").exists() and json.loads((run_dir / "score.json").read_text())["epochs_counted"] >= 0
     assert (run_dir / "summary.json").exists() and (run_dir / "report.html").exists()
+    # Readable as the umask allows, as open(2) makes files: other users of a site read run directories.
+    modes = {str(p.relative_to(run_dir)): stat.S_IMODE(p.stat().st_mode) for p in run_dir.rglob("*") if p.is_file()}
+    assert {name: mode for name, mode in modes.items() if mode != new_file_mode()} == {}
 
     # The primary left its live ledger's checkpoint at its end: a new reader (aiperf metrics or
     # watch on a login node) starts from it and shows the score's figures.

@@ -491,18 +491,8 @@ def assemble_shard(plan: Plan, job: tuple) -> dict:
 
 
 def _write_shared(path: Path, pieces: list[bytes]) -> None:
-    """Atomically, readable as the umask allows (a dataset is shared; write_atomic's temporary is 0600)."""
-    def write(fh):
-        os.fchmod(fh.fileno(), 0o666 & ~_umask())
-        fh.writelines(pieces)
-
-    write_atomic(path, write)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    """One output file of the dataset, whole or not at all."""
+    write_atomic(path, lambda fh: fh.writelines(pieces))
 
 
 # -- the pipeline ------------------------------------------------------------------------------------
@@ -628,7 +618,7 @@ def prepare(source, out, layout: str = "tfrecord", workers: int = 1, train_shard
     manifest = Manifest(layout, list(devkit.wnids), per_class, files, sources, conversions,
                         {"settings": _settings_for_layout(settings), "jpeg_quality": JPEG_QUALITY,
                          **({"shuffle_seed": SHUFFLE_SEED} if layout == "tfrecord" else {})})
-    os.chmod(write_manifest(out, manifest), 0o666 & ~_umask())
+    write_manifest(out, manifest)
     shutil.rmtree(plan.state, ignore_errors=True)
     return Summary(str(out), layout, manifest.images, len(devkit.wnids), conversions, manifest.digest,
                    resumed, time.monotonic() - started)

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from aiperf_core.atomic import new_file_mode
 from aiperf_core.submission import SubmissionError
 
 MANIFEST = "MANIFEST.json"
@@ -156,6 +157,7 @@ def pack(run_dir: str | os.PathLike, system: str | os.PathLike, conformance: Ite
     files: dict[str, dict] = {}
     fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
+        os.fchmod(fd, new_file_mode())
         with os.fdopen(fd, "wb") as raw:
             with gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=GZIP_LEVEL, mtime=0) as zipped:
                 with tarfile.open(fileobj=zipped, mode="w", format=tarfile.PAX_FORMAT) as tar:
