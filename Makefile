@@ -25,8 +25,9 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/aiperf run --config examples/quick.toml
 
+# The 25 slowest tests close the output: CI must stay under 30 minutes, and this shows where it goes.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The GPU tier, on a CUDA machine: the tests marked `gpu`, then the kit at every declared precision for
 # every backend that sees the accelerator. It runs in the current Python environment (no .venv, no
