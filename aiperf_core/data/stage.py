@@ -38,9 +38,13 @@ from aiperf_core.rundir import LEASE_RENEW_S, Lease, LeaseHeld
 
 LEASE = ".aiperf-stage.lease"
 PARTIAL = ".aiperf-partial"  # suffix of a file being copied: `.NAME.aiperf-partial` beside NAME
-DEFAULT_WORKERS = 8  # copy threads: the copy waits on I/O, and hashlib releases the GIL on large buffers
+# Copy threads: two per core, at most 8. Two per core keep a cold source's reads in flight (hashlib
+# and file I/O release the GIL); more only contend for the interpreter. On 2 cores, paired rounds
+# from a warm source: 4 threads 0.63-0.75 s for 330 MB where 8 took 0.76-0.79 s, the same from a
+# cold one (benchmarks/data_stage.py, docs/performance.md).
+DEFAULT_WORKERS = min(8, 2 * (os.cpu_count() or 1))
 WAIT_POLL_S = 0.5
-BUFFER = 4 << 20
+BUFFER = 1 << 20  # per thread; 4 MiB buffers (8 threads: 32 MiB touched afresh) were 7% of a stage's samples
 BATCH_BYTES = 8 << 20  # a unit of parallel work: files up to this many bytes...
 BATCH_FILES = 64       # ... or this many files
 
