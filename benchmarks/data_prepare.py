@@ -6,9 +6,11 @@ The archives are generated with the official structure (tests/ilsvrc_archives.py
 from realistic JPEGs: 500x375 crops of scikit-learn's sample photographs with added grain, encoded
 at the quality that gives about 110 kB (ImageNet's mean training JPEG), all RGB, so every image
 passes through unconverted. Each configuration is run 3 times, alternating, and the best is kept
-(the machine is shared); the load average is printed beside the figures. The archives are read
-from the page cache here: on the real 148 GB the disk's read bandwidth is a second limit, printed
-beside the extrapolation.
+(the machine is shared); the load average is printed beside the figures. A round's outputs are
+kept until the round ends, then deleted 35 s before the next, so that no run creates its files
+just after a deletion (ext4's inode allocator skips recently freed inodes: see
+benchmarks/data_stage.py). The archives are read from the page cache here: on the real 148 GB the
+disk's read bandwidth is a second limit, printed beside the extrapolation.
 
 Goals: >= 1,500 images/s per worker process (TFRecord layout, pass-through), and 2 workers >= 1.8x
 1 worker (needs two idle cores).
@@ -37,6 +39,7 @@ from _common import report  # noqa: E402
 REAL_IMAGES = 1_281_167 + 50_000
 TARGET_BYTES = 110_000
 SIZE = (500, 375)
+EXT4_RECENTLY_DELETED_S = 35  # ext4 skips inodes freed in the last 30 s (35 s with a dirty inode table)
 
 
 def realistic_jpegs(count: int, seed: int = 0) -> list[bytes]:
@@ -95,7 +98,6 @@ def timed_prepare(src: Path, scratch: Path, layout: str, workers: int, shards: t
     from aiperf_core.data.prepare import prepare
 
     out = scratch / f"out-{layout}-{workers}"
-    shutil.rmtree(out, ignore_errors=True)
     marks: dict[str, float] = {}
 
     def progress(what, done, total):
@@ -107,7 +109,6 @@ def timed_prepare(src: Path, scratch: Path, layout: str, workers: int, shards: t
     t = time.perf_counter()
     summary = prepare(src, out, layout, workers, *shards, progress=progress)
     seconds = time.perf_counter() - t
-    shutil.rmtree(out)
     images = sum(summary.images.values())
     return images / (marks["converted"] - marks["first"]), images / seconds
 
@@ -120,7 +121,14 @@ def prepare_figures(src: Path, scratch: Path, train: int, val: int, repeat: int)
     # The real set's images per shard (1,251 train, 391 val), so that per-shard costs weigh as they will.
     shards = (max(1, round(train / 1251)), max(1, round(val / 391)))
     rates: dict[tuple[str, int], list[tuple[float, float]]] = {}
-    for _ in range(repeat):
+    for round_ in range(repeat):
+        if round_:
+            # ext4 makes each new file skip the inodes freed in the last 30 s: a run right after the
+            # previous round's outputs were deleted would create its files slower than the others.
+            for config in rates:
+                shutil.rmtree(scratch / f"out-{config[0]}-{config[1]}")
+            os.sync()
+            time.sleep(EXT4_RECENTLY_DELETED_S)
         for config in (("tfrecord", 1), ("tfrecord", 2), ("folder", 1)):
             rates.setdefault(config, []).append(timed_prepare(src, scratch, *config, shards))
     print(f"# prepare of {train + val:,} pass-through images ({shards[0]} + {shards[1]} shards), best of {repeat}; "
