@@ -258,6 +258,8 @@ def rechain(lines: list[dict]) -> bytes:
     ("invent", "has no trial_end with status ok or early_stopped"),
     ("drop", "ended usable but was never published"),
     ("duplicate", "published again"),
+    ("delete", "primary/history.jsonl: missing (pinned by run_end.history_head)"),
+    ("truncate", "primary/history.jsonl: last line differs from run_end.history_head"),
 ])
 def test_verify_checks_the_published_history(simulated, tmp_path, tamper, expected):
     import shutil
@@ -266,7 +268,12 @@ def test_verify_checks_the_published_history(simulated, tmp_path, tamper, expect
     shutil.copytree(simulated[0].root, run_dir.root)
     lines = [{k: v for k, v in line.items() if k not in ("seq", "prev")} for line in read_events(run_dir.history_file)]
     assert lines[1]["trial"] == "r0001-t00000"
-    if tamper == "edit":
+    if tamper == "delete":
+        run_dir.history_file.unlink()
+    elif tamper == "truncate":  # the last line removed, the rest a valid chain
+        run_dir.history_file.write_bytes(b"".join(line + b"\n" for line in
+                                                  run_dir.history_file.read_bytes().splitlines()[:-1]))
+    elif tamper == "edit":
         text = run_dir.history_file.read_text().splitlines(keepends=True)
         text[1] = text[1].replace('"target": ', '"target": 1')
         run_dir.history_file.write_text("".join(text))

@@ -8,7 +8,9 @@
 - the published history (primary/history.jsonl), when the run has one: its hash chain, and that
   each line is a trial published once, whose trial_end and trial.json say what the line says; once
   the run ended, also that every usable trial was published (the primary publishes them all
-  before run_end). The score never reads the history: this is about what replicas planned on.
+  before run_end), and that the file ends where run_end.history_head pins it (a deleted history is
+  caught; a run_end without the field, written by an aiperf before it, pins nothing). The score
+  never reads the history: this is about what replicas planned on.
 Each problem is one line naming the file; an empty list means the run directory is intact.
 """
 
@@ -16,15 +18,16 @@ from __future__ import annotations
 
 import os
 
-from aiperf_core.rundir import RunDir, chain_head, read_events, sha256_file, verify_chain
+from aiperf_core.rundir import GENESIS, RunDir, chain_head, read_events, sha256_file, verify_chain
 from aiperf_core.search.history import HISTORY_NAME, PUBLISHED, PUBLISHED_FIELDS, published_fields, usable_end
 
 PRIMARY_LOG = "primary/events.jsonl"
 
 
 def verify_run(run_dir: str | os.PathLike | RunDir, withheld: frozenset[str] = frozenset()) -> list[str]:
-    """`withheld`: trial file names left out on purpose (a submission keeps weights home); their absence
-    is no problem, their recorded hashes still stand in the logs."""
+    """`withheld`: files left out on purpose (a submission keeps the weights and the published history
+    home): trial file names, and HISTORY_NAME. Their absence is no problem; their recorded hashes
+    still stand in the logs."""
     run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
     run.read_run()  # a missing or malformed run.json is an error, not a finding
     problems: list[str] = []
@@ -43,6 +46,8 @@ def verify_run(run_dir: str | os.PathLike | RunDir, withheld: frozenset[str] = f
                         "(the run is still going or its primary died)")
     else:
         problems += _check_log_heads(run, replicas, run_end.get("log_heads"))
+        if "history_head" in run_end and HISTORY_NAME not in withheld:
+            problems += _check_history_head(run, run_end["history_head"])
 
     hashes: dict[str, str | None] = {}  # relative path -> sha256, None when missing
     reported: set[str] = set()
@@ -131,6 +136,15 @@ def _check_log_heads(run: RunDir, replicas: list[int], heads) -> list[str]:
             problems.append(f"{name}: last line differs from run_end.log_heads "
                             "(lines added, removed or changed after the run ended)")
     return problems
+
+
+def _check_history_head(run: RunDir, pinned) -> list[str]:
+    if not run.history_file.exists():
+        return [] if pinned == GENESIS else [f"{HISTORY_NAME}: missing (pinned by run_end.history_head)"]
+    if chain_head(run.history_file) != pinned:
+        return [f"{HISTORY_NAME}: last line differs from run_end.history_head "
+                "(lines added, removed or changed after the run ended)"]
+    return []
 
 
 def _check_file(run: RunDir, hashes: dict, reported: set, trial, name, expected, recorded_as: str,

@@ -4,9 +4,10 @@ In order, each step adding reasons (docs/submission.md lists them):
  1. unpack safely (aiperf_core.submission.unpack): a package that cannot be read is bad input;
  2. the manifest: every file's SHA-256 and size, no file missing or unlisted, the submission id;
  3. the system description, validated, placeholders refused;
- 4. the run: every hash chain and pinned file (`aiperf score --verify`, weights withheld), then the
-    score, the regulated score and every rule recomputed from the logs and graphs by the same code
-    as `aiperf score`; a stored score.json or summary.json that differs is reported, never used;
+ 4. the run: every hash chain and pinned file (`aiperf score --verify`, the weights and the published
+    history withheld), then the score, the regulated score and every rule recomputed from the logs
+    and graphs by the same code as `aiperf score`; a stored score.json or summary.json that differs
+    is reported, never used;
  5. the description against the inventory the run recorded (replica_start, the monitor's host
     records): node count, accelerators per node, accelerator model, host CPU model;
  6. certification: a non-quick kit report, for the run's backend and framework version, on the

@@ -43,7 +43,10 @@ MANIFEST_SCHEMA_VERSION = 1
 RUN_PREFIX = "run/"
 TRIAL_FILES = ("graph.json", "trial.json")
 RUN_FILES = ("run.json", "score.json", "summary.json", "report.html")
-WITHHELD = frozenset({"weights.npz"})  # trial files a package leaves out; their hashes stay in the logs
+# What a package leaves out, its hashes kept in the logs: each trial's weights (trial_end.files), and
+# the published history (run_end.history_head), which nothing scores from and the packaged logs and
+# trial.json files rebuild. A trial file is named alone, a run file by its path in the run.
+WITHHELD = frozenset({"weights.npz", "primary/history.jsonl"})
 GZIP_LEVEL = 6  # zlib's default: level 9 is about 3x slower for a few per cent
 
 

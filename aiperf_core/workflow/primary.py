@@ -409,7 +409,9 @@ class Primary:
     def _end(self, reason: str) -> str:
         self.publisher.publish_all(self.clock.time())  # every trial that ended, before run_end
         heads = {str(slot.replica): chain_head(self.run_dir.replica_log(slot.replica)) for slot in self.slots}
-        self.log.append("run_end", reason=reason, log_heads=heads)
+        # history_head pins the published history as log_heads pins the replica logs (GENESIS: none).
+        self.log.append("run_end", reason=reason, log_heads=heads,
+                        history_head=chain_head(self.run_dir.history_file))
         self.notify(f"run ended: {reason}")
         return reason
 
