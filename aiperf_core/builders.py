@@ -1,8 +1,12 @@
-"""Model builders: ResNet-50 in the Keras layout, and a small ResNet of the same family.
+"""Model builders: ResNet-50 in the Keras layout, a small ResNet of the same family, and a GPT.
 
 Keras layout: the stride of a downsampling bottleneck sits on its first 1x1 conv
 (and on the projection shortcut), not on the 3x3 conv as in torchvision's v1.5.
 Convs have no bias; each is followed by batch norm.
+
+The GPT is decoder-only and pre-LN, as GPT-2 and nanoGPT: token embedding plus learned positions,
+then per block x + proj(attention(LN(x))) and x + fc2(gelu(fc1(LN(x)))), a final layer norm and an LM
+head without bias, ending in a softmax over the vocabulary per token.
 """
 
 from __future__ import annotations
@@ -93,14 +97,61 @@ def resnet_small(input_shape=(32, 32, 3), classes: int = 10) -> Graph:
     return Graph(b.nodes, name="resnet_small")
 
 
-BUILDERS: dict[str, Callable[..., Graph]] = {"resnet50": resnet50, "resnet_small": resnet_small}
+GPT_DEFAULTS = {"layers": 2, "hidden": 128, "heads": 4, "seq_len": 128, "vocab": 256, "ffn": None}
 
 
-def build(name: str, input_shape=None, classes: int | None = None) -> Graph:
+def gpt(layers: int = 2, hidden: int = 128, heads: int = 4, seq_len: int = 128, vocab: int = 256,
+        ffn: int | None = None) -> Graph:
+    """A decoder-only GPT of `layers` pre-LN blocks; ffn (the MLP width) defaults to 4 * hidden."""
+    ffn = 4 * hidden if ffn is None else ffn
+    for name, value, minimum in (("layers", layers, 1), ("hidden", hidden, 1), ("heads", heads, 1),
+                                 ("seq_len", seq_len, 1), ("vocab", vocab, 2), ("ffn", ffn, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise AiperfError(f"gpt: {name} must be an integer >= {minimum}, got {value!r}")
+    if hidden % heads:
+        raise AiperfError(f"gpt: heads ({heads}) must divide hidden ({hidden})")
+    b = _Builder()
+    b.add("tokens", "token_input", seq_len=seq_len, vocab=vocab)
+    b.add("embed", "embedding", ["tokens"], vocab=vocab, units=hidden)
+    x = b.add("positions", "position_embedding", ["embed"])
+    for i in range(layers):
+        x = gpt_block(b, f"h{i}", x, hidden, heads, ffn)
+    x = b.add("ln_f", "layer_norm", [x], epsilon=1e-5)
+    x = b.add("lm_head", "dense", [x], units=vocab, use_bias=False)
+    b.add("probs", "softmax", [x])
+    return Graph(b.nodes, name="gpt")
+
+
+def gpt_block(b: _Builder, name: str, x: str, hidden: int, heads: int, ffn: int) -> str:
+    h = b.add(f"{name}_ln1", "layer_norm", [x], epsilon=1e-5)
+    q, k, v = (b.add(f"{name}_{w}", "dense", [h], units=hidden, use_bias=True) for w in ("q", "k", "v"))
+    a = b.add(f"{name}_attn", "attention", [q, k, v], heads=heads, head_dim=hidden // heads, causal=True)
+    a = b.add(f"{name}_proj", "dense", [a], units=hidden, use_bias=True)
+    x = b.add(f"{name}_res1", "add", [x, a])
+    h = b.add(f"{name}_ln2", "layer_norm", [x], epsilon=1e-5)
+    h = b.add(f"{name}_fc1", "dense", [h], units=ffn, use_bias=True)
+    h = b.add(f"{name}_gelu", "gelu", [h])
+    h = b.add(f"{name}_fc2", "dense", [h], units=hidden, use_bias=True)
+    return b.add(f"{name}_res2", "add", [x, h])
+
+
+BUILDERS: dict[str, Callable[..., Graph]] = {"resnet50": resnet50, "resnet_small": resnet_small, "gpt": gpt}
+
+
+def build(name: str, input_shape=None, classes: int | None = None, **sizes) -> Graph:
+    """A builder's graph. input_shape and classes are the image builders'; `sizes` the gpt's
+    (GPT_DEFAULTS' keys)."""
     try:
         builder = BUILDERS[name]
     except KeyError:
         raise AiperfError(f"unknown model '{name}' (builders: {', '.join(sorted(BUILDERS))})") from None
+    sizes = {k: v for k, v in sizes.items() if v is not None}
+    if name == "gpt":
+        if input_shape is not None or classes is not None:
+            raise AiperfError("gpt: --input and --classes are for image models; a gpt takes --seq-len and --vocab")
+        return builder(**sizes)
+    if sizes:
+        raise AiperfError(f"{name}: --{next(iter(sizes)).replace('_', '-')} applies to the gpt builder only")
     kwargs = {}
     if input_shape is not None:
         kwargs["input_shape"] = input_shape

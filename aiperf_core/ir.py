@@ -1,8 +1,19 @@
 """The framework-neutral graph IR.
 
 A graph is a DAG of nodes kept in topological order. Activations are NHWC,
-conv kernels HWIO, dense kernels (in, out); padding is explicit per side.
-Shapes are per image (no batch axis) and are inferred here, never by a backend.
+conv kernels HWIO (I = input channels per group), dense kernels (in, out); padding is explicit per
+side. Shapes are per sample (no batch axis) and are inferred here, never by a backend.
+
+Two workload families share it. Images: an `input` node of shape (H, W, C) or (C,). Token
+sequences: a `token_input` node of shape (S,) holding integer ids below its `vocab`; an
+`embedding` turns them into (S, D), and `dense`, `layer_norm`, `gelu`, `softmax`, `dropout` and
+`add` work over the last axis of an (S, D) tensor. Causal multi-head self-attention is one
+`attention` node over the (S, heads * head_dim) outputs of three projections, so that every backend
+can map it to its fused kernel. GELU is the tanh form, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
+everywhere (GPT-2's, and the one every framework offers under one flag).
+
+Schema history: version 1 held the CNN ops; version 2 adds the sequence ops, grouped convolution,
+lrn, avg_pool, mul_const, add_const and channel_shuffle. A version 1 graph loads unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +26,8 @@ from typing import Any, Iterable, Mapping
 
 from aiperf_core.errors import GraphError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (1, 2)
 
 Shape = tuple[int, ...]
 
@@ -115,14 +127,18 @@ def _window_out(node: str, size: int, kernel: int, stride: int, pad_lo: int, pad
 
 
 def _conv_attrs(node, attrs):
-    _check_no_extra(node, attrs, ("filters", "kernel", "strides", "padding", "use_bias"))
-    return {
+    _check_no_extra(node, attrs, ("filters", "kernel", "strides", "padding", "use_bias", "groups"))
+    out = {
         "filters": _int(node, attrs, "filters", minimum=1),
         "kernel": _ints(node, attrs, "kernel", 2, minimum=1),
         "strides": _ints(node, attrs, "strides", 2, minimum=1, default=(1, 1)),
         "padding": _ints(node, attrs, "padding", 4, minimum=0, default=(0, 0, 0, 0)),
         "use_bias": _bool(node, attrs, "use_bias", False),
     }
+    groups = _int(node, attrs, "groups", minimum=1, default=1)
+    if groups != 1:  # absent when 1, so that a version 1 graph keeps its exact JSON and signature
+        out["groups"] = groups
+    return out
 
 
 def _pool_attrs(node, attrs):
@@ -169,8 +185,8 @@ class OpSpec:
 def _input_attrs(node, attrs):
     _check_no_extra(node, attrs, ("shape",))
     shape = attrs.get("shape")
-    if not isinstance(shape, (list, tuple)) or len(shape) not in (1, 3):
-        raise GraphError(f"attribute 'shape' must be [H, W, C] or [C], got {shape!r}", node)
+    if not isinstance(shape, (list, tuple)) or len(shape) not in (1, 2, 3):
+        raise GraphError(f"attribute 'shape' must be [H, W, C], [S, D] or [C], got {shape!r}", node)
     return {"shape": _ints(node, attrs, "shape", len(shape), minimum=1)}
 
 
@@ -198,12 +214,17 @@ def _dropout_attrs(node, attrs):
 
 
 def _conv_shape(node, attrs, shapes):
+    groups = attrs.get("groups", 1)
+    channels = _image(node, shapes[0])[2]
+    if channels % groups or attrs["filters"] % groups:
+        raise GraphError(f"groups {groups} must divide the input channels ({channels}) and the filters "
+                         f"({attrs['filters']})", node)
     return _windowed_shape(node, shapes[0], attrs, attrs["filters"])
 
 
 def _conv_params(attrs, shapes):
     kh, kw = attrs["kernel"]
-    p = {"kernel": (kh, kw, shapes[0][-1], attrs["filters"])}
+    p = {"kernel": (kh, kw, shapes[0][-1] // attrs.get("groups", 1), attrs["filters"])}
     if attrs["use_bias"]:
         p["bias"] = (attrs["filters"],)
     return p
@@ -215,13 +236,13 @@ def _bn_params(attrs, shapes):
 
 
 def _dense_shape(node, attrs, shapes):
-    if len(shapes[0]) != 1:
-        raise GraphError(f"dense needs a flat input, got shape {list(shapes[0])}", node)
-    return (attrs["units"],)
+    if len(shapes[0]) not in (1, 2):
+        raise GraphError(f"dense needs a flat input (D) or a sequence (S, D), got shape {list(shapes[0])}", node)
+    return shapes[0][:-1] + (attrs["units"],)
 
 
 def _dense_params(attrs, shapes):
-    p = {"kernel": (shapes[0][0], attrs["units"])}
+    p = {"kernel": (shapes[0][-1], attrs["units"])}
     if attrs["use_bias"]:
         p["bias"] = (attrs["units"],)
     return p
@@ -240,8 +261,105 @@ def _concat_shape(node, attrs, shapes):
 
 
 def _flat_shape(node, attrs, shapes):
+    if len(shapes[0]) not in (1, 2):
+        raise GraphError(f"softmax needs a flat (classes) or sequence (S, classes) input, got shape "
+                         f"{list(shapes[0])}", node)
+    return shapes[0]
+
+
+def _sequence(node: str, shape: Shape, what: str = "input") -> Shape:
+    if len(shape) != 2:
+        raise GraphError(f"{what} must be a sequence (S, D), got shape {list(shape)}", node)
+    return shape
+
+
+# -- image ops that the model-zoo CNNs need (ONNX import) --------------------------------------------
+
+
+def _lrn_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("size", "alpha", "beta", "bias"))
+    size = _int(node, attrs, "size", minimum=1)
+    if size % 2 == 0:
+        raise GraphError(f"attribute 'size' must be odd (a window centred on its channel), got {size}", node)
+    return {"size": size, "alpha": _float(node, attrs, "alpha", low=0.0, high=1e3, default=1e-4),
+            "beta": _float(node, attrs, "beta", low=0.0, high=1e3, default=0.75),
+            "bias": _float(node, attrs, "bias", low=1e-12, high=1e6, default=1.0)}
+
+
+def _avg_pool_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("kernel", "strides", "padding", "count_padding"))
+    out = _pool_attrs(node, {k: v for k, v in attrs.items() if k != "count_padding"})
+    out["count_padding"] = _bool(node, attrs, "count_padding", False)
+    return out
+
+
+def _const_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("per_channel",))
+    return {"per_channel": _bool(node, attrs, "per_channel", True)}
+
+
+def _const_params(attrs, shapes):
+    return {"value": (shapes[0][-1],) if attrs["per_channel"] else (1,)}
+
+
+def _shuffle_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("groups",))
+    return {"groups": _int(node, attrs, "groups", minimum=1)}
+
+
+def _shuffle_shape(node, attrs, shapes):
+    channels = _image(node, shapes[0])[2]
+    if channels % attrs["groups"]:
+        raise GraphError(f"groups {attrs['groups']} must divide the channels ({channels})", node)
+    return shapes[0]
+
+
+# -- sequence ops (decoder-only transformers) --------------------------------------------------------
+
+
+def _token_input_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("seq_len", "vocab"))
+    return {"seq_len": _int(node, attrs, "seq_len", minimum=1), "vocab": _int(node, attrs, "vocab", minimum=2)}
+
+
+def _embedding_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("vocab", "units"))
+    return {"vocab": _int(node, attrs, "vocab", minimum=2), "units": _int(node, attrs, "units", minimum=1)}
+
+
+def _embedding_shape(node, attrs, shapes):
     if len(shapes[0]) != 1:
-        raise GraphError(f"softmax needs a flat input, got shape {list(shapes[0])}", node)
+        raise GraphError(f"embedding needs token ids (S), got shape {list(shapes[0])}", node)
+    return (shapes[0][0], attrs["units"])
+
+
+def _positions_shape(node, attrs, shapes):
+    return _sequence(node, shapes[0])
+
+
+def _layer_norm_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("epsilon",))
+    return {"epsilon": _float(node, attrs, "epsilon", low=1e-12, high=1.0, default=1e-5)}
+
+
+def _layer_norm_params(attrs, shapes):
+    d = (shapes[0][-1],)
+    return {"gamma": d, "beta": d}
+
+
+def _attention_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("heads", "head_dim", "causal"))
+    return {"heads": _int(node, attrs, "heads", minimum=1), "head_dim": _int(node, attrs, "head_dim", minimum=1),
+            "causal": _bool(node, attrs, "causal", True)}
+
+
+def _attention_shape(node, attrs, shapes):
+    width = attrs["heads"] * attrs["head_dim"]
+    for what, shape in zip(("query", "key", "value"), shapes):
+        if len(shape) != 2 or shape[1] != width:
+            raise GraphError(f"attention {what} must be (S, heads * head_dim = {width}), got shape {list(shape)}",
+                             node)
+    _same_shapes(node, shapes, "attention")
     return shapes[0]
 
 
@@ -260,10 +378,38 @@ OPS: dict[str, OpSpec] = {
         OpSpec("dense", 1, 1, _dense_attrs, _dense_shape, _dense_params),
         OpSpec("softmax", 1, 1, _no_attrs, _flat_shape),
         OpSpec("dropout", 1, 1, _dropout_attrs, lambda n, a, s: s[0]),
+        OpSpec("lrn", 1, 1, _lrn_attrs, lambda n, a, s: _image(n, s[0])),
+        OpSpec("avg_pool", 1, 1, _avg_pool_attrs, lambda n, a, s: _windowed_shape(n, s[0], a, s[0][-1])),
+        OpSpec("mul_const", 1, 1, _const_attrs, lambda n, a, s: s[0], _const_params),
+        OpSpec("add_const", 1, 1, _const_attrs, lambda n, a, s: s[0], _const_params),
+        OpSpec("channel_shuffle", 1, 1, _shuffle_attrs, _shuffle_shape),
+        OpSpec("token_input", 0, 0, _token_input_attrs, lambda n, a, s: (a["seq_len"],)),
+        OpSpec("embedding", 1, 1, _embedding_attrs, _embedding_shape,
+               lambda a, s: {"table": (a["vocab"], a["units"])}),
+        OpSpec("position_embedding", 1, 1, _no_attrs, _positions_shape, lambda a, s: {"table": tuple(s[0])}),
+        OpSpec("layer_norm", 1, 1, _layer_norm_attrs, lambda n, a, s: s[0], _layer_norm_params),
+        OpSpec("attention", 3, 3, _attention_attrs, _attention_shape),
+        OpSpec("gelu", 1, 1, _no_attrs, lambda n, a, s: s[0]),
     )
 }
 
 PARAMETRIC_OPS = frozenset(name for name, spec in OPS.items() if spec.params is not None)
+VERSION_1_OPS = frozenset({"input", "conv2d", "batch_norm", "relu", "add", "concat", "max_pool", "global_avg_pool",
+                           "flatten", "dense", "softmax", "dropout"})
+ALL_OPS = frozenset(OPS)
+INPUT_OPS = frozenset({"input", "token_input"})
+# Parameters that training never changes: batch norm's moving statistics (updated by their own rule,
+# not by gradients) and the constants of mul_const and add_const (an imported model's folded values).
+NON_TRAINABLE_PARAMS = frozenset({"moving_mean", "moving_variance", "value"})
+
+
+# Ops with parameters that training changes: a gradient flows back through whatever lies downstream of
+# one of them (opcount's "reads the data" rule, and the native counters that follow it).
+TRAINED_OPS = PARAMETRIC_OPS - {"mul_const", "add_const"}
+
+
+def is_trainable(param: str) -> bool:
+    return param not in NON_TRAINABLE_PARAMS
 
 
 class Graph:
@@ -296,7 +442,10 @@ class Graph:
             normalised.append(Node(node.id, node.op, tuple(node.inputs), attrs))
         self.nodes = tuple(normalised)
         self._by_id = {n.id: n for n in self.nodes}
-        inputs = [n.id for n in self.nodes if n.op == "input"]
+        for node in self.nodes:
+            if node.op == "embedding":
+                _check_embedding_source(node, self._by_id[node.inputs[0]])
+        inputs = [n.id for n in self.nodes if n.op in INPUT_OPS]
         if len(inputs) != 1:
             raise GraphError(f"graph must have exactly one input node, found {len(inputs)}")
         sinks = [n.id for n in self.nodes if consumers[n.id] == 0]
@@ -329,6 +478,17 @@ class Graph:
         return self.shapes[self.input_id]
 
     @property
+    def takes_tokens(self) -> bool:
+        """Whether the input is a sequence of token ids (a language model) rather than images."""
+        return self._by_id[self.input_id].op == "token_input"
+
+    @property
+    def vocab(self) -> int | None:
+        """The token input's vocabulary size (ids lie in [0, vocab)); None for an image graph."""
+        node = self._by_id[self.input_id]
+        return node.attrs["vocab"] if node.op == "token_input" else None
+
+    @property
     def output_shape(self) -> Shape:
         return self.shapes[self.output_id]
 
@@ -349,7 +509,7 @@ class Graph:
         total = 0
         for node_id, params in self.all_param_shapes().items():
             for pname, shape in params.items():
-                if trainable_only and pname.startswith("moving_"):
+                if trainable_only and not is_trainable(pname):
                     continue
                 total += math.prod(shape)
         return total
@@ -364,9 +524,15 @@ class Graph:
         return ";".join(parts)
 
     # -- serialisation -------------------------------------------------------
+    def schema_version(self) -> int:
+        """The oldest schema that holds this graph: a CNN of version 1's ops is written as version 1, so
+        that an older aiperf still reads what this one writes."""
+        newer = any(n.op not in VERSION_1_OPS or "groups" in n.attrs for n in self.nodes)
+        return SCHEMA_VERSION if newer else 1
+
     def to_dict(self) -> dict:
         return {
-            "schema_version": SCHEMA_VERSION,
+            "schema_version": self.schema_version(),
             "name": self.name,
             "nodes": [n.to_dict() for n in self.nodes],
             "history": [_plain(h) for h in self.history],
@@ -380,8 +546,9 @@ class Graph:
         if not isinstance(data, Mapping):
             raise GraphError("graph JSON must be an object")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise GraphError(f"unsupported schema_version {version!r} (this aiperf reads {SCHEMA_VERSION})")
+        if isinstance(version, bool) or version not in READABLE_SCHEMA_VERSIONS:
+            readable = ", ".join(map(str, READABLE_SCHEMA_VERSIONS))
+            raise GraphError(f"unsupported schema_version {version!r} (this aiperf reads {readable})")
         nodes = data.get("nodes")
         if not isinstance(nodes, list):
             raise GraphError("graph JSON needs a list 'nodes'")
@@ -410,6 +577,16 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"Graph({self.name!r}, {len(self.nodes)} nodes, input {list(self.input_shape)})"
+
+
+def _check_embedding_source(node: Node, source: Node) -> None:
+    """An embedding reads the token input directly, with its vocabulary: a larger table would hold rows
+    no id can reach, a smaller one would be indexed out of range."""
+    if source.op != "token_input":
+        raise GraphError(f"embedding must read the token_input node, not a {source.op} node", node.id)
+    if source.attrs["vocab"] != node.attrs["vocab"]:
+        raise GraphError(f"embedding vocab {node.attrs['vocab']} differs from the token input's "
+                         f"{source.attrs['vocab']}", node.id)
 
 
 def _node_from_dict(data: Any, index: int) -> Node:

@@ -10,13 +10,16 @@ from aiperf_core.ir import Graph, load_graph
 from aiperf_core.weights import Weights, load_weights
 
 
-def load_model(spec: str, input_shape=None, classes: int | None = None, weights_path=None) -> tuple[Graph, Weights | None]:
-    """Return (graph, weights or None). input_shape and classes apply to builders only."""
+def load_model(spec: str, input_shape=None, classes: int | None = None, weights_path=None,
+               **sizes) -> tuple[Graph, Weights | None]:
+    """Return (graph, weights or None). input_shape and classes apply to the image builders, `sizes`
+    (layers, hidden, heads, seq_len, vocab, ffn) to the gpt builder."""
     if spec in BUILDERS:
-        if weights_path is not None:
-            graph = build(spec, input_shape, classes)
-            return graph, load_weights(weights_path, graph)
-        return build(spec, input_shape, classes), None
+        graph = build(spec, input_shape, classes, **sizes)
+        return graph, (load_weights(weights_path, graph) if weights_path is not None else None)
+    if any(v is not None for v in sizes.values()):
+        given = next(k for k, v in sizes.items() if v is not None)
+        raise AiperfError(f"--{given.replace('_', '-')} applies to the gpt builder only; a model file fixes its own sizes")
     path = Path(spec)
     suffix = path.suffix.lower()
     if suffix not in (".json", ".onnx"):

@@ -47,7 +47,8 @@ def validate_weights(graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray
 
 
 def init_weights(graph: Graph, seed: int = 0, dtype=np.float32) -> Weights:
-    """He-normal kernels (fan-in), zero biases, BN as identity over unit statistics."""
+    """He-normal kernels (fan-in), zero biases, BN as identity over unit statistics; embedding and
+    position tables N(0, 0.02) (GPT-2's); constants as the identity (mul_const 1, add_const 0)."""
     rng = np.random.default_rng(seed)
     out: Weights = {}
     for node_id, params in graph.all_param_shapes().items():
@@ -57,7 +58,9 @@ def init_weights(graph: Graph, seed: int = 0, dtype=np.float32) -> Weights:
             if pname == "kernel":
                 fan_in = math.prod(shape[:-1])
                 w[pname] = (rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)).astype(dtype)
-            elif pname in ("gamma", "moving_variance"):
+            elif pname == "table":
+                w[pname] = (rng.standard_normal(shape) * 0.02).astype(dtype)
+            elif pname in ("gamma", "moving_variance") or (pname == "value" and node.op == "mul_const"):
                 w[pname] = np.ones(shape, dtype)
             else:
                 w[pname] = np.zeros(shape, dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aiperf_core.errors import AiperfError
-from aiperf_core.ir import PARAMETRIC_OPS, Graph
+from aiperf_core.ir import TRAINED_OPS, Graph
 from aiperf_opcount.rules import CATEGORIES, CATEGORY_OF_OP, CONVENTIONS, node_ops
 
 
@@ -18,14 +18,24 @@ class NodeCount:
     fp: int
     grad: int
     update: int
+    split: tuple[tuple[str, int, int], ...] = ()  # (category, fp, grad) parts outside `category`
 
     @property
     def bp(self) -> int:
         return self.grad + self.update
 
+    def parts(self) -> list[tuple[str, int, int]]:
+        """(category, fp, grad) of this node: its own category's share first, then the split ones."""
+        own_fp = self.fp - sum(fp for _, fp, _ in self.split)
+        own_grad = self.grad - sum(g for _, _, g in self.split)
+        return [(self.category, own_fp, own_grad), *self.split]
+
     def to_dict(self) -> dict:
-        return {"id": self.id, "op": self.op, "category": self.category, "shape": list(self.shape),
-                "fp": self.fp, "bp": self.bp, "update": self.update}
+        out = {"id": self.id, "op": self.op, "category": self.category, "shape": list(self.shape),
+               "fp": self.fp, "bp": self.bp, "update": self.update}
+        if self.split:
+            out["by_category"] = {c: {"fp": fp, "bp": g} for c, fp, g in self.parts()}
+        return out
 
 
 @dataclass(frozen=True)
@@ -75,8 +85,9 @@ class OpCount:
         for n in self.nodes:
             if n.category == "input":
                 continue
-            cats[n.category]["fp"] += n.fp
-            cats[n.category]["bp"] += n.grad
+            for category, fp, grad in n.parts():
+                cats[category]["fp"] += fp
+                cats[category]["bp"] += grad
             cats["update"]["bp"] += n.update
         return cats
 
@@ -118,9 +129,9 @@ def count(graph: Graph, convention: str = "paper") -> OpCount:
     params_upstream: dict[str, bool] = {}
     nodes = []
     for node in graph.nodes:
-        upstream = any(params_upstream[i] or graph[i].op in PARAMETRIC_OPS for i in node.inputs)
+        upstream = any(params_upstream[i] or graph[i].op in TRAINED_OPS for i in node.inputs)
         params_upstream[node.id] = upstream
         ops = node_ops(graph, node, convention, reads_data=not upstream)
         nodes.append(NodeCount(node.id, node.op, CATEGORY_OF_OP[node.op], graph.shapes[node.id],
-                               ops.fp, ops.grad, ops.update))
+                               ops.fp, ops.grad, ops.update, ops.split))
     return OpCount(graph.name, convention, tuple(nodes))

@@ -32,17 +32,43 @@ CATEGORY_OF_OP = {
     "flatten": "elementwise",
     "dropout": "elementwise",
     "softmax": "softmax",
+    "lrn": "norm",
+    "avg_pool": "pool",
+    "mul_const": "elementwise",
+    "add_const": "elementwise",
+    "channel_shuffle": "elementwise",
+    "token_input": "input",
+    "embedding": "embedding",
+    "position_embedding": "embedding",
+    "layer_norm": "norm",
+    "attention": "attention",
+    "gelu": "activation",
 }
-CATEGORIES = ("conv", "dense", "norm", "activation", "pool", "elementwise", "softmax", "update")
+CATEGORIES = ("conv", "dense", "attention", "embedding", "norm", "activation", "pool", "elementwise", "softmax",
+              "update")
+
+# Per element of GELU's tanh form, 0.5 x (1 + tanh(c (x + 0.044715 x^3))) (docs/counting.md derives both):
+# forward x^3 (2 MUL), 0.044715 x^3 + x (MAC), times c (MUL), tanh (MUL, EXP, 2 ADD, DIV), 1 + t (ADD),
+# 0.5 x (1 + t) (2 MUL); backward 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2), times dy.
+GELU_FP = 2 * MUL + MAC + MUL + (MUL + EXP + 2 * ADD + DIV) + ADD + 2 * MUL  # 23
+GELU_BP = (MUL + ADD) + MUL + MAC + MUL + MUL + 2 * MUL + (ADD + MUL) + ADD + MUL  # 13
+# Per attention score: scale by 1/sqrt(head_dim) (MUL), the causal mask (a select, CMP), softmax as Table 1
+# (EXP, ADD, DIV); backward: softmax's rowsum(dP * P) (MAC), subtract (ADD), times P (MUL), the mask's
+# select (CMP) and the scale (MUL).
+ATTENTION_SCORE_FP = MUL + EXP + ADD + DIV  # 14, plus CMP where a causal mask applies
+ATTENTION_SCORE_BP = MAC + ADD + MUL + MUL  # 5, plus CMP where a causal mask applies
 
 
 @dataclass(frozen=True)
 class NodeOps:
-    """fp: forward ops; grad: backward ops without the update; update: the weight update."""
+    """fp: forward ops; grad: backward ops without the update; update: the weight update.
+    split: ((category, fp, grad), ...), the parts of fp and grad that belong to another category than
+    the node's own (attention's scores softmax sits in 'softmax', its two products in 'attention')."""
 
     fp: int
     grad: int = 0
     update: int = 0
+    split: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def bp(self) -> int:
@@ -79,17 +105,17 @@ def node_ops(graph: Graph, node: Node, convention: str, reads_data: bool) -> Nod
     op = node.op
     a = node.attrs
     if op == "conv2d":
-        ci, co = ins[0][2], a["filters"]
+        ci, co = ins[0][2] // a.get("groups", 1), a["filters"]  # ci: input channels each filter reads
         macs = window_taps(ins[0], a, valid) * ci * co
         params = a["kernel"][0] * a["kernel"][1] * ci * co + (co if a["use_bias"] else 0)
         # Weight gradient always; input gradient (a full convolution) unless only data is upstream.
         grad = MAC * macs * (1 if reads_data else 2)
         return NodeOps(fp=MAC * macs, grad=grad, update=MAC * params)
     if op == "dense":
-        ci, co = ins[0][0], a["units"]
+        rows, ci, co = math.prod(ins[0][:-1]), ins[0][-1], a["units"]  # rows: 1, or S over a sequence
         params = ci * co + (co if a["use_bias"] else 0)
-        grad = MAC * ci * co * (1 if reads_data else 2)
-        return NodeOps(fp=MAC * ci * co, grad=grad, update=MAC * params)
+        grad = MAC * rows * ci * co * (1 if reads_data else 2)
+        return NodeOps(fp=MAC * rows * ci * co, grad=grad, update=MAC * params)
     if op == "batch_norm":
         return NodeOps(fp=(MAC + ADD + DIV) * math.prod(ins[0]), grad=BN_BACKWARD_CONSTANT)
     if op == "relu":
@@ -105,5 +131,58 @@ def node_ops(graph: Graph, node: Node, convention: str, reads_data: bool) -> Nod
     if op == "softmax":
         # exp, add and div per class (Table 1) plus the cross-entropy's log per class: Table 3's 2.10e4.
         return NodeOps(fp=(EXP + ADD + DIV + LOG) * size)
-    # input, concat, flatten, dropout move data but compute nothing.
+    if op == "lrn":
+        # Per element: the window's sum of squares (size MACs), alpha/size (MUL), + bias (ADD), the power
+        # beta as exp(beta ln s) (LOG, MUL, EXP), x / s^beta (DIV). Backward: dy y / s (MUL, DIV), its window
+        # sum (size ADDs), times x and 2 alpha beta / size (2 MUL), dy / s^beta (DIV), the difference (ADD).
+        fp = (MAC * a["size"] + MUL + ADD + LOG + MUL + EXP + DIV) * size
+        grad = 0 if reads_data else (MUL + DIV + ADD * a["size"] + 2 * MUL + DIV + ADD) * size
+        return NodeOps(fp=fp, grad=grad)
+    if op == "avg_pool":
+        # (taps - 1) adds and one multiply by the reciprocal of the count per output, as global_avg_pool.
+        taps = window_taps(ins[0], a, valid) * out[2]
+        return NodeOps(fp=ADD * (taps - size) + MUL * size)
+    if op == "mul_const":
+        return NodeOps(fp=MUL * size, grad=0 if reads_data else MUL * size)
+    if op == "add_const":
+        return NodeOps(fp=ADD * size)
+    if op == "embedding":
+        # A lookup moves rows (no arithmetic); its backward adds each token's gradient into its row.
+        params = a["vocab"] * a["units"]
+        return NodeOps(fp=0, grad=ADD * size, update=MAC * params)
+    if op == "position_embedding":
+        return NodeOps(fp=ADD * size, grad=ADD * size, update=MAC * size)
+    if op == "layer_norm":
+        rows, d = size // out[-1], out[-1]
+        # Per row: sum for the mean (ADD), centre (ADD), sum of squares (MAC), times 1/sigma (MUL), the
+        # affine (MAC) per element; 1/D twice (MUL), + epsilon (ADD), SQRT, the reciprocal (DIV).
+        fp = rows * (d * (ADD + ADD + MAC + MUL + MAC) + 2 * MUL + ADD + SQRT + DIV)
+        # Backward per row: dbeta (ADD) and dgamma (MAC) per element; the input gradient
+        # rstd (dxh - mean(dxh) - xh mean(dxh xh)) with dxh = dy gamma: MUL, ADD, MAC, then MUL, 2 ADD,
+        # MUL per element, and the two means' 1/D (2 MUL).
+        param_grads = d * (ADD + MAC)
+        input_grad = d * (MUL + ADD + MAC + MUL + 2 * ADD + MUL) + 2 * MUL
+        grad = rows * (param_grads + (0 if reads_data else input_grad))
+        return NodeOps(fp=fp, grad=grad, update=MAC * 2 * d)
+    if op == "attention":
+        return _attention_ops(ins[0][0], a, valid, reads_data)
+    if op == "gelu":
+        return NodeOps(fp=GELU_FP * size, grad=0 if reads_data else GELU_BP * size)
+    # input, token_input, concat, flatten, dropout, channel_shuffle move data but compute nothing.
     return NodeOps(fp=0)
+
+
+def _attention_ops(seq: int, a, valid: bool, reads_data: bool) -> NodeOps:
+    """Scaled dot-product attention over `heads` heads: the products QK^T and PV (category
+    'attention'; each backward computes both input gradients), and the scores' scale, mask and softmax
+    (category 'softmax'). 'paper' counts the full S x S scores, as the Megatron-LM paper and PaLM do;
+    'valid' only the S(S+1)/2 pairs a causal mask keeps, and no mask."""
+    heads, dim, causal = a["heads"], a["head_dim"], a["causal"]
+    pairs = heads * (seq * (seq + 1) // 2 if causal and valid else seq * seq)
+    masked = causal and not valid
+    products = MAC * 2 * pairs * dim
+    score_fp = pairs * (ATTENTION_SCORE_FP + (CMP if masked else 0))
+    score_bp = pairs * (ATTENTION_SCORE_BP + (CMP if masked else 0))
+    grads = 0 if reads_data else 1
+    return NodeOps(fp=products + score_fp, grad=grads * (2 * products + score_bp),
+                   split=(("softmax", score_fp, grads * score_bp),))

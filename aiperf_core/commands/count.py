@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
-from aiperf_core.commands.options import add_model_arguments, non_negative_int
+from aiperf_core.commands.options import add_model_arguments, non_negative_int, positive_int
 from aiperf_core.models import load_model
 
-HELP = "count the analytic operations of a model (builder name, IR .json or .onnx), per image and per epoch"
+HELP = ("count the analytic operations of a model (builder name, IR .json or .onnx), per image (per sequence "
+        "for a gpt) and per epoch")
 
 # Table 3's rows, in its order, from IR ops.
 _TABLE3_ROWS = (
@@ -23,7 +24,12 @@ _TABLE3_ROWS = (
 
 
 def add_arguments(p) -> None:
-    add_model_arguments(p)
+    add_model_arguments(p, "builder name (resnet50, resnet_small, gpt), IR .json or .onnx file")
+    gpt = p.add_argument_group("gpt builder sizes (defaults: 2 layers, hidden 128, 4 heads, seq-len 128, vocab 256)")
+    for flag, what in (("--layers", "transformer blocks"), ("--hidden", "model width H"),
+                       ("--heads", "attention heads (they divide H)"), ("--seq-len", "tokens per sequence S"),
+                       ("--vocab", "vocabulary size V"), ("--ffn", "MLP width (default 4H)")):
+        gpt.add_argument(flag, type=positive_int, default=None, metavar="N", help=what)
     p.add_argument("--train-images", type=non_negative_int, default=None, metavar="N",
                    help="training images per epoch, for the per-epoch figure")
     p.add_argument("--val-images", type=non_negative_int, default=None, metavar="M",
@@ -36,7 +42,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from aiperf_opcount import count
 
-    graph, _ = load_model(args.model, args.input, args.classes)
+    graph, _ = load_model(args.model, args.input, args.classes, layers=args.layers, hidden=args.hidden,
+                          heads=args.heads, seq_len=args.seq_len, vocab=args.vocab, ffn=args.ffn)
     result = count(graph, args.convention)
     epoch = args.train_images is not None or args.val_images is not None
     if args.json:
@@ -59,8 +66,9 @@ def ratio(bp: int, fp: int) -> str:
 
 
 def render(result, graph, train_images: int | None = None, val_images: int | None = None) -> str:
+    unit = "sequence" if graph.takes_tokens else "image"
     lines = [f"{graph.name}: input {'x'.join(map(str, graph.input_shape))}, {len(graph)} nodes, "
-             f"{graph.num_params():,} parameters, convention '{result.convention}' (ops per image)", ""]
+             f"{graph.num_params():,} parameters, convention '{result.convention}' (ops per {unit})", ""]
     width = max(len(n.id) for n in result.nodes)
     lines.append(f"{'node':<{width}}  {'op':<15} {'output':>14} {'FP':>16} {'BP':>16}")
     for n in result.nodes:
@@ -81,7 +89,7 @@ def render(result, graph, train_images: int | None = None, val_images: int | Non
                          f"{ratio(row['bp'], row['fp']):>8} {sci(row['fp'] + row['bp']):>10}")
     lines.append(f"{'Total':<22} {sci(result.fp):>10} {sci(result.bp):>10} "
                  f"{ratio(result.bp, result.fp):>8} {sci(result.total):>10}")
-    lines.append(f"exact per image: FP {result.fp:,}  BP {result.bp:,}  total {result.total:,}")
+    lines.append(f"exact per {unit}: FP {result.fp:,}  BP {result.bp:,}  total {result.total:,}")
     if train_images is not None or val_images is not None:
         e = result.epoch(train_images or 0, val_images or 0)
         lines += ["", f"per epoch ({e.train_images:,} training, {e.val_images:,} validation images):",

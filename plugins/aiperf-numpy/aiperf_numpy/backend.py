@@ -15,7 +15,7 @@ import numpy as np
 
 from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, StepClock, TrainConfig,
                                  accuracy, cross_entropy)
-from aiperf_core.ir import Graph
+from aiperf_core.ir import ALL_OPS, Graph
 from aiperf_core.weights import Weights, validate_weights
 from aiperf_numpy.executor import TRAINABLE_PARAMS, forward, loss_and_grads
 
@@ -50,6 +50,9 @@ class NumpyBackend(Backend):
         from aiperf_numpy.peak import matmul_seconds
 
         return matmul_seconds(device, precision, size, repeats)
+
+    def supported_ops(self) -> frozenset[str]:
+        return ALL_OPS  # it executes the IR itself
 
     def lower(self, graph: Graph, weights: Weights | None = None, precision: str = "fp32") -> NumpyModel:
         weights = self.starting_weights(graph, weights, precision)

@@ -46,8 +46,20 @@ Semantics
   of each window in row-major (kh, kw) order.
 * ``relu``'s gradient at exactly 0 is 0.
 * ``softmax`` runs over the last axis, shifted by the row maximum.
+* Sequence graphs: the input is integer token ids (N, S) below the token input's ``vocab``;
+  ``embedding`` looks rows up (its backward adds each token's gradient into its row and gives the
+  ids no gradient); ``dense``, ``layer_norm`` (biased variance over the last axis), ``gelu`` (tanh
+  form) and ``softmax`` work over the last axis of (N, S, D); ``attention`` splits its (N, S, A*d)
+  query, key and value into A heads of width d, scales the scores by 1/sqrt(d), masks the pairs
+  j > i when causal (their probability is exactly 0), and joins the heads again.
+* ``conv2d`` with ``groups`` convolves each group of input channels with its block of filters;
+  ``lrn`` is ONNX's LRN over the channel axis; ``avg_pool`` averages each window over its real taps,
+  or over every tap, padded ones included, with ``count_padding``; ``mul_const`` and ``add_const``
+  apply their constant ``value`` (per channel or one scalar) and have no trainable parameter;
+  ``channel_shuffle`` is ShuffleNet's (g, C/g) -> (C/g, g) transpose of the channels.
 * The loss targets are ``one_hot(labels) * (1 - label_smoothing) +
-  label_smoothing / classes``. If the output node is a softmax, the loss is
+  label_smoothing / classes``, one label per image, or per token (labels (N, S)) for a sequence
+  output (N, S, classes); the loss is the mean over every label. If the output node is a softmax, the loss is
   computed from its logits with a stable log-softmax and the gradient enters
   the graph at the logits as ``(p - y) / N``. Otherwise the output is taken
   as probabilities: ``loss = -mean_n sum_c y * log(clip(p, 1e-7, 1 - 1e-7))``,
@@ -67,12 +79,13 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from aiperf_core.errors import GraphError
-from aiperf_core.ir import Graph, Node
+from aiperf_core.ir import INPUT_OPS, Graph, Node
 from aiperf_core.weights import validate_weights
 
 __all__ = ["Trace", "backward", "forward", "loss_and_grads", "run"]
 
-TRAINABLE_PARAMS = ("kernel", "bias", "gamma", "beta")
+TRAINABLE_PARAMS = ("kernel", "bias", "gamma", "beta", "table")
+GELU_C = float(np.sqrt(2.0 / np.pi))
 PROBABILITY_CLIP = 1e-7
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -181,6 +194,15 @@ def _conv2d(node: Node, inputs, params: Params, ctx: _Context):
     a = node.attrs
     patches, (ho, wo) = _im2col(x, a["kernel"], a["strides"], a["padding"])
     kernel = params["kernel"]
+    groups = a.get("groups", 1)
+    if groups > 1:
+        kh, kw, cig, co = kernel.shape
+        g_patches = patches.reshape(len(patches), kh * kw, groups, cig)
+        g_kernel = kernel.reshape(kh * kw, cig, groups, co // groups).transpose(0, 2, 1, 3)  # (k, g, c, o)
+        y = np.einsum("rkgc,kgco->rgo", g_patches, g_kernel, optimize=True).reshape(len(patches), co)
+        if a["use_bias"]:
+            y += params["bias"]
+        return y.reshape(x.shape[0], ho, wo, co), None
     y = patches @ kernel.reshape(-1, kernel.shape[-1])
     if a["use_bias"]:
         y += params["bias"]
@@ -273,6 +295,114 @@ def _dropout(node: Node, inputs, params: Params, ctx: _Context):
     return x * mask, {"mask": mask}
 
 
+def _lrn_window_sum(v: np.ndarray, size: int) -> np.ndarray:
+    """Sum over the channel window [c - (size-1)/2, c + (size-1)/2] (clipped at the edges), last axis."""
+    half = (size - 1) // 2
+    padded = np.pad(v, [(0, 0)] * (v.ndim - 1) + [(half + 1, half)])
+    csum = np.cumsum(padded, axis=-1)
+    return csum[..., size:] - csum[..., :-size]
+
+
+def _lrn(node: Node, inputs, params: Params, ctx: _Context):
+    (x,) = inputs
+    a = node.attrs
+    s = a["bias"] + (a["alpha"] / a["size"]) * _lrn_window_sum(x * x, a["size"])
+    return x * s ** -a["beta"], {"s": s}
+
+
+def _avg_pool_divisor(x_shape, a, out_hw, dtype) -> np.ndarray | float:
+    """Each output's divisor: every tap (count_padding), or the real taps of its window."""
+    kh, kw = a["kernel"]
+    if a["count_padding"] or not any(a["padding"]):
+        return float(kh * kw)
+    ones = _pad(np.ones((1,) + tuple(x_shape[1:3]) + (1,), dtype), a["padding"], 0.0)
+    count = np.zeros((1,) + tuple(out_hw) + (1,), dtype)
+    for i in range(kh):
+        for j in range(kw):
+            count += _window(ones, i, j, a["strides"], out_hw)
+    return count
+
+
+def _avg_pool(node: Node, inputs, params: Params, ctx: _Context):
+    (x,) = inputs
+    a = node.attrs
+    kh, kw = a["kernel"]
+    xp = _pad(x, a["padding"], 0.0)
+    out_hw = (_out_size(xp.shape[1], kh, a["strides"][0]), _out_size(xp.shape[2], kw, a["strides"][1]))
+    total = np.zeros((x.shape[0],) + out_hw + (x.shape[-1],), x.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            total += _window(xp, i, j, a["strides"], out_hw)
+    divisor = _avg_pool_divisor(x.shape, a, out_hw, x.dtype)
+    return total / divisor, {"divisor": divisor}
+
+
+def _mul_const(node: Node, inputs, params: Params, ctx: _Context):
+    return inputs[0] * params["value"], None
+
+
+def _add_const(node: Node, inputs, params: Params, ctx: _Context):
+    return inputs[0] + params["value"], None
+
+
+def _shuffle(x: np.ndarray, groups: int) -> np.ndarray:
+    *lead, c = x.shape
+    return x.reshape(*lead, groups, c // groups).swapaxes(-1, -2).reshape(*lead, c)
+
+
+def _channel_shuffle(node: Node, inputs, params: Params, ctx: _Context):
+    return _shuffle(inputs[0], node.attrs["groups"]), None
+
+
+def _embedding(node: Node, inputs, params: Params, ctx: _Context):
+    return params["table"][inputs[0]], None
+
+
+def _position_embedding(node: Node, inputs, params: Params, ctx: _Context):
+    return inputs[0] + params["table"], None
+
+
+def _layer_norm(node: Node, inputs, params: Params, ctx: _Context):
+    (x,) = inputs
+    mean = x.mean(axis=-1, keepdims=True)
+    centred = x - mean
+    inv_std = 1.0 / np.sqrt(np.square(centred).mean(axis=-1, keepdims=True) + node.attrs["epsilon"])
+    xhat = centred * inv_std
+    return xhat * params["gamma"] + params["beta"], {"xhat": xhat, "inv_std": inv_std}
+
+
+def _heads(t: np.ndarray, heads: int) -> np.ndarray:
+    """(N, S, A*d) -> (N, A, S, d)."""
+    n, s, width = t.shape
+    return t.reshape(n, s, heads, width // heads).transpose(0, 2, 1, 3)
+
+
+def _join_heads(t: np.ndarray) -> np.ndarray:
+    """(N, A, S, d) -> (N, S, A*d)."""
+    n, a, s, d = t.shape
+    return t.transpose(0, 2, 1, 3).reshape(n, s, a * d)
+
+
+def _attention(node: Node, inputs, params: Params, ctx: _Context):
+    a = node.attrs
+    q, k, v = (_heads(t, a["heads"]) for t in inputs)
+    scale = 1.0 / np.sqrt(a["head_dim"])
+    scores = (q @ k.swapaxes(-1, -2)) * scale
+    if a["causal"]:
+        seq = scores.shape[-1]
+        scores = np.where(np.tri(seq, dtype=bool), scores, -np.inf)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    return _join_heads(p @ v), {"p": p}
+
+
+def _gelu(node: Node, inputs, params: Params, ctx: _Context):
+    (x,) = inputs
+    t = np.tanh(GELU_C * (x + 0.044715 * x ** 3))
+    return 0.5 * x * (1.0 + t), {"t": t}
+
+
 _FORWARD: dict[str, Callable] = {
     "conv2d": _conv2d,
     "batch_norm": _batch_norm,
@@ -285,6 +415,16 @@ _FORWARD: dict[str, Callable] = {
     "dense": _dense,
     "softmax": _softmax,
     "dropout": _dropout,
+    "lrn": _lrn,
+    "avg_pool": _avg_pool,
+    "mul_const": _mul_const,
+    "add_const": _add_const,
+    "channel_shuffle": _channel_shuffle,
+    "embedding": _embedding,
+    "position_embedding": _position_embedding,
+    "layer_norm": _layer_norm,
+    "attention": _attention,
+    "gelu": _gelu,
 }
 
 
@@ -302,10 +442,20 @@ def _conv2d_grad(node: Node, dy, inputs, out, params: Params, cache, training: b
     filters = kernel.shape[-1]
     dy2 = dy.reshape(-1, filters)
     patches, out_hw = _im2col(x, a["kernel"], a["strides"], a["padding"])
-    grads = {"kernel": (patches.T @ dy2).reshape(kernel.shape)}
+    groups = a.get("groups", 1)
+    if groups > 1:
+        kh, kw, cig, co = kernel.shape
+        g_patches = patches.reshape(len(patches), kh * kw, groups, cig)
+        g_dy = dy2.reshape(len(dy2), groups, co // groups)
+        g_kernel = kernel.reshape(kh * kw, cig, groups, co // groups).transpose(0, 2, 1, 3)
+        dkernel = np.einsum("rkgc,rgo->kgco", g_patches, g_dy, optimize=True)
+        grads = {"kernel": dkernel.transpose(0, 2, 1, 3).reshape(kernel.shape)}
+        dpatches = np.einsum("rgo,kgco->rkgc", g_dy, g_kernel, optimize=True).reshape(patches.shape)
+    else:
+        grads = {"kernel": (patches.T @ dy2).reshape(kernel.shape)}
+        dpatches = dy2 @ kernel.reshape(-1, filters).T
     if a["use_bias"]:
         grads["bias"] = dy2.sum(axis=0)
-    dpatches = dy2 @ kernel.reshape(-1, filters).T
     dx = _col2im(dpatches, x.shape, a["kernel"], a["strides"], a["padding"], out_hw)
     return [dx], grads
 
@@ -367,9 +517,10 @@ def _flatten_grad(node: Node, dy, inputs, out, params: Params, cache, training: 
 
 def _dense_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
     (x,) = inputs
-    grads = {"kernel": x.T @ dy}
+    rows_x, rows_dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])  # every position of a sequence
+    grads = {"kernel": rows_x.T @ rows_dy}
     if node.attrs["use_bias"]:
-        grads["bias"] = dy.sum(axis=0)
+        grads["bias"] = rows_dy.sum(axis=0)
     return [dy @ params["kernel"].T], grads
 
 
@@ -380,6 +531,84 @@ def _softmax_grad(node: Node, dy, inputs, out, params: Params, cache, training: 
 
 def _dropout_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
     return [dy * cache["mask"] if cache is not None else dy], {}
+
+
+def _lrn_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    (x,) = inputs
+    a = node.attrs
+    s = cache["s"]
+    # dx_i = dy_i s_i^-beta - (2 alpha beta / size) x_i sum_{j in window(i)} dy_j y_j / s_j (the window
+    # is symmetric, so j's window holds i exactly when i's holds j).
+    inner = _lrn_window_sum(dy * out / s, a["size"])
+    return [dy * s ** -a["beta"] - (2.0 * a["alpha"] * a["beta"] / a["size"]) * x * inner], {}
+
+
+def _avg_pool_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    (x,) = inputs
+    a = node.attrs
+    kh, kw = a["kernel"]
+    pt, pb, pl, pr = a["padding"]
+    n, h, w, c = x.shape
+    share = dy / cache["divisor"]
+    dxp = np.zeros((n, h + pt + pb, w + pl + pr, c), dtype=dy.dtype)
+    for i in range(kh):
+        for j in range(kw):
+            _window(dxp, i, j, a["strides"], dy.shape[1:3])[...] += share
+    return [dxp[:, pt : pt + h, pl : pl + w, :]], {}
+
+
+def _mul_const_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    return [dy * params["value"]], {}
+
+
+def _add_const_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    return [dy], {}
+
+
+def _channel_shuffle_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    groups = node.attrs["groups"]
+    return [_shuffle(dy, dy.shape[-1] // groups)], {}  # the inverse transpose
+
+
+def _embedding_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    table = np.zeros(params["table"].shape, dy.dtype)
+    np.add.at(table, inputs[0], dy)
+    return [None], {"table": table}  # token ids have no gradient
+
+
+def _position_embedding_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    return [dy], {"table": dy.sum(axis=0)}
+
+
+def _layer_norm_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    xhat, inv_std = cache["xhat"], cache["inv_std"]
+    lead = tuple(range(dy.ndim - 1))
+    grads = {"gamma": (dy * xhat).sum(axis=lead), "beta": dy.sum(axis=lead)}
+    dxhat = dy * params["gamma"]
+    dx = inv_std * (dxhat - dxhat.mean(axis=-1, keepdims=True)
+                    - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    return [dx], grads
+
+
+def _attention_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    a = node.attrs
+    q, k, v = (_heads(t, a["heads"]) for t in inputs)
+    p = cache["p"]
+    do = _heads(dy, a["heads"])
+    scale = 1.0 / np.sqrt(a["head_dim"])
+    dv = p.swapaxes(-1, -2) @ do
+    dp = do @ v.swapaxes(-1, -2)
+    ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True)) * scale  # masked pairs have p = 0
+    dq = ds @ k
+    dk = ds.swapaxes(-1, -2) @ q
+    return [_join_heads(dq), _join_heads(dk), _join_heads(dv)], {}
+
+
+def _gelu_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    (x,) = inputs
+    t = cache["t"]
+    slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * x * x)
+    return [dy * slope], {}
 
 
 _BACKWARD: dict[str, Callable] = {
@@ -394,6 +623,16 @@ _BACKWARD: dict[str, Callable] = {
     "dense": _dense_grad,
     "softmax": _softmax_grad,
     "dropout": _dropout_grad,
+    "lrn": _lrn_grad,
+    "avg_pool": _avg_pool_grad,
+    "mul_const": _mul_const_grad,
+    "add_const": _add_const_grad,
+    "channel_shuffle": _channel_shuffle_grad,
+    "embedding": _embedding_grad,
+    "position_embedding": _position_embedding_grad,
+    "layer_norm": _layer_norm_grad,
+    "attention": _attention_grad,
+    "gelu": _gelu_grad,
 }
 
 
@@ -418,6 +657,13 @@ def _check_input(graph: Graph, x, dt: np.dtype) -> np.ndarray:
         raise GraphError(f"input batch has shape {list(arr.shape)}, expected {expected}", node)
     if arr.shape[0] < 1:
         raise GraphError(f"input batch is empty (shape {list(arr.shape)})", node)
+    if graph.takes_tokens:
+        if arr.dtype.kind not in "iu":
+            raise GraphError(f"token ids must be integers, got dtype {arr.dtype}", node)
+        if arr.min() < 0 or arr.max() >= graph.vocab:
+            raise GraphError(f"token ids must lie in [0, {graph.vocab}), got values in [{arr.min()}, {arr.max()}]",
+                             node)
+        return arr.astype(np.int64, copy=False)
     if arr.dtype.kind not in "fiu":
         raise GraphError(f"input batch must hold real numbers, got dtype {arr.dtype}", node)
     return arr.astype(dt, copy=False)
@@ -446,7 +692,7 @@ def _execute(graph: Graph, weights, x, *, training: bool, dtype, seed: int, keep
     values: dict[str, np.ndarray] = {}
     caches: dict[str, dict[str, Any]] = {}
     for index, node in enumerate(graph.nodes):
-        if node.op == "input":
+        if node.op in INPUT_OPS:
             out, cache = x, None
         else:
             out, cache = _FORWARD[node.op](node, [values[i] for i in node.inputs], w.get(node.id, {}), ctx)
@@ -481,7 +727,7 @@ def _backward_from(trace: Trace, start: str, grad: np.ndarray):
         dy = grads.pop(node.id, None)
         if dy is None:  # downstream of start, or unreachable from it
             continue
-        if node.op == "input":
+        if node.op in INPUT_OPS:
             grad_input = dy
             continue
         dxs, pgrads = _BACKWARD[node.op](
@@ -491,13 +737,15 @@ def _backward_from(trace: Trace, start: str, grad: np.ndarray):
         if pgrads:
             param_grads[node.id].update(pgrads)
         for i, dx in zip(node.inputs, dxs):
+            if dx is None:  # no gradient (token ids)
+                continue
             grads[i] = dx if i not in grads else grads[i] + dx  # never in place: dx may be shared
     for nid, shapes in graph.all_param_shapes().items():
         for pname, shape in shapes.items():
             if pname in TRAINABLE_PARAMS and pname not in param_grads[nid]:
                 param_grads[nid][pname] = np.zeros(shape, trace.dtype)
     if grad_input is None:
-        grad_input = np.zeros_like(trace.outputs[graph.input_id])
+        grad_input = np.zeros(trace.outputs[graph.input_id].shape, trace.dtype)
     return np.ascontiguousarray(grad_input), param_grads
 
 
@@ -518,10 +766,13 @@ def backward(trace: Trace, grad_output) -> tuple[np.ndarray, dict[str, dict[str,
     return _backward_from(trace, trace.graph.output_id, g)
 
 
-def _targets(labels, n: int, classes: int, label_smoothing: float, dt: np.dtype, node: str) -> np.ndarray:
+def _targets(labels, shape: tuple[int, ...], classes: int, label_smoothing: float, dt: np.dtype,
+             node: str) -> np.ndarray:
+    """Smoothed one-hot targets of shape `shape` + (classes,): one label per image or per token."""
     lab = np.asarray(labels)
-    if lab.shape != (n,):
-        raise GraphError(f"labels have shape {list(lab.shape)}, expected [{n}] (one class index per image)", node)
+    if lab.shape != shape:
+        what = "one class index per image" if len(shape) == 1 else "one class index per position"
+        raise GraphError(f"labels have shape {list(lab.shape)}, expected {list(shape)} ({what})", node)
     if lab.dtype.kind not in "iu":
         raise GraphError(f"labels must be integer class indices, got dtype {lab.dtype}", node)
     if lab.min() < 0 or lab.max() >= classes:
@@ -529,8 +780,8 @@ def _targets(labels, n: int, classes: int, label_smoothing: float, dt: np.dtype,
     ls = float(label_smoothing)
     if not 0.0 <= ls <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    y = np.full((n, classes), ls / classes, dtype=dt)
-    y[np.arange(n), lab] += 1.0 - ls
+    y = np.full(shape + (classes,), ls / classes, dtype=dt)
+    np.put_along_axis(y, lab[..., None], ls / classes + (1.0 - ls), axis=-1)
     return y
 
 
@@ -542,17 +793,19 @@ def loss_and_grads(
     and the batch-norm moving-statistics updates (empty in inference mode)."""
     trace = run(graph, weights, x, training=training, dtype=dtype, seed=seed)
     out_id = graph.output_id
-    if len(graph.output_shape) != 1:
-        raise GraphError(f"the loss needs a flat class output, got shape {list(graph.output_shape)}", out_id)
+    if len(graph.output_shape) not in (1, 2):
+        raise GraphError(f"the loss needs a class output per sample (classes) or per position (S, classes), "
+                         f"got shape {list(graph.output_shape)}", out_id)
     p = trace.output
-    n, classes = p.shape
-    y = _targets(labels, n, classes, label_smoothing, trace.dtype, out_id)
+    classes = p.shape[-1]
+    y = _targets(labels, p.shape[:-1], classes, label_smoothing, trace.dtype, out_id)
+    n = p.size // classes  # every label: images, or tokens of every sequence
     out_node = graph[out_id]
     if out_node.op == "softmax":
         logits_id = out_node.inputs[0]
         z = trace.outputs[logits_id]
-        shifted = z - z.max(axis=1, keepdims=True)
-        log_p = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        shifted = z - z.max(axis=-1, keepdims=True)
+        log_p = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
         loss = -(y * log_p).sum() / n
         _, param_grads = _backward_from(trace, logits_id, (p - y) / n)
     else:
