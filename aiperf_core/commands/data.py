@@ -79,6 +79,10 @@ def _add_stage(sub) -> None:
                    "(default: sizes and the manifest's digest) and replace those that differ")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.add_argument("--quiet", action="store_true", help="no progress or waiting message on stderr")
+    s.add_argument("--wait", default=None, metavar="DURATION",
+                   help="how long another stage of DST may leave its lease unrenewed: then it is taken over if its "
+                   "process is gone, or, if it still runs (stopped, hung), this stage gives up with one line naming "
+                   "it (exit 2). A duration such as 90s or 5m, or seconds (default 5m)")
     s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
     s.set_defaults(_action=run_stage)
 
@@ -112,8 +116,10 @@ def _clock(seconds: float) -> str:
 
 
 def run_stage(args) -> int:
-    from aiperf_core.data.stage import stage
+    from aiperf_core.data.stage import DEFAULT_WAIT_S, stage
+    from aiperf_core.workflow.duration import parse_duration
 
+    wait_s = DEFAULT_WAIT_S if args.wait is None else parse_duration(args.wait, "--wait")
     live = not args.quiet and sys.stderr.isatty()
 
     def waiting(holder: str) -> None:
@@ -121,7 +127,8 @@ def run_stage(args) -> int:
             print(f"aiperf data stage: {args.dst}: waiting: {holder}", file=sys.stderr, flush=True)
 
     with writing(args.dst):
-        result = stage(args.src, args.dst, args.workers, args.deep, _StageProgress() if live else None, waiting)
+        result = stage(args.src, args.dst, args.workers, args.deep, _StageProgress() if live else None, waiting,
+                       wait_s)
     if args.json:
         print(json.dumps(result.to_dict()))
         return 0

@@ -12,9 +12,15 @@ Why it is safe to start anywhere, any number of times:
   nothing; `deep` checksums every file too and replaces any that differ.
 - An interrupted stage resumes: files already present are checksummed and kept when they match,
   partial files are removed, the rest is copied.
-- One stage per DST at a time: the stager holds DST/.aiperf-stage.lease (rundir.Lease: a holder
-  on this node whose process is gone is taken over at once, one on another host once its lease is
-  stale). Others started meanwhile wait, then find the verified copy and copy nothing.
+- One stage per DST at a time: the stager holds DST/.aiperf-stage.lease (a rundir.Lease), renewed
+  by a thread every RENEW_S while it works. Others started meanwhile wait while the lease is
+  renewed, then find the verified copy and copy nothing.
+- A waiter never waits forever. A holder on this node whose process is gone is taken over at once.
+  One whose process is alive but has not renewed its lease for `wait_s` (stopped by SIGSTOP, hung
+  in the interpreter) is left alone: the waiter gives up with one line naming it (its host, pid,
+  since when, its last renewal), since taking a live process's lease would put two copiers in
+  DST. One on another host, whose process cannot be seen, is taken over once unrenewed for
+  `wait_s`. Takeovers go through Lease's rename aside, so of several waiters exactly one wins.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from aiperf_core.data.manifest import (MANIFEST, Manifest, ManifestError, file_s
                                        verify_files, write_manifest)
 from aiperf_core.errors import AiperfError
 from aiperf_core.rundir import LEASE_RENEW_S, Lease, LeaseHeld
+from aiperf_core.workflow.duration import format_duration
 
 LEASE = ".aiperf-stage.lease"
 PARTIAL = ".aiperf-partial"  # suffix of a file being copied: `.NAME.aiperf-partial` beside NAME
@@ -44,6 +51,12 @@ PARTIAL = ".aiperf-partial"  # suffix of a file being copied: `.NAME.aiperf-part
 # cold one (benchmarks/data_stage.py, docs/performance.md).
 DEFAULT_WORKERS = min(8, 2 * (os.cpu_count() or 1))
 WAIT_POLL_S = 0.5
+RENEW_S = LEASE_RENEW_S  # the holder rewrites its lease this often
+# A waiter gives up on a live holder (or takes over one of another host) whose lease has gone this
+# long unrenewed. Minutes, not seconds: a renewal is an fsync'd write to DST, which a node flushing
+# gigabytes of copied files can hold up for tens of seconds.
+DEFAULT_WAIT_S = 300.0
+MIN_WAIT_RENEWALS = 2  # a wait shorter than two renewals would take a working holder for a hung one
 BUFFER = 1 << 20  # per thread; 4 MiB buffers (8 threads: 32 MiB touched afresh) were 7% of a stage's samples
 BATCH_BYTES = 8 << 20  # a unit of parallel work: files up to this many bytes...
 BATCH_FILES = 64       # ... or this many files
@@ -190,12 +203,15 @@ def _check_space(dst: Path, needed: int, files: int) -> None:
 
 
 class _Held:
-    """The stage lease, renewed in a thread while the copy runs (seen from another host, a lease
-    not renewed for 90 s is taken over)."""
+    """The stage lease: waited for while its holder renews it, then held and renewed in a thread
+    every `renew_s` while the copy runs (see the module's docstring for what a waiter does with a
+    lease unrenewed for `wait_s`)."""
 
-    def __init__(self, dst: Path, on_wait: Callable[[str], None] | None):
-        self.lease = Lease(dst / LEASE, "aiperf data stage")
+    def __init__(self, dst: Path, on_wait: Callable[[str], None] | None, wait_s: float, renew_s: float):
+        self.lease = Lease(dst / LEASE, "aiperf data stage", stale_s=wait_s)  # another host's: taken over then
         self.on_wait = on_wait
+        self.wait_s = wait_s
+        self.renew_s = renew_s
         self.waited_s = 0.0
         self.lost = threading.Event()
         self._stop = threading.Event()
@@ -205,12 +221,20 @@ class _Held:
         started = time.monotonic()
         told = False
         while True:
+            judged = time.time()  # no later than the Lease's own judgement of the holder's age
             try:
-                self.lease.acquire(wait=True)
+                self.lease.acquire()
                 break
             except LeaseHeld as exc:
+                renewed = exc.holder.get("renewed")
+                unrenewed_s = judged - renewed if type(renewed) in (int, float) else 0.0
+                # A lease of another host this old would have been taken over: its process runs here.
+                if unrenewed_s > self.wait_s:
+                    raise StageError(self._hung(exc.holder, judged)) from None
                 if not told and self.on_wait is not None:
-                    self.on_wait(str(exc))
+                    self.on_wait(f"{exc}; waiting while it renews its lease (unrenewed for "
+                                 f"{format_duration(self.wait_s)}, it is taken over if its process is gone, "
+                                 f"or this stage gives up)")
                     told = True
                 time.sleep(WAIT_POLL_S)
         self.waited_s = time.monotonic() - started
@@ -218,8 +242,19 @@ class _Held:
         self._keeper.start()
         return self
 
+    def _hung(self, holder: dict, now: float) -> str:
+        def moment(t) -> str:
+            return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if isinstance(t, (int, float)) else "?"
+
+        pid = holder.get("pid", "?")
+        return (f"{self.lease.path}: held by {holder.get('owner', '?')} pid {pid} on host {holder.get('host', '?')} "
+                f"since {moment(holder.get('acquired'))}, last renewed {moment(holder.get('renewed'))} "
+                f"({now - holder['renewed']:.0f} s ago, past --wait {format_duration(self.wait_s)}): its process "
+                f"is alive but not renewing its lease (stopped or hung), so it is not taken over; end it "
+                f"(kill {pid}) and stage again")
+
     def _keep(self) -> None:
-        while not self._stop.wait(LEASE_RENEW_S):
+        while not self._stop.wait(self.renew_s):
             try:
                 if not self.lease.renew():
                     self.lost.set()
@@ -330,9 +365,15 @@ def _run_parallel(work, items: list[str], sizes: dict[str, int], workers: int, p
 
 
 def stage(src, dst, workers: int = DEFAULT_WORKERS, deep: bool = False, progress: Progress | None = None,
-          on_wait: Callable[[str], None] | None = None) -> StageResult:
-    """Copy the prepared dataset at `src` to `dst` and verify it (see the module's docstring)."""
+          on_wait: Callable[[str], None] | None = None, wait_s: float = DEFAULT_WAIT_S,
+          renew_s: float | None = None) -> StageResult:
+    """Copy the prepared dataset at `src` to `dst` and verify it (see the module's docstring).
+    `renew_s`: how often this stage renews its lease while it holds it (default RENEW_S)."""
     started = time.monotonic()
+    renew_s = RENEW_S if renew_s is None else renew_s
+    if not wait_s >= MIN_WAIT_RENEWALS * renew_s:
+        raise StageError(f"--wait {wait_s:g} s: must be at least {MIN_WAIT_RENEWALS * renew_s:g} s: a stage renews "
+                         f"its lease every {renew_s:g} s, and a shorter wait would take a working one for a hung one")
     src, dst = Path(os.path.abspath(src)), Path(os.path.abspath(dst))
     manifest = _check_arguments(src, dst)
     sizes = {name: e.size for name, e in manifest.files.items()}
@@ -341,7 +382,7 @@ def stage(src, dst, workers: int = DEFAULT_WORKERS, deep: bool = False, progress
         dst.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise StageError(f"{dst}: cannot make the folder: {exc.strerror or exc}") from None
-    with _Held(dst, on_wait) as held:
+    with _Held(dst, on_wait, wait_s, renew_s) as held:
         result.waited_s = held.waited_s
         try:
             staged = read_manifest(dst)
