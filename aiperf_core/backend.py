@@ -7,7 +7,12 @@ the clock: the core counts (opcount) and times. Backends are found through the e
 so that listing backends never fails because one framework is missing.
 
 Arrays crossing this interface are NumPy, in the IR's canonical layout: images NHWC, conv kernels
-HWIO, dense kernels (in, out).
+HWIO, dense kernels (in, out). A sequence graph (a `token_input`) takes integer token ids (N, S) and
+its labels are one class per token, (N, S).
+
+A backend declares the IR ops it lowers (Backend.supported_ops); the conformance kit reports a check
+whose graph needs another op as unsupported, never as a pass, and a workload as certified only where
+every one of its checks ran.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import numpy as np
 
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.inventory import device_model, is_cpu_device
-from aiperf_core.ir import PARAMETRIC_OPS, Graph
+from aiperf_core.ir import ALL_OPS, TRAINED_OPS, VERSION_1_OPS, Graph  # noqa: F401 (ALL_OPS: for backends)
 from aiperf_core.weights import Weights, init_weights, validate_weights
 
 # fp32: IEEE fp32 arithmetic everywhere (no TF32 behind the user's back). tf32: fp32 storage with
@@ -30,10 +35,17 @@ from aiperf_core.weights import Weights, init_weights, validate_weights
 # only the precisions that device runs natively and that pass a probe step (Backend.precisions).
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 MIXED_PRECISIONS = ("tf32", "bf16", "fp16")  # probed per device; fp32 always runs
-AUTO_PRECISION = "auto"  # a run's default: Backend.fastest_precision() on the run's device
-# Where a device has several, fastest first (tensor-core throughput; a backend that measured
-# otherwise overrides Backend.precision_preference).
+# A run's default: the fastest declared precision on the run's device, measured by timing steps of
+# the run's seed model at the start (aiperf_core.workflow.auto_precision).
+AUTO_PRECISION = "auto"
+# Where a device has several, fastest first by tensor-core throughput: Backend.fastest_precision's
+# order, assumed without measuring (for listings and benchmarks; a run's `auto` measures).
 ACCELERATOR_PRECISION_PREFERENCE = ("bf16", "fp16", "tf32", "fp32")
+# The instructions a CPU needs to run a mixed precision natively, any one of them. Without them the
+# frameworks still run it, by converting, several times slower than fp32 (torch's oneDNN bf16 on an
+# AVX-512 Cascade Lake: 4.1x; fp16 on AVX512-FP16 without AMX-FP16: 25x, docs/backends/torch.md), so
+# no backend declares it there (Backend._runs). tf32 is a CUDA tensor-core format: no CPU has it.
+CPU_NATIVE_FLAGS = {"bf16": frozenset({"avx512_bf16", "amx_bf16"}), "fp16": frozenset({"amx_fp16"})}
 
 # A backend that declares data parallelism exposes this many CPU devices (worker processes or
 # logical devices) when the variable is set and no accelerator is present, so that its parallel
@@ -241,7 +253,8 @@ class StepClock:
 
 @dataclass(frozen=True)
 class Dataset:
-    """In-memory arrays: images NHWC float32, labels int64 class indices.
+    """In-memory arrays: images NHWC float32 and labels int64 class indices (N,), or for a sequence
+    graph token ids (N, S) and one label per token (N, S) (the next token, for a language model).
 
     train() also accepts an aiperf_core.data.stream.StreamingDataset (images decoded and augmented
     while training, e.g. ImageNet); a backend tells the two apart with is_streaming(data)."""
@@ -280,16 +293,17 @@ class NativeCounter(abc.ABC):
         """Native ops per category for `batch` images, forward (and backward if asked)."""
 
     @staticmethod
-    def counted_nodes(graph: Graph, backward: bool) -> Iterable[tuple[Any, bool]]:
-        """(node, needs_input_grad) for each conv2d and dense node, in order, for counters that
-        measure node by node. A node's input gradient is computed only when a parameter lies
-        upstream of it (opcount's rule, so both sides count the same backward work)."""
-        if backward and len(graph.output_shape) != 1:
-            raise ValueError("a backward count needs a flat class output")
+    def counted_nodes(graph: Graph, backward: bool,
+                      ops: tuple[str, ...] = ("conv2d", "dense")) -> Iterable[tuple[Any, bool]]:
+        """(node, needs_input_grad) for each node of `ops`, in order, for counters that measure node
+        by node. A node's input gradient is computed only when a trained parameter lies upstream of
+        it (opcount's rule, so both sides count the same backward work)."""
+        if backward and len(graph.output_shape) not in (1, 2):
+            raise ValueError("a backward count needs a class output per sample or per position")
         upstream: dict[str, bool] = {}
         for node in graph.nodes:
-            upstream[node.id] = any(upstream[i] or graph[i].op in PARAMETRIC_OPS for i in node.inputs)
-            if node.op in ("conv2d", "dense"):
+            upstream[node.id] = any(upstream[i] or graph[i].op in TRAINED_OPS for i in node.inputs)
+            if node.op in ops:
                 yield node, upstream[node.id]
 
 
@@ -335,27 +349,34 @@ class Backend(abc.ABC):
         return ("fp32",) + tuple(p for p in MIXED_PRECISIONS if self._runs(device, p))
 
     def _runs(self, device: str, precision: str) -> bool:
+        """Whether `precision` is declared on `device`: on a CPU only where it has the instructions
+        (cpu_runs_natively), and then, as on any device, where the backend's runs_precision says so.
+        The CPU rule is the contract's, for every backend: none repeats it."""
         key = (self.name, device, precision)
         if key not in Backend._probes:
-            Backend._probes[key] = bool(self.runs_precision(device, precision))
+            native = not is_cpu_device(device) or cpu_runs_natively(precision)
+            Backend._probes[key] = native and bool(self.runs_precision(device, precision))
         return Backend._probes[key]
 
     def runs_precision(self, device: str, precision: str) -> bool:
         """Whether `device` runs `precision` (one of MIXED_PRECISIONS) natively and a short probe step
-        stays finite. fp32 always runs. tf32 only where the device has TF32 units (CUDA 8.0+)."""
+        stays finite. fp32 always runs. tf32 only where the device has TF32 units (CUDA 8.0+). On a
+        CPU it is asked only where the CPU has the precision's instructions (CPU_NATIVE_FLAGS): the
+        backend adds its own checks (its framework's kernels, a probe step)."""
         return False
 
     def precision_preference(self, device: str) -> tuple[str, ...]:
-        """Precisions fastest first on `device`, for `auto`. Accelerators: bf16, fp16, tf32, fp32.
-        CPUs: fp32 first, except bf16 where the CPU has AMX tiles (on AVX512-BF16 alone oneDNN's
-        bf16 convolutions are not faster than fp32)."""
+        """Precisions fastest first on `device`, as assumed without measuring (fastest_precision).
+        Accelerators: bf16, fp16, tf32, fp32. CPUs: fp32 first, except bf16 where the CPU has AMX
+        tiles (on AVX512-BF16 alone oneDNN's bf16 convolutions are not faster than fp32)."""
         if is_cpu_device(device):
             return ("bf16", "fp32") if "amx_bf16" in cpu_flags() else ("fp32",)
         return ACCELERATOR_PRECISION_PREFERENCE
 
     def fastest_precision(self, device: str | None = None) -> str:
-        """What `auto` resolves to on `device` (default: the first local device): the first of
-        precision_preference() that the device declares (fp32 when none is)."""
+        """The precision assumed fastest on `device` (default: the first local device), without
+        measuring: the first of precision_preference() that the device declares (fp32 when none is).
+        For listings and benchmarks; a run's `auto` is measured (aiperf_core.workflow.auto_precision)."""
         device = device or self.devices()[0]
         # Probed in order of preference and no further: on a CPU that prefers fp32 nothing is probed.
         return next((p for p in self.precision_preference(device) if p == "fp32" or self._runs(device, p)), "fp32")
@@ -363,6 +384,21 @@ class Backend(abc.ABC):
     def parallelism(self) -> Parallelism:
         """How this backend trains over several devices; SINGLE_DEVICE unless a backend says more."""
         return SINGLE_DEVICE
+
+    def supported_ops(self) -> frozenset[str]:
+        """The IR ops this backend lowers, forward and backward, at every precision it declares.
+        Default: the CNN ops of the IR's first version, so that a plugin written before the sequence
+        ops keeps certifying for the CNN workload and the kit reports the others as unsupported.
+        lower() refuses a graph with another op, naming the node (check_ops)."""
+        return VERSION_1_OPS
+
+    def check_ops(self, graph: Graph) -> None:
+        """A BackendError naming the first node whose op this backend does not lower."""
+        supported = self.supported_ops()
+        for node in graph.nodes:
+            if node.op not in supported:
+                raise GraphError(f"backend '{self.name}' does not lower op '{node.op}' (it declares: "
+                                 f"{', '.join(sorted(supported))})", node.id)
 
     # -- models -------------------------------------------------------------
     @abc.abstractmethod
@@ -379,13 +415,14 @@ class Backend(abc.ABC):
     # -- running a model: the arguments are checked here, once for every backend, so that bad input
     # gets the same one-line error everywhere; backends implement the *_checked methods below.
     def predict(self, model: Any, x: np.ndarray) -> np.ndarray:
-        """Inference-mode output for a batch of NHWC images."""
+        """Inference-mode output for a batch of NHWC images, or of token ids (N, S)."""
         model = self.check_model(model)
         return self.predict_checked(model, check_input(model.graph, x))
 
     def loss_and_grads(self, model: Any, x: np.ndarray, labels: np.ndarray,
                        label_smoothing: float = 0.0) -> tuple[float, Weights]:
-        """Training-mode mean cross-entropy and its gradients (trainable params, canonical layout).
+        """Training-mode mean cross-entropy (over images, or over every token of a sequence graph) and
+        its gradients (trainable params, canonical layout).
         The model is left as it was: weights, moving statistics and any held gradients."""
         model = self.check_model(model)
         x = check_input(model.graph, x)
@@ -440,12 +477,14 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def predict_checked(self, model: Any, x: np.ndarray) -> np.ndarray:
-        """predict() once its arguments are checked: x is float32 NHWC of the graph's input shape."""
+        """predict() once its arguments are checked: x is float32 NHWC of the graph's input shape, or
+        int64 token ids (N, S) below the graph's vocab."""
 
     @abc.abstractmethod
     def loss_and_grads_checked(self, model: Any, x: np.ndarray, labels: np.ndarray,
                                label_smoothing: float) -> tuple[float, Weights]:
-        """loss_and_grads() once its arguments are checked: labels are int64 class indices."""
+        """loss_and_grads() once its arguments are checked: labels are int64 class indices, (N,) or
+        (N, S) per position of a sequence output (N, S, classes)."""
 
     @abc.abstractmethod
     def train_checked(self, model: Any, data: Dataset, config: TrainConfig,
@@ -476,6 +515,7 @@ class Backend(abc.ABC):
         """What lower() starts from: checked weights, or init_weights(seed=0) so every backend starts alike."""
         if not isinstance(graph, Graph):
             raise TypeError(f"graph must be an aiperf_core.ir.Graph, got {type(graph).__name__}")
+        self.check_ops(graph)
         self.check_precision(precision)
         if weights is None:
             weights = init_weights(graph, seed=0)
@@ -495,7 +535,7 @@ class Backend(abc.ABC):
 
 def cpu_flags() -> set[str]:
     """The host CPU's feature flags (/proc/cpuinfo on Linux; empty elsewhere): whether a CPU runs a
-    precision natively (avx512_bf16, amx_bf16, avx512_fp16...) decides what a backend declares."""
+    precision natively (cpu_runs_natively) decides what a backend declares."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -505,6 +545,13 @@ def cpu_flags() -> set[str]:
         pass
     return set()
 
+
+
+def cpu_runs_natively(precision: str) -> bool:
+    """Whether this host's CPU has the instructions for `precision` (CPU_NATIVE_FLAGS; fp32 always)."""
+    if precision == "fp32":
+        return True
+    return bool(CPU_NATIVE_FLAGS.get(precision, frozenset()) & cpu_flags())
 
 def batches(n: int, batch_size: int, rng: np.random.Generator | None = None) -> Iterable[np.ndarray]:
     """Index batches over n items, shuffled when rng is given; the last batch may be short."""
@@ -534,6 +581,7 @@ def cross_entropy(probs: np.ndarray, labels: np.ndarray, label_smoothing: float 
 
 
 def check_input(graph: Graph, x) -> np.ndarray:
+    """x as float32 images, or as int64 token ids for a sequence graph; a one-line GraphError if not."""
     arr = np.asarray(x)
     want = tuple(graph.input_shape)
     if arr.ndim != len(want) + 1 or tuple(arr.shape[1:]) != want:
@@ -541,19 +589,30 @@ def check_input(graph: Graph, x) -> np.ndarray:
                          graph.input_id)
     if arr.shape[0] < 1:
         raise GraphError("input batch is empty", graph.input_id)
+    if graph.takes_tokens:
+        if arr.dtype.kind not in "iu":
+            raise GraphError(f"token ids must be integers, got dtype {arr.dtype}", graph.input_id)
+        if arr.min() < 0 or arr.max() >= graph.vocab:
+            raise GraphError(f"token ids must lie in [0, {graph.vocab}), got values in [{arr.min()}, {arr.max()}]",
+                             graph.input_id)
+        return np.ascontiguousarray(arr, dtype=np.int64)
     if arr.dtype.kind not in "fiu":
         raise GraphError(f"input batch must hold real numbers, got dtype {arr.dtype}", graph.input_id)
     return np.ascontiguousarray(arr, dtype=np.float32)
 
 
 def check_labels(graph: Graph, labels, n: int) -> np.ndarray:
+    """Labels as int64 class indices: (n,), one per image, or (n, S), one per token."""
     lab = np.asarray(labels)
     node = graph.output_id
-    if len(graph.output_shape) != 1:
-        raise GraphError(f"the loss needs a flat class output, got shape {list(graph.output_shape)}", node)
-    classes = graph.output_shape[0]
-    if lab.shape != (n,):
-        raise GraphError(f"labels have shape {list(lab.shape)}, expected [{n}] (one class index per image)", node)
+    if len(graph.output_shape) not in (1, 2):
+        raise GraphError(f"the loss needs a class output per sample (classes) or per position (S, classes), "
+                         f"got shape {list(graph.output_shape)}", node)
+    classes = graph.output_shape[-1]
+    shape = (n,) + tuple(graph.output_shape[:-1])
+    if lab.shape != shape:
+        what = "one class index per position" if len(shape) == 2 else "one class index per image"
+        raise GraphError(f"labels have shape {list(lab.shape)}, expected {list(shape)} ({what})", node)
     if lab.dtype.kind not in "iu":
         raise GraphError(f"labels must be integer class indices, got dtype {lab.dtype}", node)
     if n and (lab.min() < 0 or lab.max() >= classes):
@@ -589,7 +648,10 @@ def check_dataset(graph: Graph, data: Dataset) -> None:
         return
     for xs, ys, what in ((data.x_train, data.y_train, "training"), (data.x_val, data.y_val, "validation")):
         if len(xs) != len(ys):
-            raise BackendError(f"{what} set has {len(xs)} images but {len(ys)} labels")
+            raise BackendError(f"{what} set has {len(xs)} samples but {len(ys)} labels")
+        if graph.takes_tokens and np.asarray(xs).dtype not in (np.int32, np.int64):
+            raise BackendError(f"{what} set: token ids must be int32 or int64 (uint8 is read as pixels), "
+                               f"got {np.asarray(xs).dtype}")
         if len(xs):
             check_input(graph, xs[:1])
             check_labels(graph, np.asarray(ys), len(ys))

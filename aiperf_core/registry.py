@@ -19,6 +19,18 @@ from aiperf_core.entry_points import NAMESPACE, backend_entry_points, distributi
 DEFAULT_BACKEND = "tensorflow"  # the paper's default framework (Table 4)
 ENV_VAR = "AIPERF_BACKEND"
 
+# The frameworks' C++ logging, read from the environment when a framework first loads:
+# {variable: (quiet value, the framework's own default)}. Quiet drops informational lines and keeps
+# warnings and errors wherever the framework's levels tell them apart.
+FRAMEWORK_LOG_LEVELS = {
+    # TensorFlow, and XLA under jax: 0 INFO, 1 WARNING, 2 ERROR, 3 FATAL.
+    "TF_CPP_MIN_LOG_LEVEL": ("1", "0"),
+    # MindSpore: 0 DEBUG, 1 INFO, 2 WARNING, 3 ERROR. Quiet keeps errors only, because MindSpore logs
+    # routine events as warnings: "Numpy init failed" at every import, a missing Ascend plugin on a
+    # CPU machine.
+    "GLOG_v": ("3", "2"),
+}
+
 
 @dataclass
 class BackendInfo:
@@ -35,6 +47,14 @@ class BackendInfo:
         return {"name": self.name, "available": self.available, "reason": self.reason, "version": self.version,
                 "devices": self.devices, "precisions": self.precisions, "module": self.module,
                 "distribution": self.distribution}
+
+
+def set_framework_logging(verbose: bool = False) -> None:
+    """Put the frameworks' logging levels in the environment, quiet or (verbose: `aiperf --debug`) the
+    frameworks' own defaults. A variable already set, by the user or by an earlier call, is kept.
+    Each backend calls this before it first imports its framework; the CLI calls it first with --debug."""
+    for name, (quiet, framework_default) in FRAMEWORK_LOG_LEVELS.items():
+        os.environ.setdefault(name, framework_default if verbose else quiet)
 
 
 def _one_line(exc: BaseException) -> str:

@@ -250,7 +250,8 @@ class Replica:
         """run.json's resolved precision. Where the primary could not probe the devices (SLURM) it
         is the policy's explicit precision, or `auto` as this replica first resolved it (its earliest
         replica_start: a restart trains as before), or, on its first start, the fastest precision
-        the backend declares on this node's first device."""
+        the backend declares on this node's first device, timed on the seed model as the primary
+        times it (workflow.auto_precision; the timings go to replica.log)."""
         if self.spec.precision is not None:
             return self.spec.precision
         if self.policy["precision"] != AUTO_PRECISION:
@@ -258,7 +259,14 @@ class Replica:
         earlier = [e.get("precision") for e in past if e.get("event") == "replica_start"]
         if earlier and earlier[0] in PRECISIONS:
             return earlier[0]
-        return self.backend.fastest_precision(self.backend.devices()[0])
+        from aiperf_core.workflow import auto_precision
+
+        device = self.backend.devices()[0]
+        probe = auto_precision.measure(self.backend, device, self.initial_graph(), self.backend.precisions(device),
+                                       auto_precision.batch_size_for(device, self.policy["batch_size"]))
+        print(f"replica {self.id}: precision {probe['chosen']} ({auto_precision.describe(probe)})",
+              file=sys.stderr, flush=True)
+        return probe["chosen"]
 
     def _loop(self, seq: int, planner: ThreadPoolExecutor) -> str:
         failures = 0

@@ -43,12 +43,12 @@ def _data(graph, n: int, seed: int):
 
 def test_availability_and_precisions_on_cpu():
     assert MindSporeBackend.availability().available
-    from aiperf_core.backend import cpu_flags
+    from aiperf_core.backend import cpu_runs_natively
 
     backend = MindSporeBackend()
     assert backend.devices() == ["cpu"]
     # MindSpore 2.10's CPU Conv2D has no bfloat16 kernel; fp16 only where the CPU computes in it natively.
-    native_fp16 = bool({"avx512_fp16", "amx_fp16"} & cpu_flags())
+    native_fp16 = cpu_runs_natively("fp16")
     assert backend.precisions() == (("fp32", "fp16") if native_fp16 else ("fp32",))
     graph = resnet_small((8, 8, 3), 3)
     for precision in {"fp16", "bf16"} - set(backend.precisions()):

@@ -36,7 +36,7 @@ class Crash(BaseException):
 class Reporting:
     """The numpy backend, reporting `compile_seconds[epoch]` in its epoch reports (a compiling
     backend's first epoch holds the compile); with `crash_after`, killed after that many epochs;
-    `fastest` stands for the fastest precision of this node's device."""
+    `fastest` stands for the fastest precision of this node's device: declared with fp32."""
 
     def __init__(self, compile_seconds, crash_after=None, fastest="fp32"):
         self.inner = load_backend("numpy")
@@ -47,9 +47,9 @@ class Reporting:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def fastest_precision(self, device=None):
+    def precisions(self, device=None):
         self.resolved_on.append(device)
-        return self.fastest
+        return ("fp32",) if self.fastest == "fp32" else ("fp32", self.fastest)
 
     def train(self, model, data, config, on_epoch=None):
         self.trained_at.append(config.precision)

@@ -99,17 +99,19 @@ def _config(tmp_path, extra: str = "") -> str:
 
 # --- precision ---------------------------------------------------------------------------------
 def test_auto_resolves_to_the_fastest_declared_precision_of_the_run_device(on_path):
+    seed = {"model": "resnet_small", "input_shape": [8, 8, 3], "classes": 3, "batch_size": 4}
     with plan.BackendProbe("planted-mixed") as probe:
-        facts = probe.facts()
+        facts = probe.facts(auto=seed)
     assert (facts.devices, facts.device, facts.precisions) == (["fake:0"], "fake:0", ("fp32", "bf16", "fp16"))
-    assert facts.fastest_precision == "bf16"  # an accelerator: bf16, fp16, tf32, fp32 in that order
-    assert plan.resolve_precision("auto", facts, "planted-mixed") == "bf16"
+    timed = facts.precision_probe["seconds_per_step"]  # measured: tests/test_auto_precision.py
+    assert set(timed) == {"fp32", "bf16", "fp16"} and facts.precision_probe["chosen"] == min(timed, key=timed.get)
+    assert plan.resolve_precision("auto", facts, "planted-mixed") == facts.precision_probe["chosen"]
     assert plan.resolve_precision("fp16", facts, "planted-mixed") == "fp16"
     with pytest.raises(AiperfError, match=r"^policy\.precision: backend 'planted-mixed' does not declare tf32 on "
                                           r"fake:0 \(it declares fp32, bf16, fp16; auto picks the fastest\)$"):
         plan.resolve_precision("tf32", facts, "planted-mixed")
     with plan.BackendProbe("numpy") as probe:  # a CPU without AMX: fp32
-        assert plan.resolve_precision("auto", probe.facts(), "numpy") == "fp32"
+        assert plan.resolve_precision("auto", probe.facts(auto=seed), "numpy") == "fp32"
 
 
 def test_a_slurm_primary_leaves_auto_to_the_replicas():
@@ -162,8 +164,7 @@ def test_jax_fp16_is_refused_up_front(tmp_path, capsys):
 
 def test_resume_trains_at_the_recorded_precision(tmp_path):
     run = {"backend": "planted-mixed", "precision": "bf16"}
-    facts = plan.BackendFacts(devices=["fake:0"], data_parallel=False, device="fake:0", precisions=("fp32",),
-                              fastest_precision="fp32")
+    facts = plan.BackendFacts(devices=["fake:0"], data_parallel=False, device="fake:0", precisions=("fp32",))
     with pytest.raises(AiperfError, match=r"^--resume: the run trains at bf16 \(run.json precision\), which backend "
                                           r"'planted-mixed' does not declare on fake:0 here"):
         plan.check_recorded_precision(run, facts)
@@ -241,5 +242,7 @@ def test_a_run_whose_every_trial_fails_exits_non_zero_and_names_the_cause(tmp_pa
     assert "FAILED: the run produced nothing" in result.stdout and "run ended: all_replicas_finished" in result.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["failure"]["first_cause"] == cause and summary["failure"]["failed_trials"] == 3
+    probe = summary["precision"].pop("probe")  # only fp32 declared on this CPU: nothing timed
+    assert (probe["chosen"], probe["seconds_per_step"]) == ("fp32", {})
     assert summary["precision"] == {"policy": "auto", "resolved": "fp32", "trials": {"fp32": 3}}
     assert json.loads((run_dir / "score.json").read_text())["failure"]["first_where"] == "trial r0000-t00000"

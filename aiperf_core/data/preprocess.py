@@ -68,11 +68,14 @@ def normalise(pixels: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 def model_input(x: np.ndarray) -> np.ndarray:
     """A batch as a model takes it on the host: streamed uint8 pixels normalised (`normalise`),
-    in-memory float32 arrays (a Dataset, already normalised) as they are."""
+    in-memory float32 arrays (a Dataset, already normalised) as they are, token ids (int32 or int64,
+    never uint8, which is pixels) as int64."""
     if x.dtype == np.uint8:
         return normalise(x)
+    if x.dtype in (np.int32, np.int64):
+        return x.astype(np.int64, copy=False)
     if x.dtype != np.float32:
-        raise AiperfError(f"batch images: expected uint8 pixels or float32 arrays, got {x.dtype}")
+        raise AiperfError(f"batch: expected uint8 pixels, float32 arrays or int32/int64 token ids, got {x.dtype}")
     return x
 
 

@@ -102,13 +102,17 @@ def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, 
 
 def precision_summary(ledger: RunLedger) -> dict[str, Any]:
     """What the policy asked (`auto` or a precision), what run.json resolved it to (null where each
-    replica resolves it: SLURM), and the trials per precision they trained at."""
+    replica resolves it: SLURM), the trials per precision they trained at, and the timings `auto`
+    was resolved by (`probe`, run.json's `precision_probe`: only where the primary timed them)."""
     run = ledger.info.run
     trials: dict[str, int] = {}
     for trial in ledger.trials.values():
         trials[str(trial.precision)] = trials.get(str(trial.precision), 0) + 1
     policy = run.get("policy") if isinstance(run.get("policy"), dict) else {}
-    return {"policy": policy.get("precision"), "resolved": run.get("precision"), "trials": dict(sorted(trials.items()))}
+    summary = {"policy": policy.get("precision"), "resolved": run.get("precision"), "trials": dict(sorted(trials.items()))}
+    if isinstance(run.get("precision_probe"), dict):
+        summary["probe"] = run["precision_probe"]
+    return summary
 
 
 def compile_summary(ledger: RunLedger) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from aiperf_core.scoring.ledger import RunLedger
 from aiperf_core.scoring.rules import MAX_ERROR
 from aiperf_core.scoring.score import ScoreResult
 from aiperf_core.scoring.units import format_ops, ops_prefix
+from aiperf_core.workflow.auto_precision import describe as describe_precision_probe
 
 TIMELINE_ROWS = 64  # replicas drawn in the timeline; a 4096-row chart is unreadable and huge
 TABLE_ROWS = 64  # replicas listed in the node table
@@ -86,8 +87,7 @@ def _precision(summary: dict[str, Any]) -> str:
     if resolved is None:
         text = f"{asked}, resolved by each replica on its node"
     else:
-        text = f"{resolved} (auto: the fastest the backend declares on the run's device)" if asked == "auto" \
-            else str(resolved)
+        text = f"{resolved} ({describe_precision_probe(precision.get('probe'))})" if asked == "auto" else str(resolved)
     trained = ", ".join(f"{name} {n}" for name, n in precision.get("trials", {}).items())
     return escape(text) + (f" &mdash; trials: {escape(trained)}" if trained else "")
 

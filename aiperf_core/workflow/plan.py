@@ -7,9 +7,11 @@ configuration (CONFIG_KEYS) is hashed into run.json's `config_sha256`, and a res
 configuration hashes differently is refused before anything starts.
 
 The backend is probed in a child process (BackendProbe) for what the checks need: its devices,
-whether it trains data-parallel, and the precisions it declares on the run's device. The policy's
+whether it trains data-parallel, and the precisions it declares on the run's device; for `auto`,
+it also times the seed model's steps at each of them (workflow.auto_precision). The policy's
 `precision` (default `auto`) is resolved against them here, once, and the result is recorded as
 run.json's `precision`, part of the fixed configuration: a resume trains at the recorded precision.
+The timings behind `auto` go to run.json's `precision_probe`.
 """
 
 from __future__ import annotations
@@ -180,7 +182,7 @@ class BackendFacts:
     data_parallel: bool  # Backend.parallelism().data_parallel
     device: str | None = None  # run_device(devices); None when precisions were not probed
     precisions: tuple[str, ...] | None = None  # Backend.precisions(device)
-    fastest_precision: str | None = None  # Backend.fastest_precision(device): what `auto` gives
+    precision_probe: dict[str, Any] | None = None  # auto_precision.measure(): what `auto` gives, where asked
 
 
 # Run in a child process: initialising a framework's devices can take GPU memory for as long as
@@ -196,8 +198,11 @@ try:
     facts = {"devices": devices, "data_parallel": bool(backend.parallelism().data_parallel)}
     if sys.argv[2] == "precisions":
         device = run_device(devices)
-        facts.update(device=device, precisions=list(backend.precisions(device)),
-                     fastest_precision=backend.fastest_precision(device))
+        facts.update(device=device, precisions=list(backend.precisions(device)))
+        seed = json.loads(sys.stdin.read() or "null")  # sent once the primary has described the dataset
+        if seed is not None:
+            from aiperf_core.workflow.auto_precision import measure_seed_model
+            facts["precision_probe"] = measure_seed_model(backend, device, facts["precisions"], seed)
     print(json.dumps(facts))
 except AiperfError as exc:
     print(json.dumps({"error": str(exc)}))
@@ -207,9 +212,9 @@ except AiperfError as exc:
 class BackendProbe:
     """What backend `name` is on this machine (BackendFacts), found by a child process that runs
     while the primary does its other checks. With `precisions`, the precisions of the run's device
-    are probed too (a short step per mixed precision); without, only devices and parallelism (a
-    SLURM primary, whose node is not where replicas train). An unknown or unavailable backend is an
-    AiperfError naming --backend."""
+    are probed too (a short step per mixed precision), and, where facts() is given the seed model,
+    timed for `auto`; without, only devices and parallelism (a SLURM primary, whose node is not
+    where replicas train). An unknown or unavailable backend is an AiperfError naming --backend."""
 
     def __init__(self, name: str, precisions: bool = True, timeout_s: float = 600):
         import subprocess
@@ -217,7 +222,7 @@ class BackendProbe:
 
         self.name, self.timeout_s = name, timeout_s
         self.process = subprocess.Popen([sys.executable, "-c", _PROBE, name, "precisions" if precisions else "devices"],
-                                        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                         text=True)
 
     def __enter__(self) -> "BackendProbe":
@@ -228,11 +233,12 @@ class BackendProbe:
             self.process.kill()
             self.process.communicate()
 
-    def facts(self) -> BackendFacts:
+    def facts(self, auto: dict[str, Any] | None = None) -> BackendFacts:
+        """`auto`: the seed model whose steps `auto` times (auto_request), or None: nothing timed."""
         import subprocess
 
         try:
-            out, err = self.process.communicate(timeout=self.timeout_s)
+            out, err = self.process.communicate(json.dumps(auto) if auto is not None else "", timeout=self.timeout_s)
         except subprocess.TimeoutExpired:
             raise AiperfError(f"--backend {self.name}: loading it took more than {self.timeout_s:.0f} s") from None
         try:
@@ -244,21 +250,36 @@ class BackendProbe:
             raise AiperfError(f"--backend {self.name}: {result['error']}")
         precisions = result.get("precisions")
         return BackendFacts(devices=result["devices"], data_parallel=result["data_parallel"],
-                            device=result.get("device"), fastest_precision=result.get("fastest_precision"),
+                            device=result.get("device"), precision_probe=result.get("precision_probe"),
                             precisions=None if precisions is None else tuple(precisions))
+
+
+def auto_request(policy: Mapping[str, Any], dataset: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What BackendProbe.facts() times for `auto`: the run's seed model at its input size and
+    first batch size; None where the policy asks for a precision."""
+    from aiperf_core.backend import AUTO_PRECISION
+
+    if policy["precision"] != AUTO_PRECISION:
+        return None
+    size = policy["image_size"]
+    return {"model": policy["initial_architecture"], "input_shape": [size, size, 3],
+            "classes": dataset["classes"], "batch_size": policy["batch_size"]}
 
 
 def resolve_precision(asked: str, facts: BackendFacts, backend: str) -> str | None:
     """The precision the run trains at (run.json `precision`): `auto` resolved to the fastest the
-    backend declares on the run's device, or the precision asked for, which that device must
-    declare. Where precisions were not probed (SLURM: the devices are on the compute nodes), an
-    explicit precision is recorded as asked and `auto` as None: each replica resolves it on its node."""
+    backend declares on the run's device, as timed (facts.precision_probe), or the precision asked
+    for, which that device must declare. Where precisions were not probed (SLURM: the devices are
+    on the compute nodes), an explicit precision is recorded as asked and `auto` as None: each
+    replica resolves it on its node."""
     from aiperf_core.backend import AUTO_PRECISION
 
     if facts.precisions is None:
         return None if asked == AUTO_PRECISION else asked
     if asked == AUTO_PRECISION:
-        return facts.fastest_precision
+        if facts.precision_probe is None:
+            raise ValueError("auto needs the timings of BackendProbe.facts(auto=auto_request(...))")
+        return facts.precision_probe["chosen"]
     if asked not in facts.precisions:
         raise AiperfError(f"policy.precision: backend '{backend}' does not declare {asked} on {facts.device} "
                           f"(it declares {', '.join(facts.precisions)}; auto picks the fastest)")
@@ -364,15 +385,19 @@ def resumed_configuration(run: Mapping[str, Any], request: RunRequest, backend_g
 def run_record(*, backend: str, executor: str, replicas: int, devices_per_replica: int, seed: int,
                time_budget_s: float, policy: dict[str, Any], dataset: dict[str, Any],
                stop_after_trials: int | None, watch: WatchSettings, precision: str | None = None,
-               now: float | None = None) -> dict[str, Any]:
+               precision_probe: dict[str, Any] | None = None, now: float | None = None) -> dict[str, Any]:
     """run.json's content (schema_version is added by RunDir.write_run). `precision` is the resolved
-    one (resolve_precision); None only where each replica resolves `auto` on its node."""
+    one (resolve_precision); None only where each replica resolves `auto` on its node.
+    `precision_probe`: the timings `auto` was resolved by (BackendFacts.precision_probe), kept out
+    of the fixed configuration: a measurement, not a setting."""
     from aiperf_core.backend import AUTO_PRECISION, PRECISIONS
     from aiperf_core.policy import Policy
 
     asked = policy["precision"]
     if precision is not None and (precision not in PRECISIONS or asked not in (AUTO_PRECISION, precision)):
         raise AiperfError(f"precision {precision!r} is not a resolution of policy.precision {asked!r}")
+    if precision_probe is not None and precision_probe.get("chosen") != precision:
+        raise AiperfError(f"precision {precision!r} is not what the precision probe chose")
     now = time.time() if now is None else now
     run = {
         "run_id": new_run_id(now),
@@ -396,6 +421,8 @@ def run_record(*, backend: str, executor: str, replicas: int, devices_per_replic
     }
     if stop_after_trials is None:
         del run["stop_after_trials"]  # optional key: present only in a bounded (test) run
+    if precision_probe is not None:
+        run["precision_probe"] = precision_probe  # optional key: present where the primary timed `auto`
     run["config_sha256"] = config_sha256(run)
     return run
 

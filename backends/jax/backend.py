@@ -20,6 +20,8 @@ where jax is not installed; availability() then says why not.
   local device) by sharding the batch axis over a mesh of exactly those devices (distributed.py).
 * native counter: XLA's cost analysis, always compiled for the CPU client of this process, whatever
   the training device (counter.py).
+* logging: XLA's C++ INFO lines are off (TF_CPP_MIN_LOG_LEVEL=1 unless set, 0 under `aiperf --debug`:
+  aiperf_core.registry.set_framework_logging), its warnings and errors shown.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, BackendError, Dataset, EpochCallback,
                                  EpochReport, NativeCounter, Parallelism, requested_cpu_devices, TrainConfig)
 from aiperf_core.ir import Graph
+from aiperf_core.registry import set_framework_logging
 from aiperf_core.weights import Weights, init_weights
 
 _HOST_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\S*)")
@@ -54,6 +57,7 @@ def initialise():
     gets a one-line error instead of a silently different device count."""
     global _cpu_devices
     if _cpu_devices is None:
+        set_framework_logging()  # XLA reads TF_CPP_MIN_LOG_LEVEL when jaxlib loads
         wanted = requested_cpu_devices()
         if wanted and not _accelerator_wanted():
             flags = os.environ.get("XLA_FLAGS", "")
@@ -128,6 +132,7 @@ class JaxBackend(Backend):
     # -- discovery ----------------------------------------------------------
     @classmethod
     def availability(cls) -> Availability:
+        set_framework_logging()  # the probe imports jax first
         return cls.import_availability("jax", "jax")
 
     def framework_version(self) -> str:

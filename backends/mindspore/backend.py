@@ -18,9 +18,9 @@ backends work where it is not installed; availability() then says why not.
 * precisions: fp32 everywhere; mixed fp16 (with dynamic loss scaling) and bf16 (float32 master
   weights, batch norm and loss in float32) where the first device runs them natively and a small
   probe trains finitely: on Ascend by the probe alone; on a CPU only where it has the instructions
-  (AVX512-FP16/AMX-FP16, AVX512-BF16/AMX-BF16) *and* MindSpore has the kernels. MindSpore 2.10's
-  CPU Conv2D has no bfloat16 kernel, so bf16 is never declared on a CPU, and fp16 only on CPUs
-  with native half-precision arithmetic; lower() and train() reject the others with a clear error.
+  (the contract's rule, Backend._runs: AMX-FP16 for fp16, AVX512-BF16 or AMX-BF16 for bf16) *and*
+  MindSpore has the kernels. MindSpore 2.10's CPU Conv2D has no bfloat16 kernel, so bf16 is never
+  declared on a CPU; lower() and train() reject the others with a clear error.
 * train: SGD with momentum (nn.Momentum) in this process on TrainConfig.devices (default: every
   device); with several devices, data parallel with one process per device (distributed.py: HCCL
   on Ascend), and a single accelerator other than this process's in one worker bound to it.
@@ -32,19 +32,18 @@ backends work where it is not installed; availability() then says why not.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
 
-from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, BackendError, cpu_flags, Dataset,
+from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, BackendError, Dataset,
                                  EpochCallback, EpochReport, NativeCounter, Parallelism, requested_cpu_devices,
                                  TrainConfig)
-from aiperf_core.ir import Graph
+from aiperf_core.ir import ALL_OPS, Graph
+from aiperf_core.registry import set_framework_logging
 from aiperf_core.weights import Weights
 
-# Native instructions a CPU needs before a mixed precision is offered on it (see the docstring).
-_CPU_FLAGS = {"fp16": ("avx512_fp16", "amx_fp16"), "bf16": ("avx512_bf16", "amx_bf16")}
+_OFFERED = ("fp16", "bf16")  # tf32 is a CUDA precision: Ascend and CPUs have none
 
 
 _cpu_devices: int | None = None  # AIPERF_CPU_DEVICES as read when the backend first loaded MindSpore (0: unset)
@@ -55,9 +54,7 @@ def _ms():
     global _cpu_devices
     if _cpu_devices is None:
         _cpu_devices = requested_cpu_devices()
-    # MindSpore logs warnings for routine events (e.g. a missing Ascend plugin on a CPU machine);
-    # GLOG_v=3 keeps errors only, unless the user set it.
-    os.environ.setdefault("GLOG_v", "3")
+    set_framework_logging()  # GLOG_v: MindSpore's routine warnings off (registry.FRAMEWORK_LOG_LEVELS)
     import mindspore
 
     import aiperf_backends.mindspore.lowering  # noqa: F401  (settles MindSpore's NumPy bridge on first import)
@@ -94,7 +91,7 @@ class MindSporeBackend(Backend):
     # -- discovery ----------------------------------------------------------
     @classmethod
     def availability(cls) -> Availability:
-        os.environ.setdefault("GLOG_v", "3")
+        set_framework_logging()  # the probe imports MindSpore first
         return cls.import_availability("mindspore", "mindspore")
 
     def framework_version(self) -> str:
@@ -109,11 +106,7 @@ class MindSporeBackend(Backend):
         return [f"{target}:{i}" for i in range(max(int(context.device_count()), 1))]
 
     def runs_precision(self, device: str, precision: str) -> bool:
-        if precision not in _CPU_FLAGS:  # tf32 is a CUDA precision; Ascend and CPUs have none
-            return False
-        if device.startswith("cpu") and not set(_CPU_FLAGS[precision]) & cpu_flags():
-            return False
-        return _probe_precision(precision)
+        return precision in _OFFERED and _probe_precision(precision)
 
     def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
         from aiperf_backends.mindspore.peak import matmul_seconds
@@ -123,6 +116,9 @@ class MindSporeBackend(Backend):
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True,
                            notes="DATA_PARALLEL over HCCL (Ascend) or MCCL (CPU workers), gradients_mean, synchronised batch norm")
+
+    def supported_ops(self) -> frozenset[str]:
+        return ALL_OPS  # every op, forward and backward, at every declared precision (lowering.py)
 
     def native_counter(self) -> NativeCounter | None:
         from aiperf_backends.mindspore.counter import MindSporeFlopsCounter
@@ -174,7 +170,7 @@ class MindSporeBackend(Backend):
             try:
                 # Dropout masks are the NumPy reference's for seed 0: deterministic, and comparable.
                 masks = model.masks_from(np.random.default_rng(0), len(x))
-                target = targets(labels, model.graph.output_shape[0], label_smoothing)
+                target = targets(labels, model.graph.output_shape[-1], label_smoothing)
                 params = [p for _, _, p in trainable]
                 (_, total), grads = gradient_function(model, params)(model.to_cell_layout(x), target, masks,
                                                                      Tensor(np.float32(1.0 / len(x))))

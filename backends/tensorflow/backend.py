@@ -18,9 +18,10 @@ backends work where it is not installed. `framework()` imports and configures it
   into N logical devices before TF's runtime starts, so that devices() lists 'cpu:0' ... 'cpu:N-1'
   and the data-parallel path can be certified on a CPU machine. A process whose TF runtime had
   already started gets a one-line error instead of a silently different device count.
-* TF's C++ logging is quieted to warnings and errors (TF_CPP_MIN_LOG_LEVEL=1 unless set; errors
-  are never hidden), its Python logger to errors. A few lines TF's C++ core prints before absl
-  logging is initialised (CPU-feature notices at import) ignore it.
+* TF's C++ logging is quieted to warnings and errors (TF_CPP_MIN_LOG_LEVEL=1 unless set, or 0 under
+  `aiperf --debug`: aiperf_core.registry.set_framework_logging), its Python logger to errors. The
+  lines TF's C++ core logs through absl before absl logging is initialised ignore that variable;
+  the first import drops those below it from its stderr (`_loading_tensorflow`).
 
 The contract:
 
@@ -41,8 +42,12 @@ The contract:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import re
+import sys
+import tempfile
 from typing import Any
 
 import numpy as np
@@ -50,7 +55,8 @@ import numpy as np
 from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, BackendError, Dataset, EpochCallback,
                                  EpochReport, NativeCounter, Parallelism, TrainConfig, cpu_flags,
                                  requested_cpu_devices)
-from aiperf_core.ir import Graph
+from aiperf_core.ir import ALL_OPS, Graph
+from aiperf_core.registry import set_framework_logging
 from aiperf_core.weights import Weights, init_weights
 
 FPMATH_ENV = "ONEDNN_DEFAULT_FPMATH_MODE"
@@ -73,9 +79,74 @@ def xla_setting() -> bool | None:
 
 def _environment_defaults() -> None:
     """What must be in the environment before TensorFlow's C++ core loads."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")  # drop INFO lines, keep warnings and errors
+    set_framework_logging()
     if platform.machine().lower() in ("x86_64", "amd64"):
         os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "1")
+
+
+# An absl log line: severity, MMDD, time (seconds since the epoch before absl is initialised), thread, file:line].
+_ABSL_LINE = re.compile(rb"([IWEF])\d{4} \d\d:\d\d:\d+\.\d+ +\d+ [^\s\]]+:\d+\] ")
+_ABSL_SEVERITIES = b"IWEF"  # TF_CPP_MIN_LOG_LEVEL's 0, 1, 2, 3
+_ABSL_PREINIT_BANNER = b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR"
+
+
+def kept_import_lines(captured: bytes, min_log_level: int) -> bytes:
+    """What the import's stderr keeps: every line but absl's below `min_log_level`, and (from 1 up)
+    absl's banner saying that it logs to stderr until initialised, a note on logging itself."""
+    kept = []
+    for line in captured.splitlines(keepends=True):
+        found = _ABSL_LINE.match(line)
+        if found and _ABSL_SEVERITIES.index(found.group(1)) < min_log_level:
+            continue
+        if min_log_level >= 1 and line.rstrip() == _ABSL_PREINIT_BANNER:
+            continue
+        kept.append(line)
+    return b"".join(kept)
+
+
+def _min_log_level() -> int:
+    try:
+        return int(os.environ.get("TF_CPP_MIN_LOG_LEVEL", "0"))
+    except ValueError:
+        return 0
+
+
+@contextlib.contextmanager
+def _loading_tensorflow():
+    """Around a process's first `import tensorflow`: the environment TF's C++ core reads as it loads,
+    and the import's stderr without the log lines TF_CPP_MIN_LOG_LEVEL is meant to drop.
+
+    TensorFlow 2.21 logs the oneDNN notice ("oneDNN custom operations are on...", at INFO, from
+    tensorflow/core/util/port.cc, once per library linking it: twice an import) through absl before
+    absl logging is initialised, preceded each time by absl's banner. absl prints everything to
+    stderr until then; TF_CPP_MIN_LOG_LEVEL does not reach it, and no other environment variable
+    does. Turning oneDNN off would drop the notice and the speed it is there for (docs/backends/
+    tensorflow.md), so instead the import's fd 2 (where C++ writes) goes to a temporary file and is
+    written back less those lines: warnings, errors, Python warnings and tracebacks stay, only
+    delayed until the import ends. A crash inside the import would lose what it wrote; at
+    TF_CPP_MIN_LOG_LEVEL=0 (`aiperf --debug`) nothing is captured."""
+    _environment_defaults()
+    min_log_level = _min_log_level()
+    saved = None
+    if "tensorflow" not in sys.modules and min_log_level > 0:
+        sys.stderr.flush()
+        with contextlib.suppress(OSError):  # no stderr: nothing to filter
+            saved = os.dup(2)
+    if saved is None:
+        yield
+        return
+    with tempfile.TemporaryFile() as capture:
+        os.dup2(capture.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            capture.seek(0)
+            kept = memoryview(kept_import_lines(capture.read(), min_log_level))
+            while kept:
+                kept = kept[os.write(2, kept):]
 
 
 def _omp_threads() -> int:
@@ -96,8 +167,8 @@ def framework():
                                f"the tensorflow backend's fp32 would not be IEEE fp32: unset it (ask for precision "
                                f"bf16 instead)")
         xla_setting()  # a bad value fails here, before anything trains
-        _environment_defaults()
-        import tensorflow as tf
+        with _loading_tensorflow():
+            import tensorflow as tf
 
         tf.get_logger().setLevel("ERROR")
         wanted = requested_cpu_devices()
@@ -141,13 +212,13 @@ def _compute_capability(device: str) -> tuple[int, int]:
 
 
 def runs_natively(device: str, precision: str) -> bool:
-    """Whether the hardware of `device` runs `precision` natively (before any probe)."""
+    """Whether the hardware of `device` runs `precision` natively (before any probe). On a CPU the
+    contract has already required the precision's instructions (Backend._runs, CPU_NATIVE_FLAGS):
+    of those, this backend offers bf16 only."""
     if device.startswith("gpu"):
         capability = _compute_capability(device)
         return capability >= {"tf32": (8, 0), "bf16": (8, 0), "fp16": (7, 0)}[precision]
-    if precision == "bf16":
-        return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
-    return False  # tf32 is a CUDA tensor-core format; fp16 on a CPU is not offered
+    return precision == "bf16"  # tf32 is a CUDA tensor-core format; fp16 on a CPU is not offered
 
 
 def _probe_precision(device: str, precision: str) -> bool:
@@ -177,8 +248,8 @@ class TensorFlowBackend(Backend):
     # -- discovery ----------------------------------------------------------
     @classmethod
     def availability(cls) -> Availability:
-        _environment_defaults()  # the probe below imports TF first
-        return cls.import_availability("tensorflow", "tensorflow")
+        with _loading_tensorflow():  # the probe imports TF first
+            return cls.import_availability("tensorflow", "tensorflow")
 
     def framework_version(self) -> str:
         return framework().__version__
@@ -209,6 +280,9 @@ class TensorFlowBackend(Backend):
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True,
                            notes="MirroredStrategy over the training devices with synchronised batch norm")
+
+    def supported_ops(self) -> frozenset[str]:
+        return ALL_OPS  # lowering.py lowers every op of the IR, forward and backward
 
     def native_counter(self) -> NativeCounter | None:
         from aiperf_backends.tensorflow.counter import TFProfilerCounter
@@ -257,7 +331,7 @@ class TensorFlowBackend(Backend):
         with tf.device(tf_device_name(model.device)), precision_scope(model.precision):
             with tf.GradientTape() as tape:
                 total, _, _ = summed_loss(model, tf.constant(x), tf.constant(labels), label_smoothing, True, masks)
-                loss = total / len(x)
+                loss = total / labels.size  # the mean over every label: images, or every token
             grads = tape.gradient(loss, model.trainables) if model.trainables else []
         return float(loss), model.canonical_grads(grads)
 
