@@ -60,8 +60,11 @@ def test_batches_copied_ahead_train_as_resident_ones(device, small, monkeypatch)
     resident = backend.train(backend.lower(*small), data, config)
     monkeypatch.setattr(feeds, "DEVICE_RESIDENT_BYTES", 0)
     ahead = backend.train(backend.lower(*small), data, config)
+    # Not bit for bit: cuDNN's backward kernels accumulate with atomics, so two trainings on the same batches
+    # differ in the last bits. On an H100 the validation loss of two epochs differed by 2.1e-6 (relative);
+    # a batch fed wrongly (a wrong or stale copy) moves it by far more than 1e-5.
     for a, b in zip(ahead, resident):
-        assert a.loss == pytest.approx(b.loss, rel=1e-6) and a.val_loss == pytest.approx(b.val_loss, rel=1e-6)
+        assert a.loss == pytest.approx(b.loss, rel=1e-5) and a.val_loss == pytest.approx(b.val_loss, rel=1e-5)
 
 
 def test_compiled_step_with_cuda_graphs_trains_as_eager(device, small):
@@ -81,7 +84,10 @@ def test_compiled_step_with_cuda_graphs_trains_as_eager(device, small):
     assert comp[0].compile_seconds > 0 and comp[1].compile_seconds == 0.0
     for a, b in zip(comp, eager):
         assert a.loss == pytest.approx(b.loss, rel=1e-3)
-    worst = max(float(np.max(np.abs(w_comp[n][p] - w_eager[n][p])) / max(np.max(np.abs(w_eager[n][p])), 1e-12))
+    # Normwise per tensor, as the kit compares training gradients: ten SGD steps through batch norms
+    # amplify the last-bit differences of inductor's fused kernels on a few entries (max-abs 8.5e-3 on
+    # an H100, 2026-11-26), which the 2-norm averages; a wrong compiled step differs at order 1.
+    worst = max(float(np.linalg.norm(w_comp[n][p] - w_eager[n][p]) / max(np.linalg.norm(w_eager[n][p]), 1e-12))
                 for n in w_eager for p in w_eager[n])
     assert worst < 1e-3
 

@@ -11,11 +11,13 @@ where torch is not installed.
   everywhere; tf32 on CUDA devices of compute capability 8.0+; bf16 and fp16 as mixed precision
   (torch.autocast, fp32 master weights; fp16 training uses a GradScaler). A mixed precision is
   declared only where the device runs it natively (CUDA: fp16 always, bf16 where
-  torch.cuda.is_bf16_supported(); CPU: where oneDNN reports native bf16 / fp16 support) and a small
+  torch.cuda.is_bf16_supported(); CPU: where the CPU has the instructions, the contract's rule
+  (CPU_NATIVE_FLAGS), and oneDNN has the kernels) and a small
   probe (conv, batch norm, dense and the loss, forward and backward, in the precision's scope)
   produced finite values in the expected dtype. torch 2.13's CPU autocast accepts both bf16 and fp16
-  on any x86 CPU, but without the instructions it emulates them, slower than fp32, which a
-  benchmark should not offer as a choice.
+  on any x86 CPU, and oneDNN reports bf16 on any AVX-512 one, but without the instructions it
+  emulates them, slower than fp32, which a benchmark should not offer as a choice.
+* ops: every op of the IR (lowering.py says how each is lowered), image and sequence graphs alike.
 * train: TrainConfig.devices (default: every local device). One device trains in this process
   (the model moves there); several train data parallel, one spawned process per device
   (distributed.py).
@@ -29,9 +31,9 @@ from typing import Any
 import numpy as np
 
 from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, BackendError, Dataset, EpochCallback,
-                                 EpochReport, NativeCounter, Parallelism, cpu_flags, requested_cpu_devices,
+                                 EpochReport, NativeCounter, Parallelism, requested_cpu_devices,
                                  TrainConfig)
-from aiperf_core.ir import Graph
+from aiperf_core.ir import ALL_OPS, Graph
 from aiperf_core.weights import Weights
 
 _THREADS_SET = False
@@ -76,7 +78,7 @@ def _probe_precision(device: str, precision: str) -> bool:
                 return False
             if dev.type == "cuda" and precision == "bf16" and not torch.cuda.is_bf16_supported():
                 return False
-            if dev.type == "cpu" and not _cpu_has_native(torch, precision):
+            if dev.type == "cpu" and not _onednn_runs(torch, precision):
                 return False
         gen = torch.Generator().manual_seed(0)
         net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
@@ -101,17 +103,16 @@ def _probe_precision(device: str, precision: str) -> bool:
         return False
 
 
-def _cpu_has_native(torch, precision: str) -> bool:
-    """Whether oneDNN runs `precision` natively on this CPU: AVX512-BF16 or AMX for bf16, AMX-FP16
-    for fp16. Without it CPU autocast still runs, by converting, and is several times slower than
-    fp32, so such a precision is not declared. fp16 measured 3.5x slower on an AVX512-BF16 Zen 4
-    without FP16 units, and 25x slower with AVX512-FP16 but no AMX-FP16 (an Intel Xeon with AMX-BF16:
-    the kit's digits training took 206 s at fp16 and 8.3 s at fp32 in one run): oneDNN reports fp16
-    support there, but only the matrix products use it (docs/backends/torch.md)."""
+def _onednn_runs(torch, precision: str) -> bool:
+    """Whether this torch's oneDNN has CPU kernels for `precision`. Whether the CPU has the
+    instructions is the contract's rule (Backend._runs, CPU_NATIVE_FLAGS), applied before this probe:
+    oneDNN alone reports bf16 on any AVX-512 CPU, where it emulates it (4.1x slower than fp32 on a
+    Cascade Lake), and fp16 on AVX512-FP16 without AMX-FP16, where training is 25x slower
+    (docs/backends/torch.md)."""
     try:
-        if precision == "bf16":
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        return "amx_fp16" in cpu_flags() and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        supported = {"bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported,
+                     "fp16": torch.ops.mkldnn._is_mkldnn_fp16_supported}[precision]
+        return bool(supported())
     except (AttributeError, RuntimeError):
         return False
 
@@ -151,6 +152,9 @@ class TorchBackend(Backend):
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True,
                            notes="DistributedDataParallel, one process per device (NCCL on GPUs, gloo on CPUs); SyncBatchNorm on CUDA, DistributedBatchNorm elsewhere")
+
+    def supported_ops(self) -> frozenset[str]:
+        return ALL_OPS
 
     def native_counter(self) -> NativeCounter | None:
         from aiperf_backends.torch.counter import TorchFlopCounter

@@ -7,9 +7,11 @@ wrong gradients. Which kernel oneDNN picks depends on the CPU, so the backend do
 per process and conv geometry, it runs the conv on a small batch and compares the weight gradient
 with an independent one (im2col by `F.unfold` and a matrix product).
 
-A geometry is the conv as the model runs it: input and output channels, kernel, stride and the
+A geometry is the conv as the model runs it: input and output channels, kernel, stride, the
 symmetric padding passed to the conv (asymmetric padding is an explicit F.pad before a conv with
-padding 0), at the model's compute dtype (fp32, or the autocast dtype of a mixed precision). The
+padding 0) and the groups (grouped and depthwise convs run other oneDNN kernels than dense ones,
+so they are probed like any other: the reference is the same im2col, group by group), at the
+model's compute dtype (fp32, or the autocast dtype of a mixed precision). The
 probe batch is 2 images of at most a few pixels more than the kernel's reach, which keeps the
 whole probe of ResNet-50 to tens of milliseconds.
 
@@ -65,10 +67,12 @@ class ConvGeometry:
     kernel: tuple[int, int]
     stride: tuple[int, int]
     padding: tuple[int, int]  # symmetric padding given to the conv itself
+    groups: int = 1
 
     def describe(self) -> str:
+        grouped = f", {self.groups} groups" if self.groups > 1 else ""
         return (f"{self.kernel[0]}x{self.kernel[1]} stride {self.stride[0]}x{self.stride[1]} padding "
-                f"{self.padding[0]}x{self.padding[1]} ({self.in_channels}->{self.out_channels} channels)")
+                f"{self.padding[0]}x{self.padding[1]} ({self.in_channels}->{self.out_channels} channels{grouped})")
 
     @property
     def can_subsample(self) -> bool:
@@ -79,13 +83,16 @@ class ConvGeometry:
 _FORMS: dict[tuple[ConvGeometry, torch.dtype, int], str] = {}
 
 
-def run_conv(conv2d: Conv2d, form: str, x: torch.Tensor, weight: torch.Tensor, bias, stride, padding):
-    """conv2d(x, weight) in `form` (see the module docstring); NCHW logical layout in and out."""
+def run_conv(conv2d: Conv2d, form: str, x: torch.Tensor, weight: torch.Tensor, bias, stride, padding,
+             groups: int = 1):
+    """conv2d(x, weight) in `form` (see the module docstring); NCHW logical layout in and out. The
+    groups are passed only where there are several, as the lowered model's code does."""
+    grouped = (1, groups) if groups > 1 else ()
     if form == CHANNELS_LAST:
-        return conv2d(x, weight, bias, stride, padding)
+        return conv2d(x, weight, bias, stride, padding, *grouped)
     if form == SUBSAMPLED:
-        return conv2d(x[:, :, ::stride[0], ::stride[1]], weight, bias, 1, 0)
-    y = conv2d(x.contiguous(), weight.contiguous(), bias, stride, padding)
+        return conv2d(x[:, :, ::stride[0], ::stride[1]], weight, bias, 1, 0, *grouped)
+    y = conv2d(x.contiguous(), weight.contiguous(), bias, stride, padding, *grouped)
     return y.contiguous(memory_format=torch.channels_last)
 
 
@@ -95,20 +102,22 @@ def weight_gradient_error(conv2d: Conv2d, geometry: ConvGeometry, form: str, dty
     gen = torch.Generator().manual_seed(0)
     size = [k + s * PROBE_MARGIN for k, s in zip(g.kernel, g.stride)]  # PROBE_MARGIN + 1 outputs or more
     x = torch.randn(PROBE_BATCH, g.in_channels, *size, generator=gen)
-    w = torch.randn(g.out_channels, g.in_channels, *g.kernel, generator=gen)
+    w = torch.randn(g.out_channels, g.in_channels // g.groups, *g.kernel, generator=gen)
     if dtype != torch.float32:  # the reference sees the same rounded values as the 16-bit kernel
         x, w = x.to(dtype).float(), w.to(dtype).float()
     x = x.contiguous(memory_format=torch.channels_last)
     weight = w.contiguous(memory_format=torch.channels_last).requires_grad_(True)
     with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-        y = run_conv(conv2d, form, x, weight, None, g.stride, g.padding)
+        y = run_conv(conv2d, form, x, weight, None, g.stride, g.padding, g.groups)
     grad_out = torch.randn(y.shape, generator=gen)
     if dtype != torch.float32:
         grad_out = grad_out.to(dtype).float()
     (y.float() * grad_out).sum().backward()
-    # im2col reference: grad_w[o, c*kh*kw] = sum over images and positions of g[o, l] * cols[c*kh*kw, l]
+    # im2col reference: grad_w[o, c*kh*kw] = sum over images and positions of g[o, l] * cols[c*kh*kw, l],
+    # where filter o of group j reads the input channels of group j only
     cols = F.unfold(x.contiguous(), g.kernel, padding=g.padding, stride=g.stride)  # (N, C*kh*kw, L)
-    ref = torch.einsum("nol,nkl->ok", grad_out.reshape(PROBE_BATCH, g.out_channels, -1), cols)
+    ref = torch.einsum("njol,njkl->jok", grad_out.reshape(PROBE_BATCH, g.groups, g.out_channels // g.groups, -1),
+                       cols.reshape(PROBE_BATCH, g.groups, -1, cols.shape[-1])).reshape(g.out_channels, -1)
     got = weight.grad.float().reshape(g.out_channels, -1)
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 

@@ -3,16 +3,28 @@
 FlopCounterMode counts 2 FLOPs per multiply-accumulate of the matrix products and convolutions it
 knows, over every output position times the full kernel window, so padded taps count (the paper's
 convention). It does not count bias additions, normalisation, activations, pooling or softmax, so
-only 'conv' and 'dense' are covered:
+only 'conv', 'dense' and 'attention' are covered:
 
 * conv:  aten.convolution (and its variants) forward, aten.convolution_backward backward (the input
   gradient only where one is needed, the weight gradient always);
-* dense: aten.mm / addmm / bmm / baddbmm (a dense layer's forward is an addmm, its backward two mm).
+* dense: aten.mm / addmm (a dense layer's forward is an addmm, over N*S rows of a sequence; its
+  backward two mm);
+* attention: the fused scaled-dot-product-attention kernels, forward and backward, and bmm /
+  baddbmm, which in a lowered model only attention's products run (where torch falls back to its
+  unfused attention). FlopCounterMode counts the full S x S scores of both products, causal or not
+  (the paper convention). Two of its rules are changed here:
+  - torch 2.13 has no rule for the CPU flash kernel (aten._scaled_dot_product_flash_attention_for_cpu
+    and its backward), so it counted nothing; they get torch's rules for the CUDA kernels;
+  - torch's backward rule adds the recomputation of the scores (Q K^T again) that the fused
+    kernels do instead of keeping the probabilities; the model's backward is the four input
+    gradients of the two products (as the analytic count, Megatron-LM's and PaLM's MFU), so the
+    backward rules here are torch's less that recomputation.
 
 Forward-only counts run in eval mode under no_grad. Forward+backward counts run a training-mode
-forward and the backward of the loss, with an input that does not require grad, so the first conv
-computes no input gradient, as the analytic rule says. Batch-norm statistics and the parameters'
-.grad are restored afterwards: counting never changes the model. The weight update is not counted.
+forward and the backward of the loss, with an input that does not require grad (token ids never
+do), so the first conv or dense computes no input gradient, as the analytic rule says. Batch-norm
+statistics and the parameters' .grad are restored afterwards: counting never changes the model. The
+weight update is not counted.
 """
 
 from __future__ import annotations
@@ -24,14 +36,16 @@ from aiperf_core.backend import CounterConvention, NativeCounter
 CONVENTION = CounterConvention(
     mac_ops=2,
     padding="paper",
-    covers=("conv", "dense"),
+    covers=("conv", "dense", "attention"),
     includes_update=False,
     notes=("torch.utils.flop_counter.FlopCounterMode: 2 FLOPs per MAC of convolutions and matrix products, "
-           "padded taps included; bias, normalisation, activation, pooling and softmax are not counted; "
-           "the backward count has no weight update"),
+           "padded taps and the causal mask's S x S scores included (attention's backward without the fused "
+           "kernels' recomputation of the scores); bias, normalisation, activation, pooling and softmax are "
+           "not counted; the backward count has no weight update"),
 )
 
-_DENSE_OPS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm")
+_DENSE_OPS = ("mm", "addmm", "matmul", "_scaled_mm")
+_ATTENTION_OPS = ("bmm", "baddbmm")
 
 
 def category_of(op) -> str:
@@ -41,7 +55,32 @@ def category_of(op) -> str:
         return "conv"
     if name in _DENSE_OPS:
         return "dense"
+    if name in _ATTENTION_OPS or "attention" in name:
+        return "attention"
     return "other"
+
+
+def attention_rules() -> dict:
+    """FlopCounterMode's custom_mapping: the CPU flash kernel counted, and every fused backward
+    without the recomputed scores (module docstring). Rules take the shapes of the op's arguments."""
+    import torch
+    from torch.utils.flop_counter import bmm_flop, sdpa_backward_flop_count, sdpa_flop_count
+
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs) -> int:
+        b, heads, s_q, d = query
+        recomputed_scores = bmm_flop((b * heads, s_q, d), (b * heads, d, key[2]))
+        return sdpa_backward_flop_count(grad_out, query, key, value) - recomputed_scores
+
+    return {aten._scaled_dot_product_flash_attention_for_cpu: forward,
+            aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+            aten._scaled_dot_product_flash_attention_backward: backward,
+            aten._scaled_dot_product_efficient_attention_backward: backward,
+            aten._scaled_dot_product_cudnn_attention_backward: backward}
 
 
 class TorchFlopCounter(NativeCounter):
@@ -52,20 +91,22 @@ class TorchFlopCounter(NativeCounter):
         from torch.utils.flop_counter import FlopCounterMode
 
         from aiperf_backends.torch.loss import summed_loss
-        from aiperf_backends.torch.training import preserved
+        from aiperf_backends.torch.training import device_of, preserved
 
         graph = model.graph
-        device = next(model.parameters()).device
+        device = device_of(model)
         rng = np.random.default_rng(0)
-        x = torch.from_numpy(rng.standard_normal((batch,) + tuple(graph.input_shape)).astype(np.float32)).to(device)
+        shape = (batch,) + tuple(graph.input_shape)
+        x = rng.integers(0, graph.vocab, shape) if graph.takes_tokens else rng.standard_normal(shape).astype(np.float32)
+        x = torch.from_numpy(x).to(device)
         was_training = model.training
-        counter = FlopCounterMode(display=False)
+        counter = FlopCounterMode(display=False, custom_mapping=attention_rules())
         try:
             if backward:
-                classes = graph.output_shape[-1] if len(graph.output_shape) == 1 else None
-                if classes is None:
-                    raise ValueError("a backward count needs a flat class output")
-                labels = torch.from_numpy(rng.integers(0, classes, batch)).to(device)
+                if len(graph.output_shape) not in (1, 2):
+                    raise ValueError("a backward count needs a class output per sample or per position")
+                labels = rng.integers(0, graph.output_shape[-1], (batch,) + tuple(graph.output_shape[:-1]))
+                labels = torch.from_numpy(labels).to(device)
                 with preserved(model):
                     model.train()
                     with counter:
@@ -77,7 +118,7 @@ class TorchFlopCounter(NativeCounter):
                     model(x)
         finally:
             model.train(was_training)
-        out = {"conv": 0, "dense": 0, "other": 0}
+        out = {"conv": 0, "dense": 0, "attention": 0, "other": 0}
         for op, flops in counter.get_flop_counts().get("Global", {}).items():
             out[category_of(op)] += int(flops)
         return out

@@ -76,8 +76,8 @@ class DistributedBatchNorm(nn.modules.batchnorm._BatchNorm):
     """
 
     def _check_input_dim(self, input):
-        if input.dim() not in (2, 4):
-            raise ValueError(f"expected a 2D or 4D input, got {input.dim()}D")
+        if input.dim() not in (2, 3, 4):
+            raise ValueError(f"expected a 2D, 3D or 4D input, got {input.dim()}D")
 
     def forward(self, x):
         if not (self.training and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -362,7 +362,8 @@ def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list
         job = make_job(model, config, devices, stream=data, reports=reports_q, replies=replies_q)
     else:
         shared = []
-        for array, dtype in ((data.x_train, np.float32), (data.y_train, np.int64), (data.x_val, np.float32),
+        inputs = np.int64 if model.graph.takes_tokens else np.float32  # token ids, or normalised images
+        for array, dtype in ((data.x_train, inputs), (data.y_train, np.int64), (data.x_val, inputs),
                              (data.y_val, np.int64)):
             shared.append(torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).share_memory_())
         job = make_job(model, config, devices, data=shared, classes=data.classes, reports=reports_q,

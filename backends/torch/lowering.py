@@ -25,9 +25,37 @@ On a CPU each conv runs in the form conv_probe chose for its geometry: channels_
 CPU's kernel computes a wrong weight gradient there (issue 18.1). `place(model, device)` moves a
 model and generates its forward again for the new device.
 
+Sequences (a `token_input` graph, or an `input` of shape (S, D)) keep the IR's layout, (N, S, D),
+with the ops over the last axis: no permutes.
+
 Padding is explicit per side [top, bottom, left, right]. Symmetric padding is passed to the conv
 or pool itself (so the fast oneDNN/cuDNN paths apply); asymmetric padding is an ``F.pad`` (zeros
-for conv, -inf for max-pool) followed by the op with padding 0.
+for conv and avg-pool, -inf for max-pool) followed by the op with padding 0.
+
+The ops of the IR's second version:
+
+* ``conv2d`` with ``groups``: F.conv2d's ``groups`` (the IR's HWIO kernel with I = C/groups is
+  torch's OIHW kernel transposed, filter block g reading input channel block g in both);
+* ``lrn``: F.local_response_norm, which is ONNX's LRN: it sums the squares over the window
+  [c - size//2, c + (size-1)//2] of zero-padded channels and scales the sum by alpha/size;
+* ``avg_pool``: F.avg_pool2d, ``count_include_pad = count_padding``, where torch's own padding
+  can hold the IR's (symmetric, at most half the window); otherwise the window sums of the
+  zero-padded input (``divisor_override=1``) divided by kh*kw, or by each window's real taps (a
+  buffer computed when lowering) when padding is not counted;
+* ``mul_const``/``add_const``: the constant is a buffer (`Constant`), exported and imported with the
+  weights like batch norm's moving statistics, never trained;
+* ``channel_shuffle``: the (G, C/G) -> (C/G, G) transpose of the channel axis, done on the
+  channels_last memory (NHWC view), so that it is one copy;
+* ``embedding``: F.embedding of the ids with the table (``nn.Embedding``'s weight, (vocab, units),
+  the IR's layout); ``position_embedding``: the input plus its table (`PositionTable`);
+* ``layer_norm``: F.layer_norm over the last axis (biased variance, as the IR; an image's channels
+  through its NHWC view), in fp32 under mixed precision (autocast keeps it in fp32 on CUDA but not
+  on a CPU: the cast makes both alike);
+* ``attention``: F.scaled_dot_product_attention(is_causal=causal) on (N, A, S, d) views of the
+  (N, S, A*d) inputs (`attention` below), so that torch picks its fused kernel (flash,
+  memory-efficient or cuDNN attention on CUDA, the flash kernel for CPUs);
+* ``gelu``: F.gelu(approximate="tanh"); ``softmax`` over the last axis, per position of a
+  sequence.
 
 Batch norm is ``nn.BatchNorm2d``/``nn.BatchNorm1d`` with ``eps = epsilon`` and
 ``momentum = 1 - IR momentum`` (the IR's momentum is Keras-style, torch's is its complement). Like
@@ -57,10 +85,8 @@ from aiperf_backends.torch import conv_probe
 from aiperf_backends.torch.loss import normalise_pixels, summed_loss
 from aiperf_backends.torch.precision import AUTOCAST_DTYPES, compute_dtype
 from aiperf_core.errors import GraphError
-from aiperf_core.ir import Graph
+from aiperf_core.ir import Graph, is_trainable
 from aiperf_core.weights import Weights, validate_weights
-
-TRAINABLE = ("kernel", "bias", "gamma", "beta")
 
 # Producers whose output autograd does not keep (their backward needs only their input),
 # so a sole reader may overwrite that output in place.
@@ -162,6 +188,52 @@ def concat_mixed(*xs):
     return torch.cat(xs, dim=1)
 
 
+def attention(q, k, v, heads: int, causal: bool):
+    """The IR's attention on (N, S, heads * d) query, key and value: heads split to (N, A, S, d), the
+    fused kernel (its scale is 1/sqrt(d), its causal mask the pairs j > i), heads joined again."""
+    n, s, width = q.shape
+    q, k, v = (t.view(n, s, heads, width // heads).transpose(1, 2) for t in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return y.transpose(1, 2).reshape(n, s, width)
+
+
+def channel_shuffle(x, groups: int):
+    """ShuffleNet's shuffle of NCHW `x`: channel g * (C/G) + j moves to j * G + g. Done on the NHWC
+    view, which is the memory order of a channels_last tensor, and returned channels_last."""
+    nhwc = x.permute(0, 2, 3, 1)
+    shuffled = nhwc.unflatten(3, (groups, nhwc.shape[3] // groups)).transpose(3, 4).flatten(3)
+    return shuffled.permute(0, 3, 1, 2)
+
+
+class Constant(nn.Module):
+    """The constant of a mul_const or add_const node: a buffer (exported and imported with the
+    weights, never trained), of shape (C,) or (1,)."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.register_buffer("value", torch.zeros(size))
+
+
+class PositionTable(nn.Module):
+    """A position_embedding's learned table, (S, D)."""
+
+    def __init__(self, seq_len: int, units: int):
+        super().__init__()
+        self.table = nn.Parameter(torch.zeros(seq_len, units))
+
+
+class RealTaps(nn.Module):
+    """The number of real (not padded) taps of each window of an avg_pool whose padding torch's own
+    pooling cannot hold, (1, 1, Ho, Wo): the divisor when padding is not counted."""
+
+    def __init__(self, height: int, width: int, attrs):
+        super().__init__()
+        pt, pb, pl, pr = attrs["padding"]
+        ones = F.pad(torch.ones(1, 1, height, width), (pl, pr, pt, pb))
+        taps = F.avg_pool2d(ones, tuple(attrs["kernel"]), tuple(attrs["strides"]), 0, divisor_override=1)
+        self.register_buffer("taps", taps, persistent=False)
+
+
 def _split_padding(padding) -> tuple[tuple[int, int] | None, tuple[int, int, int, int] | None]:
     """(symmetric padding for the op, or None) and (F.pad argument, or None)."""
     pt, pb, pl, pr = padding
@@ -175,14 +247,23 @@ def conv_geometry(graph: Graph, node) -> conv_probe.ConvGeometry:
     a = node.attrs
     sym, _ = _split_padding(a["padding"])
     return conv_probe.ConvGeometry(graph.shapes[node.inputs[0]][-1], a["filters"], tuple(a["kernel"]),
-                                   tuple(a["strides"]), sym if sym is not None else (0, 0))
+                                   tuple(a["strides"]), sym if sym is not None else (0, 0), a.get("groups", 1))
+
+
+def _torch_pads_pool(kernel, padding) -> tuple[int, int] | None:
+    """The padding to give torch's own pooling, or None where it cannot hold the IR's: asymmetric, or
+    more than half the window (torch's limit)."""
+    sym, _ = _split_padding(padding)
+    if sym is not None and 2 * sym[0] <= kernel[0] and 2 * sym[1] <= kernel[1]:
+        return sym
+    return None
 
 
 class LoweredModel(nn.Module):
     """An IR graph as a torch module.
 
-    ``forward(x)`` takes an NHWC batch (or (N, C) for a flat input) and returns the graph's output
-    in the IR's layout. The batch is float32, normalised, or (an RGB image input) uint8 pixels,
+    ``forward(x)`` takes an NHWC batch (or (N, C) for a flat input, (N, S, D) for a sequence, int64
+    token ids (N, S) for a token input) and returns the graph's output in the IR's layout. The batch is float32, normalised, or (an RGB image input) uint8 pixels,
     which the forward normalises first on the model's device (loss.normalise_pixels). ``forward(x, logits=True)`` returns the softmax's input instead when the
     output node is a softmax, so that the loss can use a stable log-softmax.
     """
@@ -218,6 +299,11 @@ class LoweredModel(nn.Module):
     @property
     def has_logits(self) -> bool:
         return self._logits_id is not None
+
+    @property
+    def positions(self) -> int:
+        """Labels per sample: 1 for a class per image, S for a class per position of a sequence."""
+        return math.prod(self.graph.output_shape[:-1])
 
     def training_loss(self, x, labels, label_smoothing: float):
         """loss.summed_loss of a batch, through a function generated for this model alone (what
@@ -286,7 +372,7 @@ class LoweredModel(nn.Module):
             module = self.layers[self.module_names[node_id]]
             out[node_id] = {}
             for pname in shapes:
-                if trainable_only and pname not in TRAINABLE:
+                if trainable_only and not is_trainable(pname):
                     continue
                 tensor, _ = _torch_param(module, pname, None)
                 out[node_id][pname] = to_canonical(module, pname, tensor.detach())
@@ -298,7 +384,7 @@ class LoweredModel(nn.Module):
             module = self.layers[self.module_names[node_id]]
             out[node_id] = {}
             for pname in shapes:
-                if pname not in TRAINABLE:
+                if not is_trainable(pname):
                     continue
                 tensor, _ = _torch_param(module, pname, None)
                 grad = tensor.grad if tensor.grad is not None else torch.zeros_like(tensor)
@@ -311,14 +397,25 @@ def _make_module(graph: Graph, node):
     in_shape = graph.shapes[node.inputs[0]] if node.inputs else None
     if node.op == "conv2d":
         kh, kw = a["kernel"]
-        return nn.Conv2d(in_shape[-1], a["filters"], (kh, kw), stride=tuple(a["strides"]), bias=a["use_bias"])
+        return nn.Conv2d(in_shape[-1], a["filters"], (kh, kw), stride=tuple(a["strides"]), bias=a["use_bias"],
+                         groups=a.get("groups", 1))
     if node.op == "batch_norm":
         cls = BatchNorm2d if len(in_shape) == 3 else BatchNorm1d
         return cls(in_shape[-1], eps=a["epsilon"], momentum=1.0 - a["momentum"])
     if node.op == "dense":
-        return nn.Linear(in_shape[0], a["units"], bias=a["use_bias"])
+        return nn.Linear(in_shape[-1], a["units"], bias=a["use_bias"])
     if node.op == "dropout":
         return Dropout(a["rate"])
+    if node.op in ("mul_const", "add_const"):
+        return Constant(graph.param_shapes(node.id)["value"][0])
+    if node.op == "embedding":
+        return nn.Embedding(a["vocab"], a["units"])
+    if node.op == "position_embedding":
+        return PositionTable(*in_shape)
+    if node.op == "layer_norm":
+        return nn.LayerNorm(in_shape[-1], eps=a["epsilon"])
+    if node.op == "avg_pool" and not a["count_padding"] and _torch_pads_pool(a["kernel"], a["padding"]) is None:
+        return RealTaps(in_shape[0], in_shape[1], a)
     return None
 
 
@@ -326,7 +423,8 @@ def _namespace() -> dict[str, Any]:
     """The globals of the generated code (read when it is generated: a planted kernel must be in
     place before lowering)."""
     return {"torch": torch, "F": F, "inf": math.inf, "conv2d": conv2d, "add_mixed": add_mixed,
-            "concat_mixed": concat_mixed, "normalise_pixels": normalise_pixels, "summed_loss": summed_loss}
+            "concat_mixed": concat_mixed, "attention": attention, "channel_shuffle": channel_shuffle,
+            "normalise_pixels": normalise_pixels, "summed_loss": summed_loss}
 
 
 def generate_source(graph: Graph, module_names: Mapping[str, str], conv_forms: Mapping[str, str],
@@ -382,18 +480,24 @@ def _expression(graph: Graph, node, args: list[str], layer: str | None, inplace:
     a, op = node.attrs, node.op
     if op == "input":
         return "x.permute(0, 3, 1, 2)" if len(a["shape"]) == 3 else "x"
+    if op == "token_input":
+        return "x"
     if op == "conv2d":
         sym, pad = _split_padding(a["padding"])
         src = args[0] if pad is None else f"F.pad({args[0]}, {pad})"
         bias = f"{layer}.bias" if a["use_bias"] else "None"
         stride, padding = tuple(a["strides"]), sym if sym is not None else (0, 0)
+        # groups only where there are several: a conv function planted by a test may not take it
+        groups = f", 1, {a['groups']}" if a.get("groups", 1) > 1 else ""
         form = conv_forms[node.id]
         if form == conv_probe.SUBSAMPLED:
-            return f"conv2d({src}[:, :, ::{stride[0]}, ::{stride[1]}], {layer}.weight, {bias}, 1, 0)"
+            return f"conv2d({src}[:, :, ::{stride[0]}, ::{stride[1]}], {layer}.weight, {bias}, 1, 0{groups})"
         if form == conv_probe.CONTIGUOUS:
-            return (f"conv2d({src}.contiguous(), {layer}.weight.contiguous(), {bias}, {stride}, {padding})"
+            return (f"conv2d({src}.contiguous(), {layer}.weight.contiguous(), {bias}, {stride}, {padding}{groups})"
                     f".contiguous(memory_format=torch.channels_last)")
-        return f"conv2d({src}, {layer}.weight, {bias}, {stride}, {padding})"
+        return f"conv2d({src}, {layer}.weight, {bias}, {stride}, {padding}{groups})"
+    if op == "batch_norm" and len(graph.shapes[node.inputs[0]]) == 2:  # (N, S, D): torch's channels are axis 1
+        return f"{layer}({args[0]}.transpose(1, 2)).transpose(1, 2)"
     if op in ("batch_norm", "dropout"):
         return f"{layer}({args[0]})"
     if op == "dense":
@@ -411,13 +515,12 @@ def _expression(graph: Graph, node, args: list[str], layer: str | None, inplace:
     if op == "concat":
         return f"concat_mixed({', '.join(args)})" if mixed else f"torch.cat([{', '.join(args)}], 1)"
     if op == "max_pool":
-        kh, kw = a["kernel"]
-        sym, pad = _split_padding(a["padding"])
-        # torch's own padding (implicitly -inf) only goes up to half the window.
-        if sym is not None and 2 * sym[0] <= kh and 2 * sym[1] <= kw:
-            return f"F.max_pool2d({args[0]}, {(kh, kw)}, {tuple(a['strides'])}, {sym})"
+        kernel = tuple(a["kernel"])
+        own = _torch_pads_pool(kernel, a["padding"])  # torch's own padding is implicitly -inf
+        if own is not None:
+            return f"F.max_pool2d({args[0]}, {kernel}, {tuple(a['strides'])}, {own})"
         pt, pb, pl, pr = a["padding"]
-        return f"F.max_pool2d(F.pad({args[0]}, {(pl, pr, pt, pb)}, value=-inf), {(kh, kw)}, {tuple(a['strides'])}, 0)"
+        return f"F.max_pool2d(F.pad({args[0]}, {(pl, pr, pt, pb)}, value=-inf), {kernel}, {tuple(a['strides'])}, 0)"
     if op == "global_avg_pool":
         return f"{args[0]}.mean(dim=(2, 3))"
     if op == "flatten":
@@ -426,6 +529,37 @@ def _expression(graph: Graph, node, args: list[str], layer: str | None, inplace:
         return f"{args[0]}.reshape({args[0]}.shape[0], -1)"
     if op == "softmax":
         return f"torch.softmax({args[0]}.float(), dim=-1)"
+    if op == "lrn":
+        return f"F.local_response_norm({args[0]}, {a['size']}, {a['alpha']!r}, {a['beta']!r}, {a['bias']!r})"
+    if op == "avg_pool":
+        kernel, strides = tuple(a["kernel"]), tuple(a["strides"])
+        own = _torch_pads_pool(kernel, a["padding"])
+        if own is not None:
+            return f"F.avg_pool2d({args[0]}, {kernel}, {strides}, {own}, count_include_pad={a['count_padding']})"
+        pt, pb, pl, pr = a["padding"]
+        sums = f"F.avg_pool2d(F.pad({args[0]}, {(pl, pr, pt, pb)}), {kernel}, {strides}, 0, divisor_override=1)"
+        return f"{sums} / {kernel[0] * kernel[1]}" if a["count_padding"] else f"{sums} / {layer}.taps"
+    if op in ("mul_const", "add_const"):
+        value = f"{layer}.value"
+        if len(graph.shapes[node.inputs[0]]) == 3 and a["per_channel"]:  # NCHW: channels on axis 1
+            value += ".view(-1, 1, 1)"
+        return f"{args[0]} {'*' if op == 'mul_const' else '+'} {value}"
+    if op == "channel_shuffle":
+        return f"channel_shuffle({args[0]}, {a['groups']})"
+    if op == "embedding":
+        return f"F.embedding({args[0]}, {layer}.weight)"
+    if op == "position_embedding":
+        return f"{args[0]} + {layer}.table"
+    if op == "layer_norm":
+        image = len(graph.shapes[node.id]) == 3  # over the channels: the last axis of the NHWC view
+        src = f"{args[0]}.permute(0, 2, 3, 1)" if image else args[0]
+        src = f"{src}.float()" if mixed else src
+        y = f"F.layer_norm({src}, {tuple(graph.shapes[node.id][-1:])}, {layer}.weight, {layer}.bias, {a['epsilon']!r})"
+        return f"{y}.permute(0, 3, 1, 2)" if image else y
+    if op == "attention":
+        return f"attention({', '.join(args)}, {a['heads']}, {a['causal']})"
+    if op == "gelu":
+        return f"F.gelu({args[0]}, approximate='tanh')"
     raise GraphError(f"the torch backend cannot lower op '{op}'", node.id)
 
 
@@ -444,6 +578,14 @@ def _torch_param(module: nn.Module, pname: str, canonical: np.ndarray | None):
     elif isinstance(module, nn.modules.batchnorm._BatchNorm):
         attr = {"gamma": "weight", "beta": "bias", "moving_mean": "running_mean", "moving_variance": "running_var"}[pname]
         return getattr(module, attr), canonical
+    elif isinstance(module, nn.LayerNorm) and pname in ("gamma", "beta"):
+        return (module.weight if pname == "gamma" else module.bias), canonical
+    elif isinstance(module, nn.Embedding) and pname == "table":  # (vocab, units) in both
+        return module.weight, canonical
+    elif isinstance(module, PositionTable) and pname == "table":
+        return module.table, canonical
+    elif isinstance(module, Constant) and pname == "value":
+        return module.value, canonical
     raise GraphError(f"no parameter '{pname}' in a lowered {type(module).__name__}")
 
 

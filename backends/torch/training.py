@@ -16,6 +16,7 @@ never); see `compiles` for what auto means and docs/backends/torch.md for the me
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import Callable
@@ -42,8 +43,10 @@ CUDA_GRAPHS = True
 
 
 def device_of(model) -> torch.device:
-    for p in model.parameters():
-        return p.device
+    """Where the model's tensors are: its parameters', or its buffers' where it has none (a graph of
+    constants and pooling), else the CPU."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        return t.device
     return torch.device("cpu")
 
 
@@ -183,7 +186,8 @@ class Stepper:
 
 def evaluate(model, feed, device: torch.device, precision: str, label_smoothing: float,
              clock: StepClock) -> tuple[float, int, int, int]:
-    """(summed loss, correct predictions, images, skipped) over a validation feed in eval mode."""
+    """(summed loss, correct predictions, images, skipped) over a validation feed in eval mode; for a
+    sequence graph the images are sequences and the correct predictions are positions."""
     base = getattr(model, "module", model)
     was_training = base.training
     base.eval()
@@ -221,7 +225,8 @@ def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int =
     images (as each step saw it), and val_loss the same cross-entropy (label smoothing included)
     on the validation images. With several ranks, the number of images that decoded in each global
     batch is summed over the ranks before the step, so the loss is still the global batch's mean
-    over the images it really holds."""
+    over the images it really holds. A sequence graph counts sequences as its images, and its loss
+    and accuracy are over every position (loss.py)."""
     device = resolved(device)
     if stepper is None:
         stepper = Stepper(model, device, config,
@@ -266,7 +271,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int =
                 report = EpochReport(
                     epoch=epoch, train_images=images, val_images=val_n, loss=train_loss / max(images, 1),
                     val_loss=val_loss / val_n if val_n else 0.0,
-                    val_accuracy=float(round(correct)) / val_n if val_n else 0.0,
+                    val_accuracy=float(round(correct)) / (val_n * base.positions) if val_n else 0.0,
                     skipped_images=int(round(skipped)), step_seconds=clock.lap(),
                     compile_seconds=stepper.take_compile_seconds())
                 reports.append(report)

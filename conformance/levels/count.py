@@ -22,8 +22,11 @@ def analytic_by_category(graph, convention, backward: bool, includes_update: boo
     counted = opcount.count(graph, convention)
     out: dict[str, int] = {}
     for n in counted.nodes:
-        ops = n.fp + (n.grad + (n.update if includes_update else 0) if backward else 0)
-        out[n.category] = out.get(n.category, 0) + ops
+        # A node's parts: attention's two products are 'attention', the softmax of its scores 'softmax'.
+        for category, fp, grad in n.parts():
+            out[category] = out.get(category, 0) + fp + (grad if backward else 0)
+        if backward and includes_update:
+            out[n.category] = out.get(n.category, 0) + n.update
     return out
 
 
