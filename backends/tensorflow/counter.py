@@ -16,10 +16,21 @@ and nn_ops.py) count 2 per multiply-accumulate:
   the same number as the forward's whenever the output has |image| / (sh * sw) positions (true for
   every 'same'-style padded convolution of the conformance graphs; a strided or unpadded conv whose
   output size is not the input size over the stride would differ);
-* MatMul (dense forward, and both dense gradients, transpose flags honoured): 2 * m * k * n.
+* MatMul (dense forward, and both dense gradients, transpose flags honoured): 2 * m * k * n;
+* DepthwiseConv2dNative (a depthwise conv2d): 2 * |output| * kh * kw. Its two gradients have no
+  statistics in TensorFlow; this module registers the same rule for them (2 * |output gradient| *
+  kh * kw each), which is what their kernels compute;
+* BatchMatMulV2: 2 * |output| * k. The lowering uses it for attention's two products only (a dense
+  layer over a sequence is reshaped to one 2-D MatMul), so the op type separates the categories:
+  MatMul is 'dense', BatchMatMul* is 'attention'. The registered rule reads k from the first
+  operand's last axis whatever its adjoint flag, which is right for attention's products and their
+  gradients because the one operand ever adjointed first is the square (S, S) score matrix. The
+  profiler counts every one of the S x S scores: the paper convention.
 
 Bias additions, normalisation, activations, pooling, softmax and the loss are counted by the
-profiler with its own rules, which are not opcount's, so only 'conv' and 'dense' are covered.
+profiler with its own rules, which are not opcount's, so only 'conv', 'dense' and 'attention' are
+covered. A grouped convolution is lowered as one Conv2D per group (lowering.py), each counted by the
+rules above. The embedding's gather moves rows and computes nothing.
 Nothing assigns variables: batch-norm statistics are left as they were, and the weight update
 (SGD) is not part of the counted graph.
 """
@@ -33,17 +44,51 @@ from aiperf_core.backend import CounterConvention, NativeCounter
 CONVENTION = CounterConvention(
     mac_ops=2,
     padding="paper",
-    covers=("conv", "dense"),
+    covers=("conv", "dense", "attention"),
     includes_update=False,
     notes=("tf.compat.v1.profiler float_operation on a frozen static-shape graph: 2 FLOPs per MAC of Conv2D, "
-           "Conv2DBackpropInput/Filter and MatMul, padded taps included; other ops are not mapped; the backward "
-           "count has no weight update"),
+           "Conv2DBackpropInput/Filter, depthwise convolutions, MatMul (dense) and BatchMatMulV2 (attention's "
+           "products, every score of the S x S matrix), padded taps included; other ops are not mapped; the "
+           "backward count has no weight update"),
 )
 
 CATEGORIES = {
     "Conv2D": "conv", "Conv2DBackpropInput": "conv", "Conv2DBackpropFilter": "conv",
-    "MatMul": "dense", "BatchMatMul": "dense", "BatchMatMulV2": "dense", "BatchMatMulV3": "dense",
+    "DepthwiseConv2dNative": "conv", "DepthwiseConv2dNativeBackpropInput": "conv",
+    "DepthwiseConv2dNativeBackpropFilter": "conv",
+    "MatMul": "dense", "BatchMatMul": "attention", "BatchMatMulV2": "attention", "BatchMatMulV3": "attention",
 }
+
+_registered = False
+
+
+def _register_depthwise_gradients() -> None:
+    """Flop statistics for the depthwise convolution's gradients, which TensorFlow registers for the
+    forward only: every output gradient element meets kh * kw taps, 2 FLOPs each."""
+    global _registered
+    if _registered:
+        return
+    from tensorflow.python.framework import graph_util, ops
+
+    def flops(graph, node, filter_shape):
+        grad_shape = graph_util.tensor_shape_from_node_def_name(graph, node.input[2])
+        grad_shape.assert_is_fully_defined()
+        return ops.OpStats("flops", 2 * int(np.prod(grad_shape.as_list(), dtype=np.int64)) *
+                           int(filter_shape[0]) * int(filter_shape[1]))
+
+    def backprop_input(graph, node):  # inputs: input sizes, filter, output gradient
+        return flops(graph, node, graph_util.tensor_shape_from_node_def_name(graph, node.input[1]))
+
+    def backprop_filter(graph, node):  # inputs: input, filter sizes, output gradient; output: the filter's shape
+        return flops(graph, node, graph_util.tensor_shape_from_node_def_name(graph, node.name))
+
+    for op_type, rule in (("DepthwiseConv2dNativeBackpropInput", backprop_input),
+                          ("DepthwiseConv2dNativeBackpropFilter", backprop_filter)):
+        try:
+            ops.RegisterStatistics(op_type, "flops")(rule)
+        except KeyError:  # a TensorFlow that registers it itself
+            pass
+    _registered = True
 
 
 def category_of(op_type: str) -> str:
@@ -68,6 +113,7 @@ def profile_op_types(graph_def) -> dict[str, int]:
     # module, which TF does not import by itself (Conv2D's are in nn_ops).
     from tensorflow.python.profiler.internal import flops_registry  # noqa: F401
 
+    _register_depthwise_gradients()
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.import_graph_def(graph_def, name="")
@@ -95,25 +141,26 @@ class TFProfilerCounter(NativeCounter):
         from aiperf_backends.tensorflow.training import summed_loss
 
         graph = model.graph
-        spec = tf.TensorSpec([batch] + list(graph.input_shape), tf.float32)
+        spec = tf.TensorSpec([batch] + list(graph.input_shape), model.input_dtype)
         if backward:
-            if len(graph.output_shape) != 1:
-                raise ValueError("a backward count needs a flat class output")
-            labels = tf.constant(np.random.default_rng(0).integers(0, graph.output_shape[0], batch), tf.int64)
+            if len(graph.output_shape) not in (1, 2):
+                raise ValueError("a backward count needs a class output per sample or per position")
+            labels = tf.constant(np.random.default_rng(0).integers(0, graph.output_shape[-1], (batch,) +
+                                                                   tuple(graph.output_shape[:-1])), tf.int64)
 
             def fn(x):
                 with tf.GradientTape() as tape:
                     total, _, _ = summed_loss(model, x, labels, 0.0, True)
-                    loss = total / batch
+                    loss = total / (batch * model.labels_per_sample)
                 grads = tape.gradient(loss, model.trainables)
-                return [loss] + [g for g in grads if g is not None]
+                return [loss] + [tf.convert_to_tensor(g) for g in grads if g is not None]  # an embedding's: dense
         else:
             def fn(x):
                 return model.call(x, False)[0]
 
         concrete = tf.function(fn).get_concrete_function(spec)
         by_type = profile_op_types(frozen_graph_def(concrete))
-        out = {"conv": 0, "dense": 0, "other": 0}
+        out = {"conv": 0, "dense": 0, "attention": 0, "other": 0}
         for op_type, flops in by_type.items():
             out[category_of(op_type)] += flops
         return out

@@ -23,10 +23,46 @@ dense kernels), so weights cross the interface without any transpose and export 
 * dropout: inverted dropout. Masks come from tf.random in training, or, when the caller passes
   them (loss_and_grads), from the NumPy reference's generator, so gradients are comparable.
 
+The model-zoo CNN ops:
+
+* conv2d with groups: ``tf.nn.depthwise_conv2d`` when groups == channels and the two strides are
+  equal (the IR's output channel g * m + j reads input channel g, depthwise_conv2d's order, so the
+  HWIO kernel (kh, kw, 1, C * m) is reshaped to (kh, kw, C, m)); otherwise the groups are split along
+  the channels, convolved with their blocks of filters and concatenated. ``tf.nn.conv2d`` with a
+  kernel of C/groups input channels runs forward on a CPU, but TensorFlow 2.21 has no CPU kernel for
+  its gradients ("Gradients for grouped convolutions are not supported on CPU"), and one way on every
+  device is what is tested; the depthwise gradients refuse unequal strides ("Current implementation
+  only supports equal length strides").
+* lrn: ``tf.nn.local_response_normalization`` with depth_radius (size - 1) / 2 and alpha / size (TF
+  sums the squares over the window without dividing by its size), in float32.
+* avg_pool: zero padding (``tf.pad``), then ``tf.nn.avg_pool2d`` 'VALID', which divides every window
+  by kh * kw (count_padding); without count_padding the result is rescaled per output position by
+  kh * kw / (the window's real taps), a constant of the shapes.
+* mul_const / add_const: ``value`` is a non-trainable variable (exported and imported like batch
+  norm's moving statistics), broadcast over the channels.
+* channel_shuffle: ShuffleNet's reshape (G, C/G), transpose, reshape.
+
+The sequence ops (a ``token_input`` graph takes int64 token ids (N, S); uint8 normalisation is only
+for images):
+
+* embedding: ``tf.gather`` of the table's rows (its gradient, an IndexedSlices, is densified where
+  the step reads it); position_embedding: the (S, D) table added to every sequence.
+* dense over (N, S, D): reshaped to (N * S, D) for one ``tf.matmul`` (a MatMul, as for a flat input;
+  the native counter tells it from attention's batched products by op type).
+* layer_norm: written out in float32 over the last axis (biased variance), returning its input's
+  dtype.
+* attention: TensorFlow has no fused causal attention for this layout, so it is written out: the
+  heads split by reshape (N, S, A, d) and transpose to (N, A, S, d), the scores ``tf.matmul(q, k,
+  transpose_b=True)`` (a BatchMatMulV2), scaled by 1/sqrt(d) and masked (pairs j > i set to -inf, so
+  their probability is exactly 0) and soft-maxed in float32, then ``tf.matmul(p, v)`` and the heads
+  joined again. Under jit_compile (on GPUs by default) XLA fuses the scale, the mask and the softmax.
+* gelu: ``tf.nn.gelu(approximate=True)`` (the IR's tanh form); softmax over the last axis of (S, classes).
+
 Input: a float32 batch is taken as it is (in-memory arrays, already normalised); a uint8 batch is
 pixels (streamed and synthetic data) and is normalised first, on the model's device inside the
 traced step, with exactly the host's arithmetic `(float32(x) - MEAN) * INV_STD`
-(aiperf_core.data.preprocess), so that a quarter of the bytes crosses to the device.
+(aiperf_core.data.preprocess), so that a quarter of the bytes crosses to the device. A token graph's
+ids (int64; int32 is widened) go to the embedding as they are.
 
 Precision (`precision_scope`): fp32 is IEEE fp32. TensorFlow's only switch for TF32 is
 process-global (`tf.config.experimental.enable_tensor_float_32_execution`, on by default: cuDNN
@@ -36,9 +72,11 @@ every call that traces or runs the model (train and eval steps, predict, loss_an
 the caller's value after. The scope wraps tracing and compiling as well as running: non-XLA
 kernels read the switch when they run, XLA when it compiles. A lock serialises the scopes of
 threads that use the backend at the same time (aiperf trains on one thread).
-Mixed precision (bf16/fp16) is manual: variables stay float32; conv and dense cast their input
-and kernel to the compute dtype; batch norm and global average pooling compute in float32 and
-return the compute dtype; the logits / softmax are float32. tf32 computes in float32 (the TF32
+Mixed precision (bf16/fp16) is manual: variables stay float32; conv, dense and attention's two
+products cast their inputs and kernel to the compute dtype; batch norm, layer norm, lrn and the
+pooling sums compute in float32 and return their input's dtype; attention's softmax, the logits /
+softmax and the loss are float32. The embedding's rows and a sequence's residual stream stay
+float32 (an add of a float32 and a compute-dtype value is float32). tf32 computes in float32 (the TF32
 units do the rest).
 
 XLA (`use_xla`): AIPERF_TF_XLA=1 compiles the single-device train and eval steps and predict with
@@ -56,7 +94,7 @@ import numpy as np
 
 from aiperf_core.data.preprocess import INV_STD, MEAN
 from aiperf_core.errors import GraphError
-from aiperf_core.ir import Graph, Node
+from aiperf_core.ir import Graph, Node, is_trainable
 from aiperf_core.weights import Weights, validate_weights
 from aiperf_backends.tensorflow.backend import framework, xla_setting
 
@@ -65,7 +103,6 @@ tf = framework()  # configured before any use (backend.py): oneDNN, threads, AIP
 # tf.nn.fused_batch_norm raises a smaller epsilon to this silently; such nodes take the written-out path.
 FUSED_MIN_EPSILON = 1.001e-5
 
-TRAINABLE = ("kernel", "bias", "gamma", "beta")
 COMPUTE_DTYPES = {"fp32": tf.float32, "tf32": tf.float32, "bf16": tf.bfloat16, "fp16": tf.float16}
 
 
@@ -152,9 +189,9 @@ class LoweredModel(tf.Module):
             for pname in shapes:
                 value = np.asarray(weights[node_id][pname], np.float32)
                 vname = f"{node_id}/{pname}".replace(":", "_")
-                self.params[node_id][pname] = make_variable(value, vname, trainable=pname in TRAINABLE)
-        self.trainables = [v for ps in self.params.values() for k, v in ps.items() if k in TRAINABLE]
-        self.trainable_keys = [(n, k) for n, ps in self.params.items() for k in ps if k in TRAINABLE]
+                self.params[node_id][pname] = make_variable(value, vname, trainable=is_trainable(pname))
+        self.trainables = [v for ps in self.params.values() for k, v in ps.items() if is_trainable(k)]
+        self.trainable_keys = [(n, k) for n, ps in self.params.items() for k in ps if is_trainable(k)]
         out_node = graph[graph.output_id]
         self.logits_id = out_node.inputs[0] if out_node.op == "softmax" else None
         self.dropout_ids = [n.id for n in graph.nodes if n.op == "dropout"]
@@ -163,6 +200,9 @@ class LoweredModel(tf.Module):
             for src in node.inputs:
                 self._last_reader[src] = i
         self._predict_fns: dict[str, Any] = {}
+        # Labels per sample: one for an image, one per position of a sequence output (N, S, classes).
+        self.labels_per_sample = int(np.prod(graph.output_shape[:-1], dtype=np.int64))
+        self.input_dtype = tf.int64 if graph.takes_tokens else tf.float32
 
     def set_precision(self, precision: str) -> None:
         """Compute in `precision` in functions traced from now on (variables stay float32)."""
@@ -173,7 +213,7 @@ class LoweredModel(tf.Module):
         """The inference forward at the current precision, traced once per precision (call it
         inside precision_scope and the model's device)."""
         if self.precision not in self._predict_fns:
-            spec = tf.TensorSpec([None] + list(self.graph.input_shape), tf.float32)
+            spec = tf.TensorSpec([None] + list(self.graph.input_shape), self.input_dtype)
             self._predict_fns[self.precision] = tf.function(lambda x: self.call(x, False)[0], input_signature=[spec],
                                                             jit_compile=use_xla(self.device))
         return self._predict_fns[self.precision]
@@ -190,6 +230,9 @@ class LoweredModel(tf.Module):
         updates: list[tuple[tf.Variable, Any]] = []
         cd = self.compute_dtype
         for i, node in enumerate(g.nodes):
+            if node.op == "token_input":
+                values[node.id] = x if x.dtype == tf.int64 else tf.cast(x, tf.int64)
+                continue
             if node.op == "input":
                 x = device_input(x)
                 values[node.id] = tf.cast(x, cd) if cd != tf.float32 and len(g.input_shape) == 3 else x
@@ -202,26 +245,23 @@ class LoweredModel(tf.Module):
                 if self._last_reader.get(s) == i and s != stop:
                     values.pop(s, None)
         out = values[stop]
-        if len(out.shape) == 2 and out.dtype != tf.float32:
+        if out.dtype != tf.float32:
             out = tf.cast(out, tf.float32)
         return out, updates
 
     def _op(self, node: Node, ins, training, updates, masks):
         a, op, cd = node.attrs, node.op, self.compute_dtype
         if op == "conv2d":
-            p = self.params[node.id]
-            x = ins[0]
-            kernel = p["kernel"] if cd == tf.float32 else tf.cast(p["kernel"], cd)
-            in_shape = self.graph.shapes[node.inputs[0]]
-            y = tf.nn.conv2d(tf.cast(x, cd), kernel, strides=[1] + list(a["strides"]) + [1],
-                             padding=tf_padding(in_shape, a))
-            if a["use_bias"]:
-                y = tf.nn.bias_add(y, tf.cast(p["bias"], cd))
-            return y
+            return self._conv2d(node, ins[0])
         if op == "dense":
             p = self.params[node.id]
             kernel = p["kernel"] if cd == tf.float32 else tf.cast(p["kernel"], cd)
-            y = tf.matmul(tf.cast(ins[0], cd), kernel)
+            x = tf.cast(ins[0], cd)
+            if len(x.shape) == 2:
+                y = tf.matmul(x, kernel)
+            else:  # every position of (N, S, D) in one 2-D product
+                rows = tf.reshape(x, [-1, x.shape[-1]])
+                y = tf.reshape(tf.matmul(rows, kernel), _batch_shape(x, self.graph.shapes[node.id]))
             if a["use_bias"]:
                 y = tf.nn.bias_add(y, tf.cast(p["bias"], cd))
             return y
@@ -258,7 +298,96 @@ class LoweredModel(tf.Module):
                 return x * tf.cast(masks[node.id], x.dtype)
             keep = tf.random.uniform(tf.shape(x)) >= rate
             return x * tf.cast(keep, x.dtype) * tf.cast(1.0 / (1.0 - rate), x.dtype)
+        if op == "lrn":
+            x = ins[0]
+            y = tf.nn.local_response_normalization(tf.cast(x, tf.float32), depth_radius=(a["size"] - 1) // 2,
+                                                   bias=a["bias"], alpha=a["alpha"] / a["size"], beta=a["beta"])
+            return tf.cast(y, x.dtype)
+        if op == "avg_pool":
+            return self._avg_pool(node, ins[0])
+        if op == "mul_const":
+            return ins[0] * tf.cast(self.params[node.id]["value"], ins[0].dtype)
+        if op == "add_const":
+            return ins[0] + tf.cast(self.params[node.id]["value"], ins[0].dtype)
+        if op == "channel_shuffle":
+            x, groups = ins[0], a["groups"]
+            h, w, c = self.graph.shapes[node.id]
+            n = _batch_size(x)
+            grouped = tf.reshape(x, [n, h, w, groups, c // groups])
+            return tf.reshape(tf.transpose(grouped, [0, 1, 2, 4, 3]), [n, h, w, c])
+        if op == "embedding":
+            return tf.gather(self.params[node.id]["table"], ins[0])
+        if op == "position_embedding":
+            return ins[0] + tf.cast(self.params[node.id]["table"], ins[0].dtype)
+        if op == "layer_norm":
+            p, x = self.params[node.id], ins[0]
+            x32 = tf.cast(x, tf.float32)
+            centred = x32 - tf.reduce_mean(x32, axis=-1, keepdims=True)
+            var = tf.reduce_mean(tf.square(centred), axis=-1, keepdims=True)  # biased
+            y = centred * tf.math.rsqrt(var + a["epsilon"]) * p["gamma"] + p["beta"]
+            return tf.cast(y, x.dtype)
+        if op == "attention":
+            return self._attention(node, ins)
+        if op == "gelu":
+            return tf.nn.gelu(ins[0], approximate=True)
         raise GraphError(f"op '{op}' is not supported by the tensorflow backend", node.id)
+
+    def _conv2d(self, node: Node, x):
+        a, p, cd = node.attrs, self.params[node.id], self.compute_dtype
+        kernel = p["kernel"] if cd == tf.float32 else tf.cast(p["kernel"], cd)
+        in_shape = self.graph.shapes[node.inputs[0]]
+        x = tf.cast(x, cd)
+        strides, padding = [1] + list(a["strides"]) + [1], tf_padding(in_shape, a)
+        if tuple(a["kernel"]) == (1, 1) and strides != [1, 1, 1, 1]:
+            # A strided 1x1 conv reads every s-th pixel: take them first and convolve with stride 1, the
+            # same arithmetic. oneDNN's AVX2 weight-gradient kernel for strided 1x1 convs is wrong for some
+            # channel counts (relative error 0.46 for 4 -> 6 channels, exact for 64 -> 128, on an AMD EPYC
+            # without AVX-512; tests/test_tensorflow_backend.py), and this form never reaches it.
+            x = x[:, ::strides[1], ::strides[2], :]
+            strides, padding = [1, 1, 1, 1], "VALID"
+        groups, channels = a.get("groups", 1), in_shape[-1]
+        if groups == 1:
+            y = tf.nn.conv2d(x, kernel, strides=strides, padding=padding)
+        elif groups == channels and a["strides"][0] == a["strides"][1]:
+            kh, kw, _, filters = kernel.shape
+            y = tf.nn.depthwise_conv2d(x, tf.reshape(kernel, [kh, kw, channels, filters // channels]), strides,
+                                       padding)
+        else:  # no CPU gradient kernel for a grouped tf.nn.conv2d (see the module's docstring)
+            y = tf.concat([tf.nn.conv2d(xg, kg, strides=strides, padding=padding)
+                           for xg, kg in zip(tf.split(x, groups, axis=-1), tf.split(kernel, groups, axis=-1))],
+                          axis=-1)
+        if a["use_bias"]:
+            y = tf.nn.bias_add(y, tf.cast(p["bias"], cd))
+        return y
+
+    def _avg_pool(self, node: Node, x):
+        a = node.attrs
+        (kh, kw), (pt, pb, pl, pr) = a["kernel"], a["padding"]
+        x32 = tf.cast(x, tf.float32)  # a float32 sum, as global_avg_pool
+        if pt or pb or pl or pr:
+            x32 = tf.pad(x32, [[0, 0], [pt, pb], [pl, pr], [0, 0]])
+        y = tf.nn.avg_pool2d(x32, [kh, kw], list(a["strides"]), "VALID")
+        if not a["count_padding"] and (pt or pb or pl or pr):
+            y = y * tf.constant(_taps_ratio(self.graph.shapes[node.inputs[0]], a), tf.float32)
+        return tf.cast(y, x.dtype)
+
+    def _attention(self, node: Node, ins):
+        a, cd = node.attrs, self.compute_dtype
+        heads, dim = a["heads"], a["head_dim"]
+        seq = self.graph.shapes[node.id][0]
+        n = _batch_size(ins[0])
+
+        def split_heads(t):  # (N, S, A*d) -> (N, A, S, d)
+            return tf.transpose(tf.reshape(tf.cast(t, cd), [n, seq, heads, dim]), [0, 2, 1, 3])
+
+        q, k, v = (split_heads(t) for t in ins)
+        scores = tf.cast(tf.matmul(q, k, transpose_b=True), tf.float32) * (1.0 / float(np.sqrt(dim)))
+        if a["causal"]:
+            keep = tf.constant(np.tri(seq, dtype=bool))  # key j <= query i
+            scores = tf.where(keep, scores, tf.constant(-np.inf, tf.float32))
+        probs = tf.cast(tf.nn.softmax(scores, axis=-1), cd)
+        out = tf.matmul(probs, v)  # (N, A, S, d)
+        return tf.reshape(tf.transpose(out, [0, 2, 1, 3]), [n, seq, heads * dim])
 
     def _batch_norm(self, node: Node, x, training: bool, updates):
         p = self.params[node.id]
@@ -314,7 +443,7 @@ class LoweredModel(tf.Module):
         out: Weights = {}
         for node_id, params in self.params.items():
             out[node_id] = {k: np.array(v.numpy(), dtype=np.float32, copy=True) for k, v in params.items()
-                            if not trainable_only or k in TRAINABLE}
+                            if not trainable_only or is_trainable(k)}
         return out
 
     def canonical_grads(self, grads) -> Weights:
@@ -329,6 +458,26 @@ def _in_replicas() -> bool:
     """Whether this code is traced for one of several replicas of a tf.distribute strategy."""
     ctx = tf.distribute.get_replica_context()
     return ctx is not None and ctx.num_replicas_in_sync > 1
+
+
+def _batch_size(x):
+    """The batch dimension: static where known (the counter traces a fixed batch), else dynamic."""
+    return x.shape[0] if x.shape[0] is not None else tf.shape(x)[0]
+
+
+def _batch_shape(x, shape) -> list:
+    return [_batch_size(x)] + list(shape)
+
+
+def _taps_ratio(in_shape, attrs) -> np.ndarray:
+    """(1, Ho, Wo, 1): kh * kw over the real (non-padded) taps of each output's window, which turns a
+    zero-padded average over every tap into one over the real taps."""
+    (h, w, _), (kh, kw), (sh, sw) = in_shape, attrs["kernel"], attrs["strides"]
+    pt, pb, pl, pr = attrs["padding"]
+    real = np.pad(np.ones((h, w)), ((pt, pb), (pl, pr)))
+    ho, wo = (h + pt + pb - kh) // sh + 1, (w + pl + pr - kw) // sw + 1
+    count = np.array([[real[i * sh:i * sh + kh, j * sw:j * sw + kw].sum() for j in range(wo)] for i in range(ho)])
+    return (kh * kw / count).reshape(1, ho, wo, 1).astype(np.float32)
 
 
 def _same_dtype(xs):

@@ -14,7 +14,8 @@ steps in a row the scale doubles. bf16 has fp32's exponent range and needs none.
 Data parallelism (strategy with several replicas): every global batch of ``config.batch_size``
 images (the same order as on one device) is cut into contiguous shards, one per replica
 (np.array_split's rule, so the last short batch is shared as evenly as it can be). Each replica's
-loss is its shard's summed cross-entropy divided by the *global* batch size; the gradients are
+loss is its shard's summed cross-entropy divided by the *global* batch's labels (its images, or
+its sequences times their positions for a language model); the gradients are
 all-reduced with SUM, so they are exactly the gradients of the global batch's mean loss. Batch norm
 is synchronised (see lowering.py): the step is the same computation as on one device with the
 global batch. A global batch with fewer images than replicas (at most the last of an epoch) would
@@ -69,7 +70,8 @@ def targets(labels, classes: int, label_smoothing: float):
 
 
 def summed_loss(model, x, labels, label_smoothing: float, training: bool = True, masks=None):
-    """(summed categorical cross-entropy of the batch, batch-norm updates, output used).
+    """(summed categorical cross-entropy of the batch, over every image or every token of every
+    sequence, batch-norm updates, output used).
 
     With a softmax output the loss comes from its logits (a stable log-softmax); otherwise the
     output is read as probabilities, clipped to [1e-7, 1 - 1e-7] as the reference does."""
@@ -187,7 +189,7 @@ class Trainer:
         momentum, smoothing = float(self.config.momentum), float(self.config.label_smoothing)
         with tf.GradientTape() as tape:
             total, updates, _ = summed_loss(model, x, y, smoothing, True)
-            loss = total / global_n
+            loss = total / (global_n * model.labels_per_sample)
             if scaling is not None:
                 loss = loss * scaling.scale
         grads = tape.gradient(loss, sources)
@@ -217,7 +219,9 @@ class Trainer:
         return total
 
     def _spec(self, dtype):
-        return [tf.TensorSpec([None] + list(self.model.graph.input_shape), dtype), tf.TensorSpec([None], tf.int64)]
+        graph = self.model.graph
+        return [tf.TensorSpec([None] + list(graph.input_shape), dtype),
+                tf.TensorSpec([None] + list(graph.output_shape[:-1]), tf.int64)]  # a label per image or token
 
     def _step_fn(self, dtype, sharded: bool):
         """The step for batches of `dtype`: over the replicas when `sharded`, else on one device (no
@@ -352,14 +356,15 @@ class Feed:
 
 
 class ArrayFeed(Feed):
-    """In-memory arrays (a Dataset, float32, already normalised), in the order of
-    np.random.default_rng(seed + epoch)."""
+    """In-memory arrays (a Dataset: float32 images, already normalised, or int64 token ids), in the
+    order of np.random.default_rng(seed + epoch)."""
 
     def __init__(self, trainer, data: Dataset, config):
         super().__init__(trainer, data, config)
-        self.x_train = np.ascontiguousarray(data.x_train, dtype=np.float32)
+        dtype = np.int64 if trainer.model.graph.takes_tokens else np.float32
+        self.x_train = np.ascontiguousarray(data.x_train, dtype=dtype)
         self.y_train = np.asarray(data.y_train, dtype=np.int64)
-        self.x_val = np.ascontiguousarray(data.x_val, dtype=np.float32)
+        self.x_val = np.ascontiguousarray(data.x_val, dtype=dtype)
         self.y_val = np.asarray(data.y_val, dtype=np.int64)
 
     def train(self, epoch):
@@ -472,8 +477,9 @@ def run_epochs(trainer: Trainer, data, config: TrainConfig,
     order np.random.default_rng(config.seed + epoch).permutation(n), streams in their plan's
     order); then the validation set in inference mode. The report's loss is the mean training loss
     over the epoch's images (as each step saw it), and val_loss the same cross-entropy (label
-    smoothing included) on the validation images. Streamed images that did not decode are what did
-    not arrive: the split's count minus the images processed."""
+    smoothing included) on the validation images; for a sequence output both are means over every
+    token, and the accuracy is over every token. Images count sequences. Streamed images that did
+    not decode are what did not arrive: the split's count minus the images processed."""
     tf.random.set_seed(config.seed)  # dropout masks: a run is reproducible
     feed = open_feed(trainer, data, config)
     streaming = is_streaming(data)
@@ -508,9 +514,10 @@ def run_epochs(trainer: Trainer, data, config: TrainConfig,
             val_loss = float(np.sum([np.float64(t.numpy()) for t, _ in val_parts]))
             correct = int(np.sum([int(c.numpy()) for _, c in val_parts]))
         skipped = (data.train_images - images) + (data.val_images - val_n) if streaming else 0
-        report = EpochReport(epoch=epoch, train_images=images, val_images=val_n, loss=loss_sum / max(images, 1),
-                             val_loss=val_loss / val_n if val_n else 0.0,
-                             val_accuracy=correct / val_n if val_n else 0.0, skipped_images=skipped,
+        per = trainer.model.labels_per_sample  # labels per image or sequence
+        report = EpochReport(epoch=epoch, train_images=images, val_images=val_n,
+                             loss=loss_sum / max(images * per, 1), val_loss=val_loss / (val_n * per) if val_n else 0.0,
+                             val_accuracy=correct / (val_n * per) if val_n else 0.0, skipped_images=skipped,
                              step_seconds=clock.lap(), compile_seconds=trainer.compiling.lap())
         reports.append(report)
         if on_epoch is not None and on_epoch(report):
