@@ -1,10 +1,39 @@
 """ONNX export and import for the graph IR.
 
 ONNX is NCHW with a batch axis; the IR is NHWC without one. Export writes a
-model whose input "input" is [N, C, H, W] (N symbolic). Import reads the CNNs
-that real exporters (torch.onnx, tf2onnx, Keras) write, opset 9 and newer, and
-maps each ONNX tensor to an IR node plus the ONNX layout it stands for, so that
-layout changes (transposes, flattening, pooling to 1x1) cost no IR node.
+model whose input "input" is [N, C, H, W] (N symbolic), [N, F] or [N, S, D],
+or for a token graph the int64 token ids [N, S]. Import reads the CNNs that
+real exporters (torch.onnx, tf2onnx, Keras, Caffe2) write, opset 9 and newer,
+and the transformers that export writes, and maps each ONNX tensor to an IR
+node plus the ONNX layout it stands for, so that layout changes (transposes,
+flattening, pooling to 1x1) cost no IR node.
+
+How each IR op is written, and read back:
+- conv2d: Conv (group = groups); batch_norm: BatchNormalization; relu: Relu; add: Add (Sum for 3+);
+  concat: Concat over channels; max_pool: MaxPool; global_avg_pool: GlobalAveragePool + Flatten;
+  flatten: (Transpose to NHWC +) Flatten; softmax: Softmax over the last axis; dropout: Dropout.
+- lrn: LRN; avg_pool: AveragePool (count_include_pad = count_padding); mul_const / add_const: Mul /
+  Add of an initializer, per channel of shape [1, C, 1, 1], [1, F] or [1, 1, D], a scalar of rank 0;
+  channel_shuffle: Reshape [N, G, C/G, H, W] -> Transpose [0, 2, 1, 3, 4] -> Reshape [N, C, H, W].
+- token_input: an int64 input [N, S]; embedding: Gather of the table (axis 0); position_embedding:
+  Add of an [S, D] initializer; dense over a sequence: MatMul (+ Add of the bias); layer_norm:
+  LayerNormalization (axis -1); gelu: Gelu(approximate="tanh"); attention: ONNX's Attention on the
+  3-D (N, S, heads * head_dim) inputs, q_num_heads = kv_num_heads = heads, is_causal = causal and
+  the default scale 1/sqrt(head_dim).
+
+Export opset: DEFAULT_OPSET (17) unless the graph holds an op that ONNX added later, then the first
+opset that has all of them (23 for attention, 20 for gelu): a CNN keeps the opset 17 it always had
+(no consumer's support changes), a transformer gets ONNX's own Attention op, which
+onnx.reference.ReferenceEvaluator and onnxruntime both run. An explicit opset below what the graph
+needs is refused naming the op.
+
+Import also reads what the model-zoo CNNs write: a Mul or Add of a per-channel or scalar constant
+(batch norm folded into Unsqueeze'd constants) becomes mul_const / add_const, an Add of a constant
+right after a bias-less MatMul is that dense layer's bias, and the Reshape -> Transpose -> Reshape
+of ShuffleNet is one channel_shuffle node; any other Reshape or Transpose stays refused. An average
+over the whole map (GlobalAveragePool, or AveragePool without padding whose window is the map) is a
+global_avg_pool when it is flattened next, else a 1 x 1 map (an avg_pool), as DenseNet's classifier,
+a 1x1 Conv, reads it.
 
 Anything the IR cannot express raises GraphError naming the ONNX node and op.
 """
@@ -30,12 +59,16 @@ INPUT_NAME = "input"
 DEFAULT_OPSET = 17
 MIN_EXPORT_OPSET = 11  # Gemm's bias is optional from 11 on
 MIN_IMPORT_OPSET = 9
+# The first opset holding the ONNX op that an IR op is written as, where that is newer than MIN_EXPORT_OPSET.
+FIRST_OPSET = {"layer_norm": 17, "gelu": 20, "attention": 23}
 # Metadata key keeping the IR input node's id, since the ONNX input is always "input".
 INPUT_ID_KEY = "aiperf.input_id"
 
 _PROTOBUF_LIMIT = 2**31 - 1
 _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, TensorProto.BFLOAT16)
+_INDEX_TYPES = (TensorProto.INT64, TensorProto.INT32)
+_UNKNOWN_VOCAB = 2  # a token input's vocabulary until its embedding's Gather is read
 
 
 # ---------------------------------------------------------------------------
@@ -43,16 +76,25 @@ _FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE, Tens
 # ---------------------------------------------------------------------------
 
 
-def export_onnx(graph: Graph, weights: Mapping | None = None, path=None, opset: int = DEFAULT_OPSET) -> onnx.ModelProto:
+def export_onnx(graph: Graph, weights: Mapping | None = None, path=None, opset: int | None = None) -> onnx.ModelProto:
     """Return (and write atomically to `path`, if given) the graph as an NCHW ONNX model.
 
     Without weights, the initializers come from init_weights(graph, seed=0)
     (He-normal kernels, zero biases, identity batch norm), so the model is
-    always valid and runnable. Weights are stored as float32.
+    always valid and runnable. Weights are stored as float32. The opset
+    defaults to the lowest one, at least DEFAULT_OPSET, that has every op of
+    the graph (see the module docstring).
     """
     latest = onnx.defs.onnx_opset_version()
+    needed = max(FIRST_OPSET.get(n.op, MIN_EXPORT_OPSET) for n in graph.nodes)
+    if opset is None:
+        opset = max(DEFAULT_OPSET, needed)
     if isinstance(opset, bool) or not isinstance(opset, int) or not MIN_EXPORT_OPSET <= opset <= latest:
         raise AiperfError(f"ONNX export supports opsets {MIN_EXPORT_OPSET} to {latest}, got {opset!r}")
+    if opset < needed:
+        first = next(n for n in graph.nodes if FIRST_OPSET.get(n.op, MIN_EXPORT_OPSET) > opset)
+        raise AiperfError(f"ONNX export: op '{first.op}' (node '{first.id}') needs opset "
+                          f"{FIRST_OPSET[first.op]} or newer, got {opset}")
     if weights is None:
         weights = init_weights(graph, seed=0)
     else:
@@ -68,22 +110,35 @@ def export_onnx(graph: Graph, weights: Mapping | None = None, path=None, opset: 
         inits.append(numpy_helper.from_array(np.asarray(array, dtype=np.float32, order="C"), name))
         return name
 
+    def shape_const(node_id: str, pname: str, dims) -> str:
+        name = f"{node_id}/{pname}"
+        inits.append(numpy_helper.from_array(np.asarray(dims, dtype=np.int64), name))
+        return name
+
     for node in graph.nodes:
-        if node.op == "input":
+        if node.op in ("input", "token_input"):
             continue
         nid, a, out = node.id, node.attrs, names[node.id]
         x = [names[i] for i in node.inputs]
         w = weights.get(nid, {})
-        image_in = len(graph.shapes[node.inputs[0]]) == 3
+        in_shape = graph.shapes[node.inputs[0]]
+        image_in = len(in_shape) == 3
+        if node.op == "layer_norm" and image_in:
+            # ONNX's last axis of an NCHW map is W, not the IR's channels.
+            raise GraphError("ONNX export writes layer_norm over a flat or sequence input, not an image", nid)
         if node.op == "conv2d":
             ins = [x[0], param(nid, "kernel", np.transpose(w["kernel"], (3, 2, 0, 1)))]
             if a["use_bias"]:
                 ins.append(param(nid, "bias", w["bias"]))
+            group = {"group": a["groups"]} if "groups" in a else {}
             nodes.append(helper.make_node(
                 "Conv", ins, [out], name=nid, kernel_shape=list(a["kernel"]),
-                strides=list(a["strides"]), pads=_onnx_pads(a["padding"]),
+                strides=list(a["strides"]), pads=_onnx_pads(a["padding"]), **group,
             ))
         elif node.op == "batch_norm":
+            if len(in_shape) == 2:
+                raise GraphError("ONNX export writes batch_norm over an image or a flat input, not a sequence "
+                                 "(BatchNormalization's channels are axis 1)", nid)
             ins = [x[0]] + [param(nid, p, w[p]) for p in ("gamma", "beta", "moving_mean", "moving_variance")]
             nodes.append(helper.make_node(
                 "BatchNormalization", ins, [out], name=nid, epsilon=a["epsilon"], momentum=a["momentum"],
@@ -99,37 +154,88 @@ def export_onnx(graph: Graph, weights: Mapping | None = None, path=None, opset: 
                 "MaxPool", x, [out], name=nid, kernel_shape=list(a["kernel"]),
                 strides=list(a["strides"]), pads=_onnx_pads(a["padding"]),
             ))
+        elif node.op == "avg_pool":
+            nodes.append(helper.make_node(
+                "AveragePool", x, [out], name=nid, kernel_shape=list(a["kernel"]), strides=list(a["strides"]),
+                pads=_onnx_pads(a["padding"]), count_include_pad=int(a["count_padding"]),
+            ))
         elif node.op == "global_avg_pool":
             nodes.append(helper.make_node("GlobalAveragePool", x, [f"{out}/pooled"], name=nid))
             nodes.append(helper.make_node("Flatten", [f"{out}/pooled"], [out], name=f"{nid}/flatten", axis=1))
+        elif node.op == "lrn":
+            nodes.append(helper.make_node(
+                "LRN", x, [out], name=nid, size=a["size"], alpha=a["alpha"], beta=a["beta"], bias=a["bias"],
+            ))
+        elif node.op in ("mul_const", "add_const"):
+            # Per channel: ones but the channel axis, over ONNX's full rank (so that a sequence's never
+            # reads as a dense bias or a position table); a scalar: rank 0.
+            channels = in_shape[-1]
+            shape = [1, channels, 1, 1] if image_in else [1] * len(in_shape) + [channels]
+            value = w["value"].reshape(shape if a["per_channel"] else ())
+            op = "Mul" if node.op == "mul_const" else "Add"
+            nodes.append(helper.make_node(op, [x[0], param(nid, "value", value)], [out], name=nid))
+        elif node.op == "channel_shuffle":
+            h, wd, c = in_shape
+            g = a["groups"]
+            split, swapped = f"{out}/split", f"{out}/swapped"
+            nodes.append(helper.make_node(
+                "Reshape", [x[0], shape_const(nid, "split_shape", [0, g, c // g, h, wd])], [split], name=split,
+            ))
+            nodes.append(helper.make_node("Transpose", [split], [swapped], name=swapped, perm=[0, 2, 1, 3, 4]))
+            nodes.append(helper.make_node("Reshape", [swapped, shape_const(nid, "shape", [0, c, h, wd])], [out],
+                                          name=nid))
         elif node.op == "flatten":
             src = x[0]
             if image_in:  # the IR flattens in NHWC order
                 src = f"{out}/nhwc"
                 nodes.append(helper.make_node("Transpose", x, [src], name=f"{nid}/to_nhwc", perm=[0, 2, 3, 1]))
             nodes.append(helper.make_node("Flatten", [src], [out], name=nid, axis=1))
-        elif node.op == "dense":
+        elif node.op == "dense" and len(in_shape) == 1:
             ins = [x[0], param(nid, "kernel", w["kernel"])]
             if a["use_bias"]:
                 ins.append(param(nid, "bias", w["bias"]))
             nodes.append(helper.make_node("Gemm", ins, [out], name=nid))
+        elif node.op == "dense":  # over the last axis of a sequence
+            product = f"{out}/matmul" if a["use_bias"] else out
+            nodes.append(helper.make_node("MatMul", [x[0], param(nid, "kernel", w["kernel"])], [product], name=nid))
+            if a["use_bias"]:
+                nodes.append(helper.make_node("Add", [product, param(nid, "bias", w["bias"])], [out],
+                                              name=f"{nid}/bias"))
         elif node.op == "softmax":
-            nodes.append(helper.make_node("Softmax", x, [out], name=nid, axis=-1 if opset >= 13 else 1))
+            # Before opset 13 Softmax flattens from `axis` on: the last axis alone is the per-sample rank.
+            axis = -1 if opset >= 13 else len(in_shape)
+            nodes.append(helper.make_node("Softmax", x, [out], name=nid, axis=axis))
         elif node.op == "dropout":
             if opset >= 12:
                 ratio = param(nid, "ratio", np.float32(a["rate"]))
                 nodes.append(helper.make_node("Dropout", [x[0], ratio], [out], name=nid))
             else:
                 nodes.append(helper.make_node("Dropout", x, [out], name=nid, ratio=a["rate"]))
+        elif node.op == "embedding":
+            nodes.append(helper.make_node("Gather", [param(nid, "table", w["table"]), x[0]], [out], name=nid, axis=0))
+        elif node.op == "position_embedding":
+            nodes.append(helper.make_node("Add", [x[0], param(nid, "table", w["table"])], [out], name=nid))
+        elif node.op == "layer_norm":
+            ins = [x[0], param(nid, "gamma", w["gamma"]), param(nid, "beta", w["beta"])]
+            nodes.append(helper.make_node("LayerNormalization", ins, [out], name=nid, axis=-1,
+                                          epsilon=a["epsilon"]))
+        elif node.op == "attention":
+            nodes.append(helper.make_node(
+                "Attention", x, [out], name=nid, is_causal=int(a["causal"]),
+                q_num_heads=a["heads"], kv_num_heads=a["heads"],
+            ))
+        elif node.op == "gelu":
+            nodes.append(helper.make_node("Gelu", x, [out], name=nid, approximate="tanh"))
         else:  # pragma: no cover - every IR op is handled above
             raise GraphError(f"ONNX export does not know op '{node.op}'", nid)
 
-    def value_info(name: str, shape) -> onnx.ValueInfoProto:
-        return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["N", *_nchw(shape)])
+    def value_info(name: str, shape, elem_type=TensorProto.FLOAT) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, elem_type, ["N", *_nchw(shape)])
 
+    input_type = TensorProto.INT64 if graph.takes_tokens else TensorProto.FLOAT
     onnx_graph = helper.make_graph(
         nodes, graph.name,
-        [value_info(INPUT_NAME, graph.input_shape)],
+        [value_info(INPUT_NAME, graph.input_shape, input_type)],
         [value_info(names[graph.output_id], graph.output_shape)],
         initializer=inits,
     )
@@ -147,7 +253,7 @@ def export_onnx(graph: Graph, weights: Mapping | None = None, path=None, opset: 
 
 
 def _tensor_name(graph: Graph, node: Node) -> str:
-    if node.op == "input":
+    if node.op in ("input", "token_input"):
         return INPUT_NAME
     return f"{node.id}/out" if node.id == INPUT_NAME else node.id
 
@@ -173,11 +279,27 @@ def _nchw(shape) -> list[int]:
 #   nhwc    H, W, C   of an IR image (after a Transpose, as tf2onnx writes)
 #   pooled  C, 1, 1   of an IR vector C (GlobalAveragePool keeps the 1x1)
 #   flat    F         of an IR vector F
+#   seq     S, D      of an IR sequence S x D
+#   tokens  S         of the IR token input (integer ids)
+#   split   G, C/G, H, W  and  swapped  C/G, G, H, W: the two halves of a channel shuffle of an IR
+#           image H x W x C, which only the shuffle's Transpose and last Reshape may read
 _LAYOUT_TEXT = {
     "nchw": "an NCHW feature map",
     "nhwc": "an NHWC feature map",
     "pooled": "a pooled [N, C, 1, 1] tensor",
     "flat": "a flat [N, F] tensor",
+    "seq": "a sequence [N, S, D]",
+    "tokens": "token ids [N, S]",
+    "split": "a channel split [N, G, C/G, H, W]",
+    "swapped": "a transposed channel split [N, C/G, G, H, W]",
+}
+# Layouts that only the handler expecting them may read.
+_PRIVATE_LAYOUTS = {
+    "tokens": "token ids, which aiperf reads only as the indices of a Gather (an embedding)",
+    "split": "half of a channel shuffle; aiperf reads only Reshape [N, G, C/G, H, W] -> Transpose "
+             "[0, 2, 1, 3, 4] -> Reshape [N, C, H, W]",
+    "swapped": "half of a channel shuffle; aiperf reads only Reshape [N, G, C/G, H, W] -> Transpose "
+               "[0, 2, 1, 3, 4] -> Reshape [N, C, H, W]",
 }
 
 
@@ -193,13 +315,17 @@ class _Act:
     # nchw only: zero padding (top, bottom, left, right) of a Pad not yet applied,
     # to be folded into the Conv (or MaxPool) that reads it.
     pad: tuple[int, int, int, int] | None = None
+    # split and swapped only: the channel shuffle's groups G.
+    groups: int | None = None
 
 
 def import_onnx(path_or_model) -> tuple[Graph, Weights]:
-    """Read an ONNX CNN (a path, a ModelProto or its serialized bytes) as an IR graph and weights.
+    """Read an ONNX model (a path, a ModelProto or its serialized bytes) as an IR graph and weights.
 
-    The NCHW input [N, C, H, W] becomes an IR input of shape [H, W, C]; the
-    batch dimension may be fixed or symbolic. A flattened feature map is NHWC
+    The NCHW input [N, C, H, W] becomes an IR input of shape [H, W, C], an
+    [N, S, D] input one of shape [S, D], and integer ids [N, S] read by a
+    Gather a token_input of sequence length S; the batch dimension may be
+    fixed or symbolic. A flattened feature map is NHWC
     in the IR, so the rows of the dense weights that read it are reordered
     to keep the same function. Node ids are the ONNX node names (or output
     names) with characters outside [A-Za-z0-9_.-] replaced by '_', made unique
@@ -221,6 +347,99 @@ def import_onnx(path_or_model) -> tuple[Graph, Weights]:
         located = GraphError(f"{path}: {exc}")
         located.node = exc.node
         raise located from None
+
+
+def with_random_initializers(model: onnx.ModelProto, seed: int = 0) -> onnx.ModelProto:
+    """A copy of the model whose ConstantOfShape weights are random float32 initializers of the same shapes.
+
+    The model-zoo CNNs in the onnx wheel (onnx/backend/test/data/light/light_*.onnx) build most weights
+    with ConstantOfShape nodes that fill a shape with 0.02, so they compute nothing worth comparing. Here
+    each such node whose shape is a constant becomes an initializer: He-normal (standard deviation
+    sqrt(2 / fan-in), fan-in = the product of all dims but the first, as Conv's and Gemm's weights are
+    laid out) for two or more dims, uniform in [0.5, 1.5] for one dim (positive, so also fine as a
+    variance or a scale). The other initializers are kept; the shape tensors only those nodes read are
+    dropped. The copy runs in onnx.reference.ReferenceEvaluator and onnxruntime as the original does,
+    and import_onnx(copy) gives the same graph as the original with these weights, so a backend running
+    that graph can be compared with the ONNX runtimes on the copy.
+    """
+    rng = np.random.default_rng(seed)
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    consts = {t.name: t for t in g.initializer}
+    replaced: list[TensorProto] = []
+    shape_names: set[str] = set()
+    kept: list[onnx.NodeProto] = []
+    for node in g.node:
+        shape_name = node.input[0] if node.op_type == "ConstantOfShape" and node.input else ""
+        if shape_name not in consts:
+            kept.append(node)
+            continue
+        value_attr = next((a for a in node.attribute if a.name == "value"), None)
+        if value_attr is not None and value_attr.t.data_type not in _FLOAT_TYPES:
+            kept.append(node)  # integer or boolean fills are index tensors, not weights
+            continue
+        shape = tuple(int(d) for d in numpy_helper.to_array(consts[shape_name]).reshape(-1))
+        if len(shape) >= 2:
+            std = math.sqrt(2.0 / max(math.prod(shape[1:]), 1))
+            value = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+        else:
+            value = rng.uniform(0.5, 1.5, shape).astype(np.float32)
+        replaced.append(numpy_helper.from_array(value, node.output[0]))
+        shape_names.add(shape_name)
+    orphans = shape_names - {name for node in kept for name in node.input} - {o.name for o in g.output}
+    del g.node[:]
+    g.node.extend(kept)
+    initializers = [t for t in consts.values() if t.name not in orphans] + replaced
+    del g.initializer[:]
+    g.initializer.extend(initializers)
+    inputs = [v for v in g.input if v.name not in orphans]
+    if out.ir_version < 4:  # before IR 4 every initializer is also a graph input
+        inputs += [helper.make_tensor_value_info(t.name, TensorProto.FLOAT, list(t.dims)) for t in replaced]
+    del g.input[:]
+    g.input.extend(inputs)
+    return out
+
+
+def reference_evaluator(model: onnx.ModelProto):
+    """onnx.reference.ReferenceEvaluator for the model, with two ops of onnx 1.23's made to follow the
+    ONNX specification, for inference (what import_onnx reads); every other op is ONNX's own.
+
+    - LRN sums its window for the first N channels only, N being the batch (it loops over axis 0, not
+      1: onnx/onnx#7805, fixed upstream by onnx/onnx#8331 after 1.23), so it is wrong whenever the
+      batch differs from the channels: on AlexNet, ZFNet-512 and Inception v1 of the model zoo.
+    - BatchNormalization of opsets 9 to 13 normalises a one-output (inference) node with its running
+      statistics blended with the batch's (onnx/onnx#8442): on every model-zoo CNN with batch norm.
+      Here a node with one output and no training_mode is inference, as the specification says; a
+      training-mode node is refused.
+    """
+    from onnx.reference import ReferenceEvaluator
+    from onnx.reference.op_run import OpRun
+
+    class LRN(OpRun):
+        op_domain = ""
+
+        def _run(self, x, alpha=None, beta=None, bias=None, size=None):
+            # The window [c - floor((size-1)/2), c + ceil((size-1)/2)] over the channels (axis 1), clipped.
+            before, after = (size - 1) // 2, -(-(size - 1) // 2)
+            squares = np.square(x)
+            square_sum = np.zeros_like(x)
+            channels = x.shape[1]
+            for c in range(channels):
+                square_sum[:, c] = squares[:, max(0, c - before): min(channels, c + after + 1)].sum(axis=1)
+            return ((x / (bias + (alpha / size) * square_sum) ** beta).astype(x.dtype),)
+
+    class BatchNormalization(OpRun):
+        op_domain = ""
+
+        def _run(self, x, scale, bias, mean, var, epsilon=1e-5, training_mode=0, **_):
+            if training_mode or len([name for name in self.onnx_node.output if name]) > 1:
+                raise RuntimeError("this evaluator runs BatchNormalization in inference mode only")
+            per_channel = (-1,) + (1,) * (x.ndim - 2)
+            scale, bias, mean, var = (np.reshape(v, per_channel) for v in (scale, bias, mean, var))
+            return ((scale * (x - mean) / np.sqrt(var + epsilon) + bias).astype(x.dtype),)
+
+    return ReferenceEvaluator(model, new_ops=[LRN, BatchNormalization])
 
 
 def _read_model(path: Path) -> onnx.ModelProto:
@@ -265,10 +484,11 @@ class _Importer:
         self.weights: Weights = {}
         self.ids: set[str] = set()
         self.batch: int | None = None
-        # ONNX tensors computed by a bias-less MatMul/Gemm -> the IR dense node,
+        # ONNX tensors computed by a MatMul -> the IR dense node,
         # so that a following Add of a constant becomes that node's bias.
         self.bias_slot: dict[str, str] = {}
         self.position = 0  # index of the ONNX node being converted, to name unnamed nodes
+        self.vocab_known = True  # False while a token input waits for its embedding's table
         self.opset = self._default_opset()
 
     # -- driver ------------------------------------------------------------
@@ -329,29 +549,40 @@ class _Importer:
             raise GraphError(f"ONNX model has {len(inputs)} non-constant inputs in use; aiperf needs exactly one")
         value = inputs[0]
         tensor_type = value.type.tensor_type
-        if not value.type.HasField("tensor_type") or tensor_type.elem_type not in _FLOAT_TYPES:
-            raise GraphError(f"ONNX input '{value.name}' must be a floating-point tensor")
+        tokens = value.type.HasField("tensor_type") and tensor_type.elem_type in _INDEX_TYPES
+        if not value.type.HasField("tensor_type") or tensor_type.elem_type not in _FLOAT_TYPES and not tokens:
+            raise GraphError(f"ONNX input '{value.name}' must be a floating-point tensor or integer token ids")
         dims = [d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else None for d in tensor_type.shape.dim]
-        if len(dims) not in (2, 4):
-            raise GraphError(f"ONNX input '{value.name}' must be [N, C, H, W] or [N, F], got rank {len(dims)}")
+        if tokens and len(dims) != 2:
+            raise GraphError(f"ONNX input '{value.name}' of token ids must be [N, S], got rank {len(dims)}")
+        if len(dims) not in (2, 3, 4):
+            raise GraphError(f"ONNX input '{value.name}' must be [N, C, H, W], [N, S, D] or [N, F], "
+                             f"got rank {len(dims)}")
         if any(d is None for d in dims[1:]):
             raise GraphError(
                 f"ONNX input '{value.name}' has symbolic size in {_dims_text(tensor_type)}; "
-                "aiperf needs fixed image sizes"
+                "aiperf needs fixed sizes but for the batch"
             )
         self.batch = dims[0]
-        if len(dims) == 2:
-            shape, layout = (dims[1],), "flat"
-        elif self._read_as_nhwc(value.name):
-            shape, layout = tuple(dims[1:]), "nhwc"
-        else:
-            shape, layout = (dims[2], dims[3], dims[1]), "nchw"
+        op, layout = "input", {2: "flat", 3: "seq", 4: "nchw"}[len(dims)]
+        shape = tuple(dims[1:])
+        if tokens:
+            op, layout = "token_input", "tokens"
+        elif len(dims) == 4 and self._read_as_nhwc(value.name):
+            layout = "nhwc"
+        elif len(dims) == 4:
+            shape = (dims[2], dims[3], dims[1])
         props = {p.key: p.value for p in self.model.metadata_props}
         stored = props.get(INPUT_ID_KEY, "")
         node_id = self._new_id(stored if _ID_RE.match(stored) else value.name)
-        attrs = OPS["input"].parse(node_id, {"shape": list(shape)})
-        self.nodes.append(Node(node_id, "input", (), attrs))
-        self.shapes[node_id] = tuple(attrs["shape"])
+        if tokens:
+            # The vocabulary is the embedding table's height, known when its Gather is read.
+            attrs = OPS[op].parse(node_id, {"seq_len": shape[0], "vocab": _UNKNOWN_VOCAB})
+            self.vocab_known = False
+        else:
+            attrs = OPS[op].parse(node_id, {"shape": list(shape)})
+        self.nodes.append(Node(node_id, op, (), attrs))
+        self.shapes[node_id] = tuple(OPS[op].shape(node_id, attrs, []))
         self.acts[value.name] = _Act(node_id, layout)
 
     def _read_as_nhwc(self, name: str) -> bool:
@@ -382,6 +613,8 @@ class _Importer:
             raise GraphError(f"ONNX output '{self.output}' is not produced by any node")
         if act.pad is not None:
             raise GraphError(f"ONNX output '{self.output}' comes from a Pad, which aiperf only folds into a Conv")
+        if act.layout in _PRIVATE_LAYOUTS:
+            raise GraphError(f"ONNX output '{self.output}' is {_PRIVATE_LAYOUTS[act.layout]}")
         # Drop IR nodes the output does not need (e.g. a tensor only read by Shape).
         by_id = {n.id: n for n in self.nodes}
         keep, stack = set(), [act.node]
@@ -452,6 +685,8 @@ class _Importer:
             self._fail(node, f"reads '{name}', which no earlier node produces")
         if act.pad is not None and not allow_pad:
             self._fail(node, "reads the output of a Pad, which aiperf only folds into a following Conv or MaxPool")
+        if act.layout in _PRIVATE_LAYOUTS and (layouts is None or act.layout not in layouts):
+            self._fail(node, f"reads {_PRIVATE_LAYOUTS[act.layout]}")
         if layouts is not None and act.layout not in layouts:
             want = " or ".join(_LAYOUT_TEXT[x] for x in layouts)
             self._fail(node, f"expects {want}, got {_LAYOUT_TEXT[act.layout]}")
@@ -476,12 +711,17 @@ class _Importer:
                 self._fail(node, f"uses output '{name}', which aiperf does not support (inference only)")
 
     def _onnx_shape(self, act: _Act) -> tuple[int, ...]:
+        """The ONNX shape of the tensor without its batch axis."""
         shape = self.shapes[act.node]
         if act.layout == "nchw":
             h, w, c = shape
             return (c, h, w)
         if act.layout == "pooled":
             return (shape[0], 1, 1)
+        if act.layout in ("split", "swapped"):
+            h, w, c = shape
+            g = act.groups
+            return (g, c // g, h, w) if act.layout == "split" else (c // g, g, h, w)
         return shape
 
     def _pair(self, node, attrs: dict, key: str, default) -> list[int]:
@@ -568,10 +808,13 @@ class _Importer:
         a = _attrs(node)
         if kernel.ndim != 4:
             self._fail(node, f"only 2-D convolutions are supported (weight of rank {kernel.ndim})")
-        if a.get("group", 1) != 1:
-            self._fail(node, f"grouped convolution (group={a['group']}) is not supported")
         self._no_dilation(node, a)
-        filters, _, kh, kw = kernel.shape
+        groups = a.get("group", 1)
+        filters, per_group, kh, kw = kernel.shape
+        channels = self.shapes[x.node][2]
+        if per_group * groups != channels:
+            self._fail(node, f"weight reads {per_group} channels per group in {groups} group(s), "
+                             f"the input has {channels}")
         if list(a.get("kernel_shape", [kh, kw])) != [kh, kw]:
             self._fail(node, f"kernel_shape {list(a['kernel_shape'])} does not match the weight's {[kh, kw]}")
         strides = self._pair(node, a, "strides", (1, 1))
@@ -579,7 +822,8 @@ class _Importer:
         params = {"kernel": np.transpose(kernel, (2, 3, 1, 0))}
         if bias is not None:
             params["bias"] = bias.reshape(-1)
-        attrs = dict(filters=int(filters), kernel=[kh, kw], strides=strides, padding=padding, use_bias=bias is not None)
+        attrs = dict(filters=int(filters), kernel=[kh, kw], strides=strides, padding=padding, use_bias=bias is not None,
+                     groups=int(groups))
         self._set(node, _Act(self._emit(node, "conv2d", [x.node], attrs, params), "nchw"))
 
     def _op_BatchNormalization(self, node) -> None:
@@ -597,9 +841,25 @@ class _Importer:
         attrs = {"epsilon": _clean_float(a.get("epsilon", 1e-5)), "momentum": _clean_float(a.get("momentum", 0.9))}
         self._set(node, _Act(self._emit(node, "batch_norm", [x.node], attrs, params), x.layout, x.order))
 
+    def _op_LRN(self, node) -> None:
+        x = self._act(node, 0, ("nchw",))
+        a = _attrs(node)
+        if "size" not in a:
+            self._fail(node, "missing attribute size")
+        attrs = {"size": int(a["size"]), "alpha": _clean_float(a.get("alpha", 1e-4)),
+                 "beta": _clean_float(a.get("beta", 0.75)), "bias": _clean_float(a.get("bias", 1.0))}
+        self._set(node, _Act(self._emit(node, "lrn", [x.node], attrs), "nchw"))
+
     def _op_Relu(self, node) -> None:
         x = self._act(node, 0)
         self._set(node, _Act(self._emit(node, "relu", [x.node], {}), x.layout, x.order))
+
+    def _op_Gelu(self, node) -> None:
+        x = self._act(node, 0)
+        approximate = _attrs(node).get("approximate", "none")
+        if approximate != "tanh":
+            self._fail(node, f"only the tanh GELU (approximate='tanh'), the IR's, is supported, got '{approximate}'")
+        self._set(node, _Act(self._emit(node, "gelu", [x.node], {}), x.layout, x.order))
 
     def _op_Dropout(self, node) -> None:
         x = self._act(node, 0)
@@ -616,14 +876,14 @@ class _Importer:
         self._set(node, _Act(self._emit(node, "dropout", [x.node], attrs), x.layout, x.order))
 
     def _op_Identity(self, node) -> None:
-        self._set(node, self._act(node, 0, allow_pad=True))
+        self._set(node, self._act(node, 0, tuple(_LAYOUT_TEXT), allow_pad=True))
 
     def _op_Add(self, node) -> None:
         if len(node.input) != 2:
             self._fail(node, f"expects 2 inputs, got {len(node.input)}")
-        consts = [name for name in node.input if name in self.consts]
+        consts = [k for k, name in enumerate(node.input) if name in self.consts]
         if len(consts) == 1:
-            self._fold_bias(node, consts[0])
+            self._add_constant(node, 1 - consts[0], consts[0])
             return
         self._sum(node)
 
@@ -645,24 +905,63 @@ class _Importer:
         nid = self._emit(node, "add", [x.node for x in xs], {})
         self._set(node, _Act(nid, first.layout, first.order))
 
-    def _fold_bias(self, node, const_name: str) -> None:
-        """Add(MatMul(x, W), b) is a dense layer with bias: fold b into the dense node."""
-        source = next(name for name in node.input if name != const_name)
+    def _add_constant(self, node, k: int, k_const: int) -> None:
+        """x + constant: learned positions, the bias of the MatMul before it, or add_const."""
+        x = self._act(node, k)
+        value = np.asarray(self.consts[node.input[k_const]])
+        shape = self.shapes[x.node]
+        # A table of the sequence's own shape is learned positions. Export writes it [S, D]; a per-channel
+        # constant [1, 1, D], so that the two never read as each other even when S is 1.
+        if x.layout == "seq" and (value.shape == shape or (value.shape == (1, *shape) and shape[0] > 1)):
+            params = {"table": value.reshape(shape)}
+            self._set(node, _Act(self._emit(node, "position_embedding", [x.node], {}, params), "seq"))
+            return
+        source = node.input[k]
         dense_id = self.bias_slot.get(source)
-        if dense_id is None or len(self.readers.get(source, [])) != 1 or source == self.output:
-            self._fail(
-                node, "adds a constant tensor; only sums of activations, or a bias right after MatMul, are supported"
-            )
-        units = self.shapes[dense_id][0]
-        bias = np.asarray(self.consts[const_name])
-        if bias.size != units or (bias.ndim == 2 and bias.shape[0] != 1) or bias.ndim > 2:
-            self._fail(node, f"bias of shape {list(bias.shape)} does not fit {units} units")
-        position = next(k for k, n in enumerate(self.nodes) if n.id == dense_id)
-        old = self.nodes[position]
-        self.nodes[position] = Node(old.id, old.op, old.inputs, {**old.attrs, "use_bias": True})
-        self.weights[dense_id]["bias"] = np.ascontiguousarray(bias.reshape(units), dtype=np.float32)
-        del self.bias_slot[source]
-        self._set(node, self.acts[source])
+        units = shape[-1]
+        fits_bias = value.shape in ((units,), (1, units))
+        if dense_id is not None and fits_bias and len(self.readers.get(source, [])) == 1 and source != self.output:
+            position = next(i for i, n in enumerate(self.nodes) if n.id == dense_id)
+            old = self.nodes[position]
+            self.nodes[position] = Node(old.id, old.op, old.inputs, {**old.attrs, "use_bias": True})
+            self.weights[dense_id]["bias"] = np.ascontiguousarray(value.reshape(units), dtype=np.float32)
+            del self.bias_slot[source]
+            self._set(node, self.acts[source])
+            return
+        self._by_constant(node, x, value, "add_const")
+
+    def _op_Mul(self, node) -> None:
+        if len(node.input) != 2:
+            self._fail(node, f"expects 2 inputs, got {len(node.input)}")
+        consts = [k for k, name in enumerate(node.input) if name in self.consts]
+        if len(consts) != 1:
+            self._fail(node, "multiplies two activations; only a product by a per-channel or scalar constant "
+                             "is supported")
+        k = 1 - consts[0]
+        self._by_constant(node, self._act(node, k), np.asarray(self.consts[node.input[consts[0]]]), "mul_const")
+
+    def _by_constant(self, node, x: _Act, value: np.ndarray, op: str) -> None:
+        """x * value or x + value, where value broadcasts per channel or is one number."""
+        onnx_shape = (1, *self._onnx_shape(x))
+        axis = {"nchw": 1, "pooled": 1, "flat": 1, "nhwc": 3, "seq": 2}[x.layout]
+        channels = onnx_shape[axis]
+        aligned = (1,) * (len(onnx_shape) - value.ndim) + value.shape  # ONNX broadcasts from the right
+        if value.ndim == 0:
+            per_channel = False
+        elif len(aligned) == len(onnx_shape) and aligned == tuple(
+                channels if i == axis else 1 for i in range(len(onnx_shape))):
+            per_channel = True
+        elif value.size == 1 and value.ndim <= len(onnx_shape):
+            per_channel = False
+        else:
+            what = "adds" if op == "add_const" else "multiplies by"
+            self._fail(node, f"{what} a constant of shape {list(value.shape)} on {_LAYOUT_TEXT[x.layout]}; only a "
+                             f"per-channel or a scalar constant is supported")
+        value = value.reshape(-1).astype(np.float32)
+        if per_channel and x.order is not None:
+            value = value[x.order]
+        nid = self._emit(node, op, [x.node], {"per_channel": per_channel}, {"value": value})
+        self._set(node, _Act(nid, x.layout, x.order))
 
     def _op_Concat(self, node) -> None:
         xs = [self._act(node, k, ("nchw",)) for k in range(len(node.input))]
@@ -690,15 +989,49 @@ class _Importer:
     def _op_AveragePool(self, node) -> None:
         x = self._act(node, 0, ("nchw",))
         a = _attrs(node)
+        self._no_dilation(node, a)
+        if "kernel_shape" not in a:
+            self._fail(node, "missing attribute kernel_shape")
         h, w, _ = self.shapes[x.node]
-        kernel = list(a.get("kernel_shape", []))
+        kernel = self._pair(node, a, "kernel_shape", ())
         padded = a.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID", "") or any(a.get("pads", []))
-        if kernel != [h, w] or padded:
-            self._fail(node, f"only global average pooling is supported (kernel {kernel} on a {h}x{w} input)")
-        self._global_pool(node, x, keep_dims=True)
+        if kernel == [h, w] and not padded and self._read_as_vector(node.output[0], at_output=False):
+            self._global_pool(node, x, keep_dims=True)
+            return
+        strides = self._pair(node, a, "strides", (1, 1))
+        ceil_mode = bool(a.get("ceil_mode", 0))
+        count_padding = bool(a.get("count_include_pad", 0))
+        padding = self._padding(node, a, x, kernel, strides, ceil_mode=ceil_mode)
+        if count_padding and padding != self._padding(node, a, x, kernel, strides):
+            # The windows that ceil mode adds overhang the explicit padding; runtimes disagree on their divisor.
+            self._fail(node, "ceil_mode with count_include_pad is not supported")
+        attrs = dict(kernel=kernel, strides=strides, padding=padding, count_padding=count_padding)
+        self._set(node, _Act(self._emit(node, "avg_pool", [x.node], attrs), "nchw"))
+
+    def _read_as_vector(self, name: str, at_output: bool) -> bool:
+        """Whether a whole-map average is read as a vector (an IR global_avg_pool): every reader flattens it
+        (Flatten, Squeeze, a 2-D Reshape), takes its softmax over the channels or reads its shape. Otherwise
+        it stays a 1 x 1 map (an IR avg_pool), e.g. for the 1 x 1 Conv that is DenseNet's classifier."""
+        if name == self.output:
+            return at_output
+        for i in self.readers.get(name, []):
+            reader = self.g.node[i]
+            if reader.op_type == "Reshape" and len(reader.input) > 1:
+                target = self.consts.get(reader.input[1])
+                if target is not None and np.asarray(target).size != 2:
+                    return False
+            elif reader.op_type not in ("Flatten", "Squeeze", "Shape", "Softmax"):
+                return False
+        return True
 
     def _op_GlobalAveragePool(self, node) -> None:
-        self._global_pool(node, self._act(node, 0, ("nchw",)), keep_dims=True)
+        x = self._act(node, 0, ("nchw",))
+        if self._read_as_vector(node.output[0], at_output=True):
+            self._global_pool(node, x, keep_dims=True)
+            return
+        h, w, _ = self.shapes[x.node]
+        attrs = dict(kernel=[h, w], strides=[1, 1], padding=[0, 0, 0, 0], count_padding=False)
+        self._set(node, _Act(self._emit(node, "avg_pool", [x.node], attrs), "nchw"))
 
     def _op_ReduceMean(self, node) -> None:
         x = self._act(node, 0, ("nchw", "nhwc"))
@@ -727,19 +1060,46 @@ class _Importer:
         self._flatten(node, x)
 
     def _op_Reshape(self, node) -> None:
-        x = self._act(node, 0)
+        x = self._act(node, 0, ("nchw", "nhwc", "pooled", "flat", "seq", "swapped"))
         target = [int(v) for v in np.asarray(self._const(node, 1)).reshape(-1)]
-        allow_zero = bool(_attrs(node).get("allowzero", 0))
+        dims = self._reshaped(node, x, target)
+        batch = self.batch or 1
+        if x.layout == "swapped":
+            # The last step of a channel shuffle: back to [N, C, H, W].
+            h, w, c = self.shapes[x.node]
+            if dims != [batch, c, h, w]:
+                self._fail(node, f"only a reshape back to [N, {c}, {h}, {w}] ends a channel shuffle, got {target}")
+            nid = self._emit(node, "channel_shuffle", [x.node], {"groups": x.groups})
+            self._set(node, _Act(nid, "nchw"))
+            return
+        if x.layout == "nchw" and len(target) == 5:
+            h, w, c = self.shapes[x.node]
+            g = dims[1]
+            if g < 1 or c % g or dims != [batch, g, c // g, h, w]:
+                self._fail(node, f"only ShuffleNet's channel split [N, G, {c} / G, {h}, {w}] is supported, "
+                                 f"got {target}")
+            self._set(node, _Act(x.node, "split", groups=g))
+            return
         features = math.prod(self._onnx_shape(x))
-        batch_ok = (0,) if not allow_zero else ()
-        batch_ok += (-1, self.batch or 1)
-        if not (
-            len(target) == 2
-            and target[0] in batch_ok
-            and (target[1] == features or (target[1] == -1 and target[0] != -1))
-        ):
+        if not (len(target) == 2 and dims == [batch, features] and target[0] in (0, -1, batch)):
             self._fail(node, f"only a reshape to [N, {features}] (flatten) is supported, got {target}")
         self._flatten(node, x)
+
+    def _reshaped(self, node, x: _Act, target: list[int]) -> list[int]:
+        """Reshape's output dims (batch included; a symbolic batch counts as 1): 0 copies the input's dim
+        unless allowzero, -1 takes what is left."""
+        dims = [self.batch or 1, *self._onnx_shape(x)]
+        allow_zero = bool(_attrs(node).get("allowzero", 0))
+        out = [dims[k] if v == 0 and not allow_zero and k < len(dims) else v for k, v in enumerate(target)]
+        if out.count(-1) > 1 or any(v < -1 for v in out):
+            self._fail(node, f"invalid reshape target {target}")
+        if -1 in out:
+            known = math.prod(v for v in out if v != -1)
+            total = math.prod(dims)
+            if known == 0 or total % known:
+                self._fail(node, f"reshape target {target} does not fit {total} values")
+            out[out.index(-1)] = total // known
+        return out
 
     def _op_Squeeze(self, node) -> None:
         x = self._act(node, 0, ("pooled",))
@@ -765,14 +1125,17 @@ class _Importer:
         self._set(node, _Act(self._emit(node, "flatten", [x.node], {}), "flat", order))
 
     def _op_Transpose(self, node) -> None:
-        x = self._act(node, 0)
+        x = self._act(node, 0, ("nchw", "nhwc", "pooled", "flat", "seq", "split"))
         perm = list(_attrs(node).get("perm", []))
         if x.layout == "nchw" and perm == [0, 2, 3, 1]:
             self._set(node, _Act(x.node, "nhwc"))
         elif x.layout == "nhwc" and perm == [0, 3, 1, 2]:
             self._set(node, _Act(x.node, "nchw"))
+        elif x.layout == "split" and perm == [0, 2, 1, 3, 4]:
+            self._set(node, _Act(x.node, "swapped", groups=x.groups))
         else:
-            self._fail(node, f"only NCHW<->NHWC transposes are supported, got perm {perm} of {_LAYOUT_TEXT[x.layout]}")
+            self._fail(node, f"only NCHW<->NHWC transposes and a channel shuffle's [0, 2, 1, 3, 4] are supported, "
+                             f"got perm {perm} of {_LAYOUT_TEXT[x.layout]}")
 
     def _op_Pad(self, node) -> None:
         x = self._act(node, 0, ("nchw",), allow_pad=True)
@@ -819,17 +1182,19 @@ class _Importer:
                 bias = np.full(units, bias.reshape(()), dtype=bias.dtype)
             elif bias.size != units or (bias.ndim == 2 and bias.shape[0] != 1) or bias.ndim > 2:
                 self._fail(node, f"bias of shape {list(bias.shape)} does not fit {units} units")
+        # Gemm has its own bias input: an Add after a bias-less Gemm stays an add_const.
         self._dense(node, x, kernel, None if bias is None else bias.reshape(units))
 
     def _op_MatMul(self, node) -> None:
-        x = self._act(node, 0, ("flat",))
+        x = self._act(node, 0, ("flat", "seq"))
         kernel = self._const(node, 1)
         if kernel.ndim != 2:
-            self._fail(node, f"only MatMul of a flat tensor by a 2-D weight is supported, got {list(kernel.shape)}")
-        self._dense(node, x, kernel, None)
+            self._fail(node, f"only MatMul of {_LAYOUT_TEXT[x.layout]} by a 2-D weight is supported, "
+                             f"got {list(kernel.shape)}")
+        self.bias_slot[node.output[0]] = self._dense(node, x, kernel, None)
 
-    def _dense(self, node, x: _Act, kernel: np.ndarray, bias: np.ndarray | None) -> None:
-        features = self.shapes[x.node][0]
+    def _dense(self, node, x: _Act, kernel: np.ndarray, bias: np.ndarray | None) -> str:
+        features = self.shapes[x.node][-1]
         if kernel.shape[0] != features:
             self._fail(node, f"weight of shape {list(kernel.shape)} does not fit {features} input features")
         kernel = np.ascontiguousarray(kernel, dtype=np.float32)  # row gathers are fast on C order
@@ -840,19 +1205,83 @@ class _Importer:
             params["bias"] = bias
         attrs = {"units": int(kernel.shape[1]), "use_bias": bias is not None}
         nid = self._emit(node, "dense", [x.node], attrs, params)
-        if bias is None:
-            self.bias_slot[node.output[0]] = nid
-        self._set(node, _Act(nid, "flat"))
+        self._set(node, _Act(nid, x.layout))
+        return nid
 
     def _op_Softmax(self, node) -> None:
-        x = self._act(node, 0, ("flat", "pooled"))
-        rank = 2 if x.layout == "flat" else 4
+        x = self._act(node, 0, ("flat", "pooled", "seq"))
+        rank = 1 + len(self._onnx_shape(x))
         axis = _attrs(node).get("axis", 1 if self.opset < 13 else -1)
         # Before opset 13 Softmax flattens from `axis` on, so axis 1 of a pooled
         # [N, C, 1, 1] tensor also means "over the channels".
-        if not -rank <= axis < rank or axis % rank != 1:
-            self._fail(node, f"only a softmax over the features (axis 1) is supported, got axis {axis}")
+        want = 2 if x.layout == "seq" else 1
+        if not -rank <= axis < rank or axis % rank != want:
+            what = "the last axis (2)" if x.layout == "seq" else "the features (axis 1)"
+            self._fail(node, f"only a softmax over {what} is supported, got axis {axis}")
         self._set(node, _Act(self._emit(node, "softmax", [x.node], {}), x.layout, x.order))
+
+    # -- sequence layers ---------------------------------------------------
+    def _op_Gather(self, node) -> None:
+        """Gather(table, token ids) is an embedding; the table's height is the token input's vocabulary."""
+        tokens = self._act(node, 1, ("tokens",))
+        table = self._const(node, 0)
+        axis = _attrs(node).get("axis", 0)
+        if axis != 0:
+            self._fail(node, f"only a lookup of table rows (axis 0) is supported, got axis {axis}")
+        if table.ndim != 2:
+            self._fail(node, f"the embedding table must be 2-D, got shape {list(table.shape)}")
+        vocab, units = (int(d) for d in table.shape)
+        token_node = self.nodes[0]
+        if not self.vocab_known:
+            attrs = {**token_node.attrs, "vocab": vocab}
+            self.nodes[0] = Node(token_node.id, token_node.op, (), OPS["token_input"].parse(token_node.id, attrs))
+            self.vocab_known = True
+        elif token_node.attrs["vocab"] != vocab:
+            self._fail(node, f"table of {vocab} rows, but an earlier embedding's has {token_node.attrs['vocab']}")
+        nid = self._emit(node, "embedding", [tokens.node], {"vocab": vocab, "units": units}, {"table": table})
+        self._set(node, _Act(nid, "seq"))
+
+    def _op_LayerNormalization(self, node) -> None:
+        x = self._act(node, 0, ("seq", "flat"))
+        a = _attrs(node)
+        rank = 1 + len(self._onnx_shape(x))
+        axis = a.get("axis", -1)
+        if not -rank <= axis < rank or axis % rank != rank - 1:
+            self._fail(node, f"only a layer norm over the last axis is supported, got axis {axis}")
+        self._only_first_output(node)
+        gamma = self._const(node, 1).reshape(-1)
+        beta = self._const(node, 2, optional=True)
+        beta = np.zeros_like(gamma) if beta is None else beta.reshape(-1)
+        params = {"gamma": gamma, "beta": beta}
+        if x.order is not None:
+            params = {k: v[x.order] if v.size == x.order.size else v for k, v in params.items()}
+        attrs = {"epsilon": _clean_float(a.get("epsilon", 1e-5))}
+        self._set(node, _Act(self._emit(node, "layer_norm", [x.node], attrs, params), x.layout, x.order))
+
+    def _op_Attention(self, node) -> None:
+        q, k, v = (self._act(node, i, ("seq",)) for i in range(3))
+        if any(node.input[3:]):
+            self._fail(node, "masks, caches and padding lengths are not supported (only q, k, v)")
+        self._only_first_output(node)
+        a = _attrs(node)
+        heads = a.get("q_num_heads")
+        if heads is None or a.get("kv_num_heads") != heads:
+            self._fail(node, "only 3-D inputs with q_num_heads == kv_num_heads are supported "
+                             f"(got {heads} and {a.get('kv_num_heads')})")
+        width = self.shapes[q.node][-1]
+        if heads < 1 or width % heads:
+            self._fail(node, f"{heads} heads do not divide the width {width}")
+        head_dim = width // heads
+        scale = a.get("scale")
+        if scale is not None and not math.isclose(scale, 1 / math.sqrt(head_dim), rel_tol=1e-6):
+            self._fail(node, f"only the scale 1/sqrt(head_dim) is supported, got {scale}")
+        if a.get("softcap", 0.0) != 0.0:
+            self._fail(node, f"soft capping (softcap {a['softcap']}) is not supported")
+        for side in ("left_window_size", "right_window_size"):
+            if a.get(side, -1) != -1:
+                self._fail(node, f"a sliding window ({side} {a[side]}) is not supported")
+        attrs = {"heads": int(heads), "head_dim": int(head_dim), "causal": bool(a.get("is_causal", 0))}
+        self._set(node, _Act(self._emit(node, "attention", [q.node, k.node, v.node], attrs), "seq"))
 
     def _ir_op(self, node_id: str) -> str:
         return next(n.op for n in reversed(self.nodes) if n.id == node_id)
