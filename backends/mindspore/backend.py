@@ -26,7 +26,7 @@ backends work where it is not installed; availability() then says why not.
   on Ascend), and a single accelerator other than this process's in one worker bound to it.
   Streamed batches arrive as uint8 pixels and are normalised on the device (lowering.py);
   synthetic data is uploaded once and sliced on the device (training.py).
-* native counter: MindSpore's own ``flops_collection`` (graph mode), per conv/dense node
+* native counter: MindSpore's own ``flops_collection`` (graph mode), per conv, dense and attention node
   (counter.py).
 """
 
@@ -176,9 +176,10 @@ class MindSporeBackend(Backend):
                                                                      Tensor(np.float32(1.0 / len(x))))
             finally:
                 model.set_train(was_training)
-        out: Weights = {}
+        # Every node with parameters, as the reference: a node of constants alone has no gradient.
+        out: Weights = {node_id: {} for node_id in model.graph.all_param_shapes()}
         for (node_id, pname, _), grad in zip(trainable, grads):
-            out.setdefault(node_id, {})[pname] = to_canonical(pname, grad.asnumpy())
+            out[node_id][pname] = to_canonical(pname, grad.asnumpy())
         return float(total.asnumpy()) / len(x), out
 
     def train_checked(self, model: Any, data: Dataset, config: TrainConfig,

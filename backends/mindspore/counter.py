@@ -1,11 +1,13 @@
 """Native op counter: MindSpore's own FLOPs collection (``mindspore.flops_collection``).
 
-MindSpore counts, for a network compiled in graph mode, the FLOPs of its Conv2D and MatMul nodes
-(forward and, in a gradient graph, their backward nodes): 2 FLOPs per multiply-accumulate over
-every kernel tap, padding included (the paper's convention; checked against opcount on strided,
-asymmetric and 7x7 cases). It reports one total per compiled graph, so to attribute by category
-the counter compiles the very cells the lowering runs (lowering.Conv, lowering.Dense), one node
-at a time, with the node's shapes at the requested batch:
+MindSpore counts, for a network compiled in graph mode, the FLOPs of its Conv2D, MatMul and
+BatchMatMul nodes (forward and, in a gradient graph, their backward nodes): 2 FLOPs per
+multiply-accumulate over every kernel tap, padding included (the paper's convention; checked
+against opcount on strided, asymmetric and 7x7 cases), and for attention every one of the S x S
+scores, masked ones included (the paper's convention again). It reports one total per compiled
+graph, so to attribute by category the counter compiles the very cells the lowering runs
+(lowering.Conv, lowering.Dense, lowering.Attention), one node at a time, with the node's shapes at
+the requested batch:
 
 * forward: the node alone;
 * backward: the gradient graph of (output * dy).sum() with respect to the input and the weights,
@@ -13,10 +15,17 @@ at a time, with the node's shapes at the requested batch:
   input data) the input gradient is not needed, as the analytic rule says, so its backward is
   that graph minus the gradient graph with respect to the input alone. Both are measured:
   MindSpore 2.10 fails ("Can not find the forward node") on a graph that takes the weight gradient
-  alone.
+  alone. Attention has no weights: its backward is the gradient graph with respect to q, k and v
+  (four BatchMatMuls, both inputs of both products) minus the forward, and nothing when only data
+  lies upstream (opcount's rule).
 
-Bias additions, normalisation, activations, pooling and softmax are not counted, so only 'conv'
-and 'dense' are covered; the weight update is not counted. Compiled counts are cached per (op,
+A grouped convolution is the one exception to "the very cell": MindSpore 2.10's flops_collection
+counts a Conv2D with group=G as if every filter read all the input channels, G times its work
+(measured, forward and backward, grouped and depthwise). Its G groups are G identical convolutions
+of C/G input channels and F/G filters, so the counter compiles one of them and counts it G times.
+
+Bias additions, normalisation, activations, pooling and softmax (attention's included) are not
+counted, so only 'conv', 'dense' and 'attention' are covered; the weight update is not counted. Compiled counts are cached per (op,
 shapes, attributes). flops_collection needs graph mode, which is MindSpore's process-wide
 execution mode: the counter switches to it under a lock and back to PyNative afterwards, so it
 must not run while another thread trains with this backend (the conformance kit counts alone).
@@ -35,12 +44,13 @@ from aiperf_core.backend import CounterConvention, NativeCounter
 CONVENTION = CounterConvention(
     mac_ops=2,
     padding="paper",
-    covers=("conv", "dense"),
+    covers=("conv", "dense", "attention"),
     includes_update=False,
-    notes=("mindspore.flops_collection of graph-mode compiled Conv2D/MatMul, per conv/dense node: 2 FLOPs per "
-           "MAC over every kernel tap (padding included); backward from gradient graphs (input gradient left out "
-           "for the conv that reads the data); bias, normalisation, activation, pooling and softmax are not "
-           "counted; the backward count has no weight update"),
+    notes=("mindspore.flops_collection of graph-mode compiled Conv2D/MatMul/BatchMatMul, per conv, dense and "
+           "attention node: 2 FLOPs per MAC over every kernel tap (padding included) and every attention score "
+           "(masked ones included); backward from gradient graphs (input gradient left out for the node that "
+           "reads the data); bias, normalisation, activation, pooling and softmax are not counted; the backward "
+           "count has no weight update"),
 )
 
 _CACHE: dict[tuple, int] = {}
@@ -94,8 +104,27 @@ def _gradient_cells(node_cell, with_weights: bool):
     return Gradients(node_cell)
 
 
+def _stacked_attention(attrs: Any, seq_len: int):
+    """lowering.Attention taking q, k and v stacked on a first axis of 3 (indexing computes nothing), so
+    that the one-input forward and gradient cells above count it."""
+    from mindspore import nn
+
+    from aiperf_backends.mindspore.lowering import Attention
+
+    class Stacked(nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.attention = Attention(seq_len, attrs)
+
+        def construct(self, qkv):
+            return self.attention(qkv[0], qkv[1], qkv[2])
+
+    return Stacked()
+
+
 def _node_flops(op: str, in_shape: tuple, out_shape: tuple, attrs: Any, backward: bool, input_grad: bool) -> int:
-    """FLOPs of one conv2d (NCHW shapes) or dense node, forward or forward + backward."""
+    """FLOPs of one conv2d (NCHW shapes), dense or attention node (in_shape: one of q, k, v), forward
+    or forward + backward."""
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in dict(attrs).items()))
     key = (op, in_shape, out_shape, frozen, backward, input_grad)
     if key in _CACHE:
@@ -104,15 +133,29 @@ def _node_flops(op: str, in_shape: tuple, out_shape: tuple, attrs: Any, backward
 
     from aiperf_backends.mindspore.lowering import Conv, Dense
 
-    def make():
-        return Conv(in_shape[1], attrs) if op == "conv2d" else Dense(in_shape[1], attrs)
+    groups = dict(attrs).get("groups", 1) if op == "conv2d" else 1
+    if groups > 1:  # one group's convolution, G times (flops_collection ignores Conv2D's group: above)
+        one = {k: v for k, v in dict(attrs).items() if k != "groups"}
+        one["filters"] = attrs["filters"] // groups
+        n, c, h, w = in_shape
+        total = groups * _node_flops(op, (n, c // groups, h, w), (out_shape[0], out_shape[1] // groups) + out_shape[2:],
+                                     one, backward, input_grad)
+        _CACHE[key] = total
+        return total
 
-    x = Tensor(np.zeros(in_shape, np.float32))
+    def make():
+        if op == "attention":
+            return _stacked_attention(attrs, in_shape[1])
+        return Conv(in_shape[1], attrs) if op == "conv2d" else Dense(in_shape[-1], attrs)
+
+    x = Tensor(np.zeros(((3,) if op == "attention" else ()) + in_shape, np.float32))
     dy = Tensor(np.zeros(out_shape, np.float32))
     with _graph_mode():
         forward = _collected(make(), x)
         total = forward
-        if backward:
+        if backward and op == "attention":  # no weights: its backward is its input gradient, or nothing
+            total += _collected(_gradient_cells(make(), with_weights=False), x, dy) - forward if input_grad else 0
+        elif backward:
             everything = _collected(_gradient_cells(make(), with_weights=True), x, dy)
             without = forward if input_grad else _collected(_gradient_cells(make(), with_weights=False), x, dy)
             total += everything - without
@@ -121,6 +164,7 @@ def _node_flops(op: str, in_shape: tuple, out_shape: tuple, attrs: Any, backward
 
 
 def _nchw(batch: int, shape: tuple) -> tuple:
+    """A batch's shape in the lowering's layout: images NCHW, flat values and sequences as they are."""
     return (batch, shape[2], shape[0], shape[1]) if len(shape) == 3 else (batch,) + tuple(shape)
 
 
@@ -129,9 +173,12 @@ class MindSporeFlopsCounter(NativeCounter):
 
     def count(self, model, batch: int, backward: bool) -> dict[str, int]:
         graph = model.graph
-        out = {"conv": 0, "dense": 0, "other": 0}
-        for node, up in self.counted_nodes(graph, backward):
+        out = {"conv": 0, "dense": 0, "attention": 0, "other": 0}
+        for node, up in self.counted_nodes(graph, backward, ops=("conv2d", "dense", "attention")):
             flops = _node_flops(node.op, _nchw(batch, graph.shapes[node.inputs[0]]), _nchw(batch, graph.shapes[node.id]),
                                 node.attrs, backward, input_grad=up)
-            out["conv" if node.op == "conv2d" else "dense"] += flops
+            out[_CATEGORY[node.op]] += flops
         return out
+
+
+_CATEGORY = {"conv2d": "conv", "dense": "dense", "attention": "attention"}

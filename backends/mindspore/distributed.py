@@ -133,8 +133,9 @@ def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list
     try:
         (workdir / "graph.json").write_text(model.graph.to_json())
         save_weights(model.export_canonical(), workdir / "weights.npz")
-        np.savez(workdir / "data.npz", x_train=np.asarray(data.x_train, np.float32),
-                 y_train=np.asarray(data.y_train, np.int64), x_val=np.asarray(data.x_val, np.float32),
+        x_type = np.int64 if model.graph.takes_tokens else np.float32  # token ids stay integers
+        np.savez(workdir / "data.npz", x_train=np.asarray(data.x_train, x_type),
+                 y_train=np.asarray(data.y_train, np.int64), x_val=np.asarray(data.x_val, x_type),
                  y_val=np.asarray(data.y_val, np.int64), classes=np.int64(data.classes))
         (workdir / "config.json").write_text(json.dumps(_config_to_dict(config)))
         reports = _run_cluster(workdir, devices, on_epoch)

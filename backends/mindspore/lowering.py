@@ -5,6 +5,7 @@ Ascend convolutions are NCHW with OIHW kernels and nn.Dense keeps (out, in). Con
 at the boundaries only:
 
 * input NHWC -> NCHW (one transpose), output NCHW -> NHWC when the graph's output is an image;
+  sequences (N, S, D) and flat (N, C) values keep the IR's layout, token ids (N, S) enter as int64;
 * ``flatten`` transposes to NHWC order before flattening, so a dense kernel that follows keeps its
   canonical (H, W, C)-ordered rows;
 * kernels HWIO <-> OIHW and (in, out) <-> (out, in) when weights cross the interface. These are
@@ -13,7 +14,10 @@ at the boundaries only:
 Per op:
 
 * conv2d: the ``ops.Conv2D`` primitive nn.Conv2d uses, ``pad_mode='pad'`` with the IR's explicit
-  (top, bottom, left, right) padding, so asymmetric padding needs no extra op;
+  (top, bottom, left, right) padding, so asymmetric padding needs no extra op; ``groups`` is the
+  primitive's ``group`` (grouped and depthwise convolutions run forward and backward on MindSpore
+  2.10's CPU kernel, measured against the reference); the kernel is (O, I/groups, kh, kw), the IR's
+  block order;
 * max_pool: a -inf ``ops.pad`` when there is padding, then a 'valid' ``ops.MaxPool``;
 * batch_norm: the fused ``ops.BatchNorm`` primitive nn.BatchNorm2d uses, with
   ``momentum = 1 - IR momentum`` (the IR's momentum is Keras-style, the primitive's is the weight
@@ -23,18 +27,39 @@ Per op:
   in training the primitive's Bessel factor divides by zero (NaN moving variance); that case is
   computed as the reference does (output beta, factor taken as 1). With data parallelism
   (distributed.py) the batch statistics are those of the global batch (``SyncedBatchNorm``);
-* dense: ``ops.MatMul(transpose_b=True)`` as nn.Dense;
+* dense: ``ops.MatMul(transpose_b=True)`` as nn.Dense; over a sequence (N, S, D) the positions are
+  rows of one (N*S, D) product (MatMul and BiasAdd are 2-D);
 * dropout: identity in inference; in training inverted dropout with masks the caller passes in
   (host-drawn NumPy masks: the reference's in loss_and_grads, a seeded stream in training);
-* softmax in float32; with ``logits=True`` the softmax's input is returned, so that the loss can
-  use a stable log-softmax.
+* softmax in float32 over the last axis (per position of a sequence); with ``logits=True`` the
+  softmax's input is returned, so that the loss can use a stable log-softmax;
+* lrn: from ONNX's definition, the squares summed over the channel window as shifted slices of a
+  zero-padded tensor (clipped at the edges), ``x * (bias + alpha / size * sum)^-beta``, in float32
+  (MindSpore 2.10's CPU ``ops.LRN`` fails for channel counts that are multiples of 8 from 16 up);
+* avg_pool: a zero ``ops.pad`` (any per-side padding), a 'valid' ``ops.AvgPool`` (the window sum
+  over kh*kw), and without ``count_padding`` a constant factor kh*kw / real taps per output
+  position, computed on the host when lowering;
+* mul_const / add_const: ``value`` is a non-trainable Parameter (no gradient, no optimizer slot),
+  exported and imported like batch norm's moving statistics; per channel it is broadcast over
+  axis 1 of an NCHW image and over the last axis otherwise;
+* channel_shuffle: reshape (N, G, C/G, H, W), swap the two channel axes, reshape back;
+* embedding: ``ops.gather`` of the ids' rows of a ``table`` Parameter (its gradient adds each
+  token's gradient into its row); position_embedding: ``x + table``;
+* layer_norm: the fused ``ops.LayerNorm`` primitive over the last axis (biased variance), in
+  float32; an NCHW image is moved to NHWC and back around it;
+* attention: explicit ``ops.BatchMatMul`` products in the compute dtype, heads split by reshape
+  (N, S, A, d) -> (N, A, S, d); the scores are scaled, masked (-inf where j > i, so their
+  probability is exactly 0) and soft-maxed in float32. MindSpore's fused kernel
+  (``ops.flash_attention_score``) exists on Ascend only;
+* gelu: ``ops.gelu(approximate='tanh')``, the IR's form.
 
 Input: a float32 batch is taken as already normalised (in-memory datasets); uint8 pixels (streamed
 batches, synthetic data) are normalised by MindSpore ops on the device target, with exactly the
 host's arithmetic (`normalised_pixels`), so a quarter of the bytes cross to the device.
 
-Mixed precision (fp16 / bf16): conv and dense run in the compute dtype on cast copies of the
-float32 master weights; batch norm (statistics included), the softmax and the loss stay float32.
+Mixed precision (fp16 / bf16): conv, dense and attention's two products run in the compute dtype
+on cast copies of the float32 master weights; batch norm (statistics included), lrn, layer norm,
+the softmaxes (attention's included) and the loss stay float32.
 """
 
 from __future__ import annotations
@@ -49,7 +74,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from aiperf_core.errors import GraphError
-from aiperf_core.ir import Graph, Node
+from aiperf_core.ir import INPUT_OPS, Graph, Node, is_trainable
 from aiperf_core.weights import Weights, validate_weights
 
 
@@ -69,8 +94,7 @@ def _settle_numpy_bridge() -> None:
 
 _settle_numpy_bridge()
 
-TRAINABLE = ("kernel", "bias", "gamma", "beta")
-STATE = ("moving_mean", "moving_variance")
+STATE = ("moving_mean", "moving_variance")  # updated by their own rule: loss_and_grads restores them
 COMPUTE_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
 
 
@@ -90,6 +114,9 @@ class _Linear(nn.Cell):
         self.compute_dtype = compute_dtype
 
     def construct(self, x):
+        return self.apply(x)
+
+    def apply(self, x):
         kernel = self.kernel
         if self.compute_dtype is not None:
             x, kernel = x.astype(self.compute_dtype), kernel.astype(self.compute_dtype)
@@ -100,22 +127,29 @@ class _Linear(nn.Cell):
 
 
 class Conv(_Linear):
-    """conv2d with explicit per-side padding; kernel (O, I, kh, kw), optional bias (O,)."""
+    """conv2d with explicit per-side padding; kernel (O, I/groups, kh, kw), optional bias (O,)."""
 
     def __init__(self, in_channels: int, attrs: Mapping[str, Any], compute_dtype=None):
         kh, kw = attrs["kernel"]
         filters = attrs["filters"]
+        groups = attrs.get("groups", 1)
         conv = ops.Conv2D(out_channel=filters, kernel_size=(kh, kw), mode=1, pad_mode="pad",
-                          pad=tuple(attrs["padding"]), stride=tuple(attrs["strides"]))
-        super().__init__((filters, in_channels, kh, kw), filters, attrs["use_bias"], conv, compute_dtype)
+                          pad=tuple(attrs["padding"]), stride=tuple(attrs["strides"]), group=groups)
+        super().__init__((filters, in_channels // groups, kh, kw), filters, attrs["use_bias"], conv, compute_dtype)
 
 
 class Dense(_Linear):
-    """dense; kernel (out, in) as nn.Dense, optional bias (out,)."""
+    """dense; kernel (out, in) as nn.Dense, optional bias (out,); over the last axis of a sequence."""
 
     def __init__(self, in_features: int, attrs: Mapping[str, Any], compute_dtype=None):
         super().__init__((attrs["units"], in_features), attrs["units"], attrs["use_bias"],
                          ops.MatMul(transpose_b=True), compute_dtype)
+
+    def construct(self, x):
+        if x.ndim == 2:
+            return self.apply(x)
+        lead = x.shape[:-1]
+        return self.apply(x.reshape(-1, x.shape[-1])).reshape(lead + (-1,))
 
 
 class BatchNorm(nn.Cell):
@@ -138,6 +172,8 @@ class BatchNorm(nn.Cell):
         dtype = x.dtype
         if len(shape) == 2:
             x = x.reshape(shape[0], shape[1], 1, 1)
+        elif len(shape) == 3:  # a sequence (N, S, D): channels are D, statistics over N and S
+            x = x.transpose(0, 2, 1).reshape(shape[0], shape[2], shape[1], 1)
         if dtype != ms.float32:
             x = x.astype(ms.float32)
         if not self.training:
@@ -152,6 +188,8 @@ class BatchNorm(nn.Cell):
             y = self.bn_train(x, self.gamma, self.beta, self.moving_mean, self.moving_variance)[0]
         if len(shape) == 2:
             y = y.reshape(shape)
+        elif len(shape) == 3:
+            y = y.reshape(shape[0], shape[2], shape[1]).transpose(0, 2, 1)
         return y if dtype == ms.float32 else y.astype(dtype)
 
     def _single_value(self, x):
@@ -179,6 +217,170 @@ class MaxPool(nn.Cell):
         if self.pad is not None:
             x = ops.pad(x, self.pad, value=-math.inf)
         return self.pool(x)
+
+
+class LRN(nn.Cell):
+    """ONNX's LRN over the channels (axis 1), in float32, from its definition: the squares' sum over
+    the window [c - (size-1)/2, c + (size-1)/2] (zero channels padded on both sides clip it at the
+    edges) as `size` shifted slices, s = bias + alpha / size * sum, y = x * s^-beta.
+
+    Not ops.LRN: that primitive is TensorFlow's LRN and maps exactly (depth_radius = (size - 1) / 2,
+    alpha = ONNX alpha / size; measured against the reference), but MindSpore 2.10's CPU kernel fails
+    ("Unknown Error!") for every channel count that is a multiple of 8 from 16 up (64 and 192 in
+    Inception v1, 96 and 256 in AlexNet): measured for 1 to 99 channels."""
+
+    def __init__(self, attrs: Mapping[str, Any]):
+        super().__init__()
+        self.size = attrs["size"]
+        half = (self.size - 1) // 2
+        self.pad = (0, 0, 0, 0, half, half)  # ops.pad: last axis first; the channels of NCHW
+        self.scale = float(attrs["alpha"]) / self.size
+        self.bias = float(attrs["bias"])
+        self.beta = float(attrs["beta"])
+
+    def construct(self, x):
+        dtype = x.dtype
+        if dtype != ms.float32:
+            x = x.astype(ms.float32)
+        channels = x.shape[1]
+        squares = ops.pad(x * x, self.pad)
+        window = squares[:, 0:channels]
+        for offset in range(1, self.size):
+            window = window + squares[:, offset:offset + channels]
+        y = x * ops.pow(self.bias + self.scale * window, -self.beta)
+        return y if dtype == ms.float32 else y.astype(dtype)
+
+
+class AvgPool(nn.Cell):
+    """avg_pool: zero padding (any per side), the 'valid' window mean over kh*kw taps, and without
+    count_padding a factor kh*kw / (real taps) per output position (a constant of the shapes)."""
+
+    def __init__(self, in_shape: tuple, attrs: Mapping[str, Any]):
+        super().__init__()
+        pt, pb, pl, pr = attrs["padding"]
+        kh, kw = attrs["kernel"]
+        self.pad = (pl, pr, pt, pb) if any(attrs["padding"]) else None  # ops.pad: last axis first
+        self.pool = ops.AvgPool(kernel_size=(kh, kw), strides=tuple(attrs["strides"]), pad_mode="VALID")
+        self.factor = None
+        if self.pad is not None and not attrs["count_padding"]:
+            h, w = in_shape[0], in_shape[1]
+            real = np.pad(np.ones((h, w), np.float64), ((pt, pb), (pl, pr)))
+            sh, sw = attrs["strides"]
+            windows = np.lib.stride_tricks.sliding_window_view(real, (kh, kw))[::sh, ::sw]
+            self.factor = Tensor((kh * kw / windows.sum(axis=(2, 3)))[None, None].astype(np.float32))
+
+    def construct(self, x):
+        if self.pad is not None:
+            x = ops.pad(x, self.pad)
+        y = self.pool(x)
+        if self.factor is not None:
+            y = y * (self.factor if y.dtype == ms.float32 else self.factor.astype(y.dtype))
+        return y
+
+
+class Constant(nn.Cell):
+    """mul_const / add_const: a non-trainable `value`, per channel (axis 1 of an NCHW image, the last
+    axis otherwise) or one scalar."""
+
+    def __init__(self, shape: tuple, attrs: Mapping[str, Any], multiply: bool):
+        super().__init__()
+        self.value = _zeros(shape, "value", trainable=False)
+        self.multiply = multiply
+        self.per_channel = attrs["per_channel"]
+
+    def construct(self, x):
+        value = self.value if x.dtype == ms.float32 else self.value.astype(x.dtype)
+        if self.per_channel and x.ndim == 4:
+            value = value.reshape(1, -1, 1, 1)
+        return x * value if self.multiply else x + value
+
+
+class ChannelShuffle(nn.Cell):
+    """ShuffleNet's shuffle of NCHW channels: (N, G, C/G, H, W) -> (N, C/G, G, H, W)."""
+
+    def __init__(self, attrs: Mapping[str, Any]):
+        super().__init__()
+        self.groups = attrs["groups"]
+
+    def construct(self, x):
+        n, c, h, w = x.shape
+        return x.reshape(n, self.groups, c // self.groups, h, w).swapaxes(1, 2).reshape(n, c, h, w)
+
+
+class Embedding(nn.Cell):
+    """embedding: the rows of `table` (vocab, units) for int64 token ids (N, S); float32."""
+
+    def __init__(self, attrs: Mapping[str, Any]):
+        super().__init__()
+        self.table = _zeros((attrs["vocab"], attrs["units"]), "table")
+
+    def construct(self, ids):
+        return ops.gather(self.table, ids, 0)
+
+
+class PositionEmbedding(nn.Cell):
+    """position_embedding: x + table (S, D), the table broadcast over the batch."""
+
+    def __init__(self, shape: tuple):
+        super().__init__()
+        self.table = _zeros(shape, "table")
+
+    def construct(self, x):
+        return x + (self.table if x.dtype == ms.float32 else self.table.astype(x.dtype))
+
+
+class LayerNorm(nn.Cell):
+    """layer_norm over the IR's last axis (biased variance), the fused primitive in float32; an NCHW
+    image's last IR axis is its channels (axis 1), moved last and back."""
+
+    def __init__(self, width: int, attrs: Mapping[str, Any]):
+        super().__init__()
+        self.gamma = _zeros((width,), "gamma")
+        self.beta = _zeros((width,), "beta")
+        self.norm = ops.LayerNorm(begin_norm_axis=-1, begin_params_axis=-1, epsilon=float(attrs["epsilon"]))
+
+    def construct(self, x):
+        if x.dtype != ms.float32:
+            x = x.astype(ms.float32)
+        if x.ndim == 4:
+            return self.norm(x.transpose(0, 2, 3, 1), self.gamma, self.beta)[0].transpose(0, 3, 1, 2)
+        return self.norm(x, self.gamma, self.beta)[0]
+
+
+class Attention(nn.Cell):
+    """Multi-head scaled dot-product attention over (N, S, heads * head_dim) q, k, v: explicit
+    BatchMatMul products in the compute dtype, the scores scaled, causally masked (-inf, so a masked
+    pair's probability is exactly 0) and soft-maxed in float32. BatchMatMul, not ops.matmul, so that
+    flops_collection counts both products (counter.py)."""
+
+    def __init__(self, seq_len: int, attrs: Mapping[str, Any], compute_dtype=None):
+        super().__init__()
+        self.heads, self.head_dim = attrs["heads"], attrs["head_dim"]
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        # j > i: the keys after each query
+        self.masked = Tensor(np.triu(np.ones((seq_len, seq_len), np.bool_), 1)) if attrs["causal"] else None
+        self.scores = ops.BatchMatMul(transpose_b=True)
+        self.mix = ops.BatchMatMul()
+        self.compute_dtype = compute_dtype
+
+    def _heads(self, t):
+        n, s, _ = t.shape
+        if self.compute_dtype is not None:
+            t = t.astype(self.compute_dtype)
+        return t.reshape(n, s, self.heads, self.head_dim).transpose(0, 2, 1, 3)
+
+    def construct(self, q, k, v):
+        n, s, width = q.shape
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)
+        scores = self.scores(q, k)
+        if self.compute_dtype is not None:
+            scores = scores.astype(ms.float32)
+        scores = scores * self.scale
+        if self.masked is not None:
+            scores = ops.masked_fill(scores, self.masked, -math.inf)
+        p = ops.softmax(scores, axis=-1)
+        out = self.mix(p if self.compute_dtype is None else p.astype(self.compute_dtype), v)
+        return out.transpose(0, 2, 1, 3).reshape(n, s, width)
 
 
 def _add(xs):
@@ -211,14 +413,16 @@ _FUNCTIONS = {
     "global_avg_pool": lambda xs: ops.mean(xs[0], axis=(2, 3)),
     "flatten": _flatten,
     "softmax": lambda xs: ops.softmax(xs[0].astype(ms.float32), axis=-1),
+    "gelu": lambda xs: ops.gelu(xs[0], approximate="tanh"),
 }
 
 
 class LoweredCell(nn.Cell):
     """An IR graph as a MindSpore cell (PyNative execution, node by node).
 
-    ``construct(x, logits=False, masks=None)`` takes an NCHW batch (or (N, C) for a flat input; the
-    backend transposes the NHWC input) and returns the graph's output, NCHW for an image. With
+    ``construct(x, logits=False, masks=None)`` takes an NCHW batch (or (N, C) for a flat input,
+    (N, S, D) for a sequence, int64 ids (N, S) for tokens; the backend transposes the NHWC input) and
+    returns the graph's output, NCHW for an image. With
     ``logits=True`` and a softmax output it returns the softmax's input. ``masks`` maps dropout
     node ids to keep / (1 - rate) tensors in this cell's layout; training-mode dropout needs them.
     """
@@ -244,11 +448,27 @@ class LoweredCell(nn.Cell):
         if node.op == "conv2d":
             return Conv(in_shape[-1], a, compute_dtype)
         if node.op == "dense":
-            return Dense(in_shape[0], a, compute_dtype)
+            return Dense(in_shape[-1], a, compute_dtype)
         if node.op == "batch_norm":
             return BatchNorm(in_shape[-1], a)
         if node.op == "max_pool":
             return MaxPool(a)
+        if node.op == "lrn":
+            return LRN(a)
+        if node.op == "avg_pool":
+            return AvgPool(in_shape, a)
+        if node.op in ("mul_const", "add_const"):
+            return Constant(graph.param_shapes(node.id)["value"], a, multiply=node.op == "mul_const")
+        if node.op == "channel_shuffle":
+            return ChannelShuffle(a)
+        if node.op == "embedding":
+            return Embedding(a)
+        if node.op == "position_embedding":
+            return PositionEmbedding(in_shape)
+        if node.op == "layer_norm":
+            return LayerNorm(in_shape[-1], a)
+        if node.op == "attention":
+            return Attention(in_shape[0], a, compute_dtype)
         return None
 
     def _build_plan(self) -> None:
@@ -260,7 +480,7 @@ class LoweredCell(nn.Cell):
                 last_reader[src] = i
         plan = []
         for i, node in enumerate(g.nodes):
-            if node.op == "input":
+            if node.op in INPUT_OPS:
                 continue
             inputs = tuple(index[s] for s in node.inputs)
             free = tuple(index[s] for s in node.inputs if last_reader[s] == i)
@@ -284,7 +504,7 @@ class LoweredCell(nn.Cell):
         values[self.input_index] = x
         for i, node_id, op, inputs, free, layer, rate in self.plan:
             if layer >= 0:
-                y = self.layers[layer](values[inputs[0]])
+                y = self.layers[layer](*[values[j] for j in inputs])
             elif op == "dropout":
                 y = values[inputs[0]]
                 if self.training and rate > 0.0:
@@ -302,8 +522,8 @@ class LoweredCell(nn.Cell):
         return out if out.dtype == ms.float32 else out.astype(ms.float32)
 
     def computing_in(self, precision: str):
-        """Context manager: conv and dense compute in `precision` inside the block (training at a
-        precision other than the lowering's), restored on exit."""
+        """Context manager: conv, dense and attention compute in `precision` inside the block (training
+        at a precision other than the lowering's), restored on exit."""
         from contextlib import contextmanager
 
         @contextmanager
@@ -321,7 +541,7 @@ class LoweredCell(nn.Cell):
         self.precision = precision
         compute = None if precision == "fp32" else COMPUTE_DTYPES[precision]
         for cell in self.layers:
-            if isinstance(cell, (Conv, Dense)):
+            if isinstance(cell, (Conv, Dense, Attention)):
                 cell.compute_dtype = compute
 
     # -- layouts at the boundary -------------------------------------------------
@@ -329,12 +549,15 @@ class LoweredCell(nn.Cell):
         """An NHWC batch as this cell's NCHW float32 input. A float batch (in-memory data, already
         normalised) is transposed on the host. uint8 pixels (streamed batches; a NumPy array, or a
         Tensor sliced from synthetic data already on the device) cross as they are, a quarter of
-        the bytes, and are normalised and transposed on the device (`normalised_pixels`)."""
+        the bytes, and are normalised and transposed on the device (`normalised_pixels`). Token ids
+        become an int64 Tensor; a real-valued sequence or flat batch float32, as it is."""
+        if self.graph.takes_tokens:
+            return x if isinstance(x, Tensor) else Tensor(np.ascontiguousarray(x, dtype=np.int64))
         if isinstance(x, Tensor):
             if x.dtype != ms.uint8:
                 raise GraphError(f"a device batch must hold uint8 pixels, got {x.dtype}", self.graph.input_id)
             return normalised_pixels(x)
-        if np.asarray(x).dtype == np.uint8:
+        if np.asarray(x).dtype == np.uint8 and np.ndim(x) == 4:
             return normalised_pixels(Tensor(np.ascontiguousarray(x)))
         x = np.asarray(x)
         if x.ndim == 4:
@@ -390,7 +613,7 @@ class LoweredCell(nn.Cell):
         """(node id, canonical name, parameter) of every trainable parameter, in graph order."""
         out = []
         for node_id, shapes in self.graph.all_param_shapes().items():
-            out.extend((node_id, p, self.parameter(node_id, p)) for p in shapes if p in TRAINABLE)
+            out.extend((node_id, p, self.parameter(node_id, p)) for p in shapes if is_trainable(p))
         return out
 
     def moving_statistics(self) -> list[Parameter]:

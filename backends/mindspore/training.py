@@ -15,6 +15,11 @@ over the ranks, so the gradients are exactly those of the global batch's mean lo
 fp16 scales the loss (mindspore.amp.DynamicLossScaler) and skips a step whose gradients are not
 finite; bf16 has float32's range and needs no scaling.
 
+A sequence graph (token ids (N, S), labels (N, S)) has a class per position: a sequence's loss is
+the mean over its S positions, so the summed loss over the sequences divided by their number is the
+mean over every position (the NumPy reference's loss), and every per-sample rule above (scaling,
+shards, all-reduces, the report's mean) holds as it is. Its accuracy is over positions.
+
 Input: streamed batches are uint8 pixels, normalised on the device (lowering.normalised_pixels).
 Synthetic data (aiperf_core.data.synthetic) is uploaded once, its repeated pool of pixels and the
 one-hot targets of its labels, and each step trains on a window of them sliced on the device: no
@@ -29,6 +34,7 @@ them, it is None (not measured).
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -43,7 +49,8 @@ PREDICT_BATCH = 256
 
 
 def summed_loss(model, x: Tensor, target: Tensor, masks=None):
-    """Summed (not mean) cross-entropy of a batch against (smoothed) one-hot targets, training mode.
+    """Summed (not mean) over the samples of a batch of their cross-entropy against (smoothed) one-hot
+    targets (a sequence's: the mean over its positions), training mode.
 
     With a softmax output the loss comes from its logits (stable log-softmax); otherwise the output
     is read as probabilities, clipped to [1e-7, 1 - 1e-7] as the reference does."""
@@ -52,15 +59,23 @@ def summed_loss(model, x: Tensor, target: Tensor, masks=None):
         logp = ops.log_softmax(out, axis=-1)
     else:
         logp = ops.log(ops.clamp(out, PROBABILITY_CLIP, 1.0 - PROBABILITY_CLIP))
-    return -(target * logp).sum()
+    return -(target * logp).sum() / positions(model.graph)
+
+
+def positions(graph) -> int:
+    """Labels per sample: 1 for a class output, S for a class per position of a sequence."""
+    return math.prod(graph.output_shape[:-1])
 
 
 def targets(labels: np.ndarray, classes: int, label_smoothing: float) -> Tensor:
-    return Tensor(one_hot(labels, classes, label_smoothing))
+    """(Smoothed) one-hot targets, shape labels.shape + (classes,): per image or per position."""
+    labels = np.asarray(labels)
+    rows = one_hot(labels.reshape(-1), classes, label_smoothing)
+    return Tensor(rows.reshape(labels.shape + (classes,)))
 
 
 def predict(model, x: np.ndarray) -> np.ndarray:
-    """Inference-mode output for an NHWC batch, PREDICT_BATCH images at a time."""
+    """Inference-mode output for an NHWC batch (or token ids), PREDICT_BATCH samples at a time."""
     was_training = model.training
     model.set_train(False)
     try:
@@ -136,11 +151,13 @@ class Stepper:
 
 
 def evaluate(model, x: np.ndarray, labels: np.ndarray, label_smoothing: float) -> tuple[float, int, int]:
-    """(summed loss, correct predictions, images) over x in inference mode."""
+    """(summed loss as summed_loss's, correct predictions, images) over x in inference mode; for a
+    sequence graph the images are sequences and the correct predictions positions."""
     was_training = model.training
     model.set_train(False)
     total, correct = 0.0, 0
-    classes = model.graph.output_shape[0]
+    classes = model.graph.output_shape[-1]
+    per_sample = positions(model.graph)
     try:
         for start in range(0, len(x), PREDICT_BATCH):
             xb = model.to_cell_layout(x[start:start + PREDICT_BATCH])
@@ -151,7 +168,8 @@ def evaluate(model, x: np.ndarray, labels: np.ndarray, label_smoothing: float) -
                 logp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
             else:
                 logp = np.log(np.clip(out, PROBABILITY_CLIP, 1.0 - PROBABILITY_CLIP))
-            total += float(-(one_hot(yb, classes, label_smoothing, np.float64) * logp).sum())
+            target = one_hot(yb.reshape(-1), classes, label_smoothing, np.float64).reshape(logp.shape)
+            total += float(-(target * logp).sum()) / per_sample
             correct += int((out.argmax(axis=-1) == yb).sum())
     finally:
         model.set_train(was_training)
@@ -213,11 +231,13 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
     if world > 1 and is_streaming(data):
         raise BackendError("the mindspore backend trains a streaming dataset on one device only")
     stepper = Stepper(model, config, reducer)
-    classes = model.graph.output_shape[0]
+    classes = model.graph.output_shape[-1]
+    per_sample = positions(model.graph)
     synthetic = DeviceSynthetic(data, classes, config.label_smoothing, config.batch_size) \
         if DeviceSynthetic.applies(data, world) else None
-    if not is_streaming(data):  # convert once, not per batch
-        data = Dataset(np.ascontiguousarray(data.x_train, dtype=np.float32), np.asarray(data.y_train, np.int64),
+    if not is_streaming(data):  # convert once, not per batch (token ids stay integers)
+        x_type = np.int64 if model.graph.takes_tokens else np.float32
+        data = Dataset(np.ascontiguousarray(data.x_train, dtype=x_type), np.asarray(data.y_train, np.int64),
                        data.x_val, data.y_val, data.classes)
     # Dropout masks come from a stream seeded by config.seed and the rank: a run is reproducible.
     dropout_rng = np.random.default_rng(np.random.SeedSequence([config.seed, rank]))
@@ -255,7 +275,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
             report = EpochReport(epoch=epoch, train_images=images, val_images=val_total,
                                  loss=loss_sum / max(images, 1),
                                  val_loss=val_loss / val_total if val_total else 0.0,
-                                 val_accuracy=float(round(correct)) / val_total if val_total else 0.0,
+                                 val_accuracy=float(round(correct)) / (val_total * per_sample) if val_total else 0.0,
                                  skipped_images=skipped, step_seconds=clock.lap(), compile_seconds=compile_seconds)
             reports.append(report)
             if on_epoch is not None and on_epoch(report):
