@@ -77,6 +77,21 @@ def writing(path: str | os.PathLike, option: str | None = None) -> Iterator[None
         raise path_problem(f"{option} {path}" if option else f"{path}", path, exc) from None
 
 
+def writable_folder(option: str, path: str | os.PathLike) -> Path:
+    """Check, before any long work, that a folder can be written at `path`: it is a folder that accepts
+    a new file, or it does not exist yet and its nearest existing parent is such a folder (nothing is
+    created here: a command that fails later leaves no empty folder behind). Returns the path."""
+    target = Path(path)
+    where = next((p for p in (target, *target.absolute().parents) if p.exists()), None)
+    if where is None or not where.is_dir():
+        raise AiperfError(f"{option} {target}: cannot write there: {where} is a file, not a folder")
+    with writing(target, option):
+        fd, probe = tempfile.mkstemp(prefix=".aiperf-", suffix=".probe", dir=where)
+        os.close(fd)
+        os.unlink(probe)
+    return target
+
+
 def writable_file(option: str, path: str | os.PathLike) -> Path:
     """Check, before any long work, that a file can be written at `path`: its folder exists or can
     be made, accepts a new file, and `path` is not a folder. Returns the path."""

@@ -46,6 +46,7 @@ def render(record: dict) -> str:
 
 
 def run(args) -> int:
+    from aiperf_core.commands.options import writable_file
     from aiperf_core.config_file import load_config
     from aiperf_core.registry import load_backend, resolve_backend_name
     from aiperf_core.submission import SubmissionError
@@ -54,6 +55,7 @@ def run(args) -> int:
     out = Path(args.out)
     if out.exists() and not args.force:  # refused before minutes of measuring, and again when written
         raise SubmissionError(f"{out}: exists (give --force to overwrite it)")
+    writable_file("--out", out)
     precisions = parse_precision_list(args.precision)
     backend = load_backend(resolve_backend_name(args.backend, config=load_config(args.config)))
 

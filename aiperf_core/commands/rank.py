@@ -22,8 +22,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    from aiperf_core.commands.options import writable_file
     from aiperf_core.submission.ranking import render_csv, render_html, render_text
 
+    for option, path in (("--html", args.html), ("--csv", args.csv)):  # before minutes of checking packages
+        if path is not None:
+            writable_file(option, path)
     ranking = rank_paths(args.submissions)
     for path, render in ((args.html, render_html), (args.csv, render_csv)):
         if path is None:

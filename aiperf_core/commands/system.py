@@ -47,6 +47,10 @@ def _describe(args) -> int:
 
     if args.out is not None and Path(args.out).exists() and not args.force:  # before a slow backend load
         raise SubmissionError(f"{args.out}: exists; pass --force to overwrite it")
+    if args.out is not None:
+        from aiperf_core.commands.options import writable_file
+
+        writable_file("--out", args.out)
     description = describe(args.backend)
     if args.out is None:
         sys.stdout.write(to_toml(description))
