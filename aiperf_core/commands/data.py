@@ -120,7 +120,7 @@ def run_stage(args) -> int:
     from aiperf_core.workflow.duration import parse_duration
 
     wait_s = DEFAULT_WAIT_S if args.wait is None else parse_duration(args.wait, "--wait")
-    writable_folder("DST", args.dst)  # before the source's manifest is read and checked
+    writable_folder(None, args.dst)  # before the source's manifest is read and checked
     live = not args.quiet and sys.stderr.isatty()
 
     def waiting(holder: str) -> None:
@@ -240,7 +240,7 @@ def _add_prepare(sub) -> None:
 def run_prepare(args) -> int:
     from aiperf_core.data.prepare import ProgressLine, prepare
 
-    writable_folder("OUT", args.out)  # before the archives are read
+    writable_folder(None, args.out)  # before the archives are read
     with writing(args.out):
         summary = prepare(args.source, args.out, args.layout, args.workers, args.train_shards, args.val_shards,
                           ProgressLine(enabled=not args.quiet))

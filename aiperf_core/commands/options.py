@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import re
 import tempfile
@@ -77,30 +78,48 @@ def writing(path: str | os.PathLike, option: str | None = None) -> Iterator[None
         raise path_problem(f"{option} {path}" if option else f"{path}", path, exc) from None
 
 
-def writable_folder(option: str, path: str | os.PathLike) -> Path:
+def writable_folder(option: str | None, path: str | os.PathLike, files: tuple[str, ...] = ()) -> Path:
     """Check, before any long work, that a folder can be written at `path`: it is a folder that accepts
-    a new file, or it does not exist yet and its nearest existing parent is such a folder (nothing is
-    created here: a command that fails later leaves no empty folder behind). Returns the path."""
+    a new file, or it does not exist yet and its nearest existing parent is such a folder (the commands
+    make their output folder with its parents); none of the `files` the command writes in it is a
+    folder. `option` names the option in the one-line error, None for an argument. Returns the path."""
     target = Path(path)
-    where = next((p for p in (target, *target.absolute().parents) if p.exists()), None)
-    if where is None or not where.is_dir():
-        raise AiperfError(f"{option} {target}: cannot write there: {where} is a file, not a folder")
-    with writing(target, option):
-        fd, probe = tempfile.mkstemp(prefix=".aiperf-", suffix=".probe", dir=where)
-        os.close(fd)
-        os.unlink(probe)
+    what = f"{option} {target}" if option else f"{target}"
+    with writing(target, option):  # a folder on the way that cannot even be looked into
+        _accepts_new_file(what, target, target, may_be_made=True)
+        for name in files:
+            if (target / name).is_dir():
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target / name))
     return target
 
 
-def writable_file(option: str, path: str | os.PathLike) -> Path:
-    """Check, before any long work, that a file can be written at `path`: its folder exists or can
-    be made, accepts a new file, and `path` is not a folder. Returns the path."""
+def writable_file(option: str | None, path: str | os.PathLike, folder_made: bool = True) -> Path:
+    """Check, before any long work, that a file can be written at `path`: `path` is not a folder, and
+    its folder accepts a new file or, where the writer makes it (`folder_made`, as atomic.write_atomic
+    does), does not exist yet below one that does. Returns the path."""
     target = Path(path)
-    if target.is_dir():
-        raise AiperfError(f"{option} {target}: is a folder, not a file")
-    with writing(target, option):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".probe", dir=target.parent)
-        os.close(fd)
-        os.unlink(probe)
+    what = f"{option} {target}" if option else f"{target}"
+    with writing(target, option):  # a folder on the way that cannot even be looked into
+        if target.is_dir():
+            raise AiperfError(f"{what}: is a folder, not a file")
+        _accepts_new_file(what, target, target.parent, may_be_made=folder_made)
     return target
+
+
+def _accepts_new_file(what: str, target: Path, folder: Path, may_be_made: bool) -> None:
+    """Refuse, in one line starting with `what`, a `folder` in which no file can be made. Nothing is
+    left behind: a missing folder is not made (a command that fails later leaves no empty folder
+    behind), and the probe file is removed at once."""
+    chain = [folder, *folder.absolute().parents]
+    found = next(k for k, p in enumerate(chain) if p.exists())  # "/" always exists
+    existing, missing = chain[found], chain[found - 1] if found else None
+    if not existing.is_dir():
+        raise AiperfError(f"{what}: cannot write there: {existing} is a file, not a folder")
+    if missing is not None and not may_be_made:
+        raise AiperfError(f"{what}: cannot write there: its folder {folder} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".aiperf-", suffix=".probe", dir=existing)
+    except OSError as exc:  # named as the folder the writer would fail on, not the probe's random name
+        raise path_problem(what, target, OSError(exc.errno, exc.strerror, str(missing or existing))) from None
+    os.close(fd)
+    os.unlink(probe)

@@ -13,9 +13,9 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from aiperf_core.commands.options import writable_folder, writing
-    from aiperf_core.report import write_report
+    from aiperf_core.report import REPORT_FILES, write_report
 
-    writable_folder("RUN_DIR", args.run_dir)  # before the logs are read and the score recomputed
+    writable_folder(None, args.run_dir, REPORT_FILES)  # before the logs are read and the score recomputed
     with writing(args.run_dir):
         html_path, summary_path = write_report(args.run_dir)
     summary = json.loads(summary_path.read_text())

@@ -19,14 +19,13 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from pathlib import Path
 
+    from aiperf_core.commands.options import writable_file
     from aiperf_core.submission import SubmissionError
     from aiperf_core.submission.package import pack, print_progress
 
-    from aiperf_core.commands.options import writable_file
-
     if Path(args.out).exists() and not args.force:
         raise SubmissionError(f"{args.out}: exists (use --force to replace it)")
-    writable_file("--out", args.out)  # before hashing and packing the run
+    writable_file("--out", args.out, folder_made=False)  # before hashing and packing the run; pack makes no folder
     path, ident = pack(args.run_dir, args.system, args.conformance, args.out, peak=args.peak,
                        progress=print_progress)
     print(f"{path}: submission {ident} ({path.stat().st_size / 2**20:.1f} MiB); check it with: aiperf check {path}")

@@ -42,14 +42,13 @@ def run(args) -> int:
 def _describe(args) -> int:
     from pathlib import Path
 
+    from aiperf_core.commands.options import writable_file
     from aiperf_core.submission import SubmissionError
     from aiperf_core.submission.system import describe, placeholders, to_toml, write_description
 
-    if args.out is not None and Path(args.out).exists() and not args.force:  # before a slow backend load
-        raise SubmissionError(f"{args.out}: exists; pass --force to overwrite it")
-    if args.out is not None:
-        from aiperf_core.commands.options import writable_file
-
+    if args.out is not None:  # before a slow backend load
+        if Path(args.out).exists() and not args.force:
+            raise SubmissionError(f"{args.out}: exists; pass --force to overwrite it")
         writable_file("--out", args.out)
     description = describe(args.backend)
     if args.out is None:

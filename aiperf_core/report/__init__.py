@@ -29,6 +29,7 @@ from aiperf_core.scoring.score import ScoreResult, score_ledger
 
 SUMMARY_SCHEMA_VERSION = 1
 UTILISATION_BUCKETS = 240  # points per utilisation line, whatever the run's length
+REPORT_FILES = ("report.html", "summary.json")  # what write_report writes in the run directory
 
 
 def write_report(run_dir: str | os.PathLike, as_of_run_end: bool = False) -> tuple[Path, Path]:
@@ -44,7 +45,7 @@ def write_report(run_dir: str | os.PathLike, as_of_run_end: bool = False) -> tup
     ended = ledger.run_end.get("time") if as_of_run_end and ledger.run_end else None
     if isinstance(ended, (int, float)):
         summary["generated"] = _dt.datetime.fromtimestamp(ended, _dt.timezone.utc).isoformat(timespec="seconds")
-    html_path, summary_path = run.root / "report.html", run.root / "summary.json"
+    html_path, summary_path = (run.root / name for name in REPORT_FILES)
     write_text_atomic(summary_path, json.dumps(summary, indent=1) + "\n")
     write_text_atomic(html_path, render_page(summary, result, ledger, monitors.utilisation, monitors.power))
     return html_path, summary_path
