@@ -26,7 +26,7 @@ import numpy as np
 
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.inventory import device_model, is_cpu_device
-from aiperf_core.ir import ALL_OPS, TRAINED_OPS, VERSION_1_OPS, Graph  # noqa: F401 (ALL_OPS: for backends)
+from aiperf_core.ir import ALL_OPS, TRAINED_OPS, VERSION_1_OPS, Graph, lowering_need  # noqa: F401 (ALL_OPS: for backends)
 from aiperf_core.weights import Weights, init_weights, validate_weights
 
 # fp32: IEEE fp32 arithmetic everywhere (no TF32 behind the user's back). tf32: fp32 storage with
@@ -396,8 +396,9 @@ class Backend(abc.ABC):
         """A BackendError naming the first node whose op this backend does not lower."""
         supported = self.supported_ops()
         for node in graph.nodes:
-            if node.op not in supported:
-                raise GraphError(f"backend '{self.name}' does not lower op '{node.op}' (it declares: "
+            need = lowering_need(node)
+            if need not in supported:
+                raise GraphError(f"backend '{self.name}' does not lower '{need}' (it declares: "
                                  f"{', '.join(sorted(supported))})", node.id)
 
     # -- models -------------------------------------------------------------

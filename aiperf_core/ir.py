@@ -396,7 +396,12 @@ OPS: dict[str, OpSpec] = {
 PARAMETRIC_OPS = frozenset(name for name, spec in OPS.items() if spec.params is not None)
 VERSION_1_OPS = frozenset({"input", "conv2d", "batch_norm", "relu", "add", "concat", "max_pool", "global_avg_pool",
                            "flatten", "dense", "softmax", "dropout"})
-ALL_OPS = frozenset(OPS)
+# What a backend declares it lowers (Backend.supported_ops): the ops, and two of schema 2's extensions of
+# schema 1's ops apart, since a backend written for schema 1 knows neither: conv2d's `groups`, and an
+# `input` of real-valued (S, D) sequences, which dense and softmax then take over their last axis.
+GROUPED_CONV = "grouped_conv2d"
+SEQUENCE_INPUT = "sequence_input"
+ALL_OPS = frozenset(OPS) | {GROUPED_CONV, SEQUENCE_INPUT}
 INPUT_OPS = frozenset({"input", "token_input"})
 # Parameters that training never changes: batch norm's moving statistics (updated by their own rule,
 # not by gradients) and the constants of mul_const and add_const (an imported model's folded values).
@@ -410,6 +415,16 @@ TRAINED_OPS = PARAMETRIC_OPS - {"mul_const", "add_const"}
 
 def is_trainable(param: str) -> bool:
     return param not in NON_TRAINABLE_PARAMS
+
+
+def lowering_need(node: "Node") -> str:
+    """What lowering `node` needs of a backend: its op, GROUPED_CONV for a conv2d with groups, or
+    SEQUENCE_INPUT for an input of (S, D) sequences."""
+    if node.op == "conv2d" and node.attrs.get("groups", 1) > 1:
+        return GROUPED_CONV
+    if node.op == "input" and len(node.attrs["shape"]) == 2:
+        return SEQUENCE_INPUT
+    return node.op
 
 
 class Graph:

@@ -62,9 +62,10 @@ def report_peak_fraction(framework: str, images_per_s: float, ops_per_image: int
 
 def compare_training_throughput(framework: str, batch: int, lowered_step: Callable[[], Any],
                                 hand_steps: dict[str, Callable[[], Any]], pairs: int, probe_steps: int = 1,
-                                timer: Callable[[Callable[[], Any]], float] = timed) -> float:
+                                timer: Callable[[Callable[[], Any]], float] = timed, model: str = "resnet50",
+                                unit: str = "images/s") -> float:
     """Time one training step at a time of the IR-lowered model and of the hand-written one, report
-    both rates and their ratio (goal >= 0.97), and return the lowered model's images per second.
+    both rates and their ratio (goal >= 0.97), and return the lowered model's samples per second.
 
     With several hand-written variants (memory formats, execution modes) the fastest over
     `probe_steps` steps each is the reference, so a variant choice cannot flatter the ratio. The
@@ -89,12 +90,12 @@ def compare_training_throughput(framework: str, batch: int, lowered_step: Callab
         ratios.append(hand / low)
         print(f"pair {i + 1}: lowered {low:.3f} s, hand-written {hand:.3f} s", flush=True)
     lowered_rate = batch / statistics.median(low_times)
-    report(f"{framework} resnet50 train, IR-lowered", lowered_rate, "images/s", None, lower_is_better=False)
-    report(f"{framework} resnet50 train, hand-written ({best})", batch / statistics.median(hand_times), "images/s",
+    report(f"{framework} {model} train, IR-lowered", lowered_rate, unit, None, lower_is_better=False)
+    report(f"{framework} {model} train, hand-written ({best})", batch / statistics.median(hand_times), unit,
            None, lower_is_better=False)
     for name, seconds in probe.items():
         if name != best:
-            report(f"{framework} resnet50 train, hand-written ({name})", batch / seconds, "images/s", None,
+            report(f"{framework} {model} train, hand-written ({name})", batch / seconds, unit, None,
                    lower_is_better=False)
     report(f"{framework} lowered / hand-written ({best})", statistics.median(ratios), "ratio", 0.97,
            lower_is_better=False)

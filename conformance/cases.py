@@ -1,7 +1,10 @@
 """The op-level cases: one small graph per case, data-driven like ONNX's node tests.
 
 Each case is an input followed by the op under test (named 'op'); `with_head` appends a flatten,
-a dense layer and a softmax so that the op's backward can be checked through the loss.
+a dense layer and a softmax so that the op's backward can be checked through the loss (over the last
+axis of a sequence output: a class per position). A case's `workload` says what it certifies: `cnn`
+(the CNN workload's ops), `lm` (the transformer ops of the LM workload) or `ir` (the model-zoo CNN ops,
+which no workload needs); `vocab` makes its input token ids rather than real values.
 """
 
 from __future__ import annotations
@@ -21,9 +24,16 @@ class OpCase:
     # Training-mode dropout draws a random mask, which no two frameworks draw alike, so a stochastic
     # op's backward cannot be compared element by element with the reference.
     stochastic: bool = False
+    workload: str = "cnn"
+    vocab: int | None = None  # token ids below vocab (input_shape (S,)) instead of real values
+    input_mean: float = 0.0  # of the normal inputs (standard deviation 1)
 
     def graph(self) -> Graph:
-        return Graph((Node("x", "input", (), {"shape": list(self.input_shape)}),) + self.nodes, name=self.name)
+        if self.vocab is not None:
+            first = Node("x", "token_input", (), {"seq_len": self.input_shape[0], "vocab": self.vocab})
+        else:
+            first = Node("x", "input", (), {"shape": list(self.input_shape)})
+        return Graph((first,) + self.nodes, name=self.name)
 
     def with_head(self, classes: int = 3) -> Graph:
         g = self.graph()
@@ -48,8 +58,62 @@ def _pool(name, size, c, kernel, strides, padding):
         Node("op", "max_pool", ("x",), {"kernel": list(kernel), "strides": list(strides), "padding": list(padding)}),))
 
 
-def _unary(name, shape, op, **attrs):
-    return OpCase(name, shape, (Node("op", op, ("x",), attrs),))
+def _unary(name, shape, op, workload="cnn", **attrs):
+    return OpCase(name, shape, (Node("op", op, ("x",), attrs),), workload=workload)
+
+
+def _zoo_conv(name, size, cin, filters, kernel, strides, padding, groups, bias=False):
+    return OpCase(name, (size[0], size[1], cin), (
+        Node("op", "conv2d", ("x",), {"filters": filters, "kernel": list(kernel), "strides": list(strides),
+                                       "padding": list(padding), "use_bias": bias, "groups": groups}),),
+                  workload="ir")
+
+
+def _avg_pool(name, size, c, kernel, strides, padding, count_padding):
+    return OpCase(name, (size[0], size[1], c), (
+        Node("op", "avg_pool", ("x",), {"kernel": list(kernel), "strides": list(strides), "padding": list(padding),
+                                         "count_padding": count_padding}),), workload="ir")
+
+
+def _attention(name, causal):
+    """Three projections of one (S, D) input into 2 heads of width 3, then the attention under test."""
+    return OpCase(name, (5, 4), (
+        Node("q", "dense", ("x",), {"units": 6}), Node("k", "dense", ("x",), {"units": 6}),
+        Node("v", "dense", ("x",), {"units": 6}),
+        Node("op", "attention", ("q", "k", "v"), {"heads": 2, "head_dim": 3, "causal": causal})), workload="lm")
+
+
+# The model-zoo CNN ops (ONNX import): no workload needs them, every backend should lower them.
+ZOO_CASES: tuple[OpCase, ...] = (
+    _zoo_conv("conv_grouped", (6, 6), 4, 6, (3, 3), (1, 1), (1, 1, 1, 1), groups=2, bias=True),
+    _zoo_conv("conv_depthwise_stride2_asym", (7, 7), 3, 6, (3, 3), (2, 2), (0, 1, 0, 1), groups=3),
+    _unary("lrn", (4, 4, 7), "lrn", workload="ir", size=5, alpha=0.5, beta=0.75, bias=2.0),
+    _avg_pool("avg_pool_real_taps_asym", (7, 6), 3, (3, 3), (2, 1), (1, 1, 0, 1), count_padding=False),
+    _avg_pool("avg_pool_all_taps", (6, 6), 2, (2, 2), (1, 1), (1, 1, 1, 1), count_padding=True),
+    _unary("mul_const_per_channel", (4, 4, 3), "mul_const", workload="ir", per_channel=True),
+    _unary("mul_const_scalar", (4, 4, 3), "mul_const", workload="ir", per_channel=False),
+    _unary("add_const_per_channel", (4, 4, 3), "add_const", workload="ir", per_channel=True),
+    OpCase("add_const_scalar", (4, 4, 3), (Node("r", "relu", ("x",), {}),
+                                           Node("op", "add_const", ("r",), {"per_channel": False})), workload="ir"),
+    OpCase("channel_shuffle", (4, 4, 6), (Node("c", "conv2d", ("x",), {"filters": 6, "kernel": [1, 1]}),
+                                          Node("op", "channel_shuffle", ("c",), {"groups": 3})), workload="ir"),
+)
+
+# The transformer ops (the LM workload): a real-valued (S, D) input, or token ids for the embedding.
+SEQUENCE_CASES: tuple[OpCase, ...] = (
+    OpCase("embedding", (6,), (Node("op", "embedding", ("x",), {"vocab": 11, "units": 4}),), workload="lm",
+           vocab=11),
+    _unary("position_embedding", (5, 4), "position_embedding", workload="lm"),
+    _unary("layer_norm", (5, 6), "layer_norm", workload="lm", epsilon=1e-5),
+    _unary("dense_sequence", (5, 4), "dense", workload="lm", units=3),
+    _unary("gelu", (5, 4), "gelu", workload="lm"),
+    # Inputs around -2, where the tanh form and the erf form differ most against the output's size: 4.7e-4
+    # at |x| = 2.7 where the outputs stay below 1, so that an erf GELU fails at fp32 by a factor of about 5.
+    OpCase("gelu_tanh_form", (5, 4), (Node("op", "gelu", ("x",), {}),), workload="lm", input_mean=-2.0),
+    _attention("attention_causal", True),
+    _attention("attention_full", False),
+    _unary("softmax_per_position", (5, 4), "softmax", workload="lm"),
+)
 
 
 OP_CASES: tuple[OpCase, ...] = (
@@ -77,7 +141,19 @@ OP_CASES: tuple[OpCase, ...] = (
         "kernel": [3, 3], "strides": [1, 1], "padding": [1, 1, 1, 1]}), Node("op", "add", ("x", "r", "m"), {}))),
     OpCase("concat", (4, 4, 2), (Node("c", "conv2d", ("x",), {"filters": 3, "kernel": [1, 1]}),
                                  Node("op", "concat", ("x", "c"), {}))),
-)
+) + ZOO_CASES + SEQUENCE_CASES
+
+
+def case_input(graph: Graph, rng: np.random.Generator, batch: int, mean: float = 0.0) -> np.ndarray:
+    """A batch for `graph`: token ids below its vocab, or normal values (standard deviation 1)."""
+    if graph.takes_tokens:
+        return rng.integers(0, graph.vocab, (batch,) + graph.input_shape).astype(np.int64)
+    return rng.normal(mean, 1, (batch,) + graph.input_shape).astype(np.float32)
+
+
+def case_labels(graph: Graph, rng: np.random.Generator, batch: int) -> np.ndarray:
+    """One class index per sample, or per position of a sequence output."""
+    return rng.integers(0, graph.output_shape[-1], (batch,) + graph.output_shape[:-1])
 
 
 def trained_looking_weights(graph: Graph, seed: int) -> dict:
@@ -91,7 +167,7 @@ def trained_looking_weights(graph: Graph, seed: int) -> dict:
             shape = value.shape
             if name == "gamma":
                 params[name] = rng.uniform(0.5, 1.5, shape).astype(np.float32)
-            elif name in ("beta", "moving_mean", "bias"):
+            elif name in ("beta", "moving_mean", "bias", "value"):
                 params[name] = rng.normal(0, 0.2, shape).astype(np.float32)
             elif name == "moving_variance":
                 params[name] = rng.uniform(0.5, 2.0, shape).astype(np.float32)

@@ -23,7 +23,8 @@ from aiperf_conformance.kit import LEVELS, PER_PRECISION_LEVELS, catalogue
 
 GUIDE = Path("plugins/aiperf-numpy/README.md")
 _BLOCK = re.compile(r"(<!-- BEGIN GENERATED (\w+)[^>]*-->\n)(.*?)(<!-- END GENERATED \2 -->)", re.S)
-_INPUT_EXAMPLE = {"shape": [8, 8, 3]}  # the one op without a kit case (every graph starts with it)
+# The input ops are no case's op under test: every case starts with one of them.
+_INPUT_EXAMPLES = {"input": {"shape": [8, 8, 3]}, "token_input": {"seq_len": 6, "vocab": 11}}
 
 
 def _first_line(doc: str | None) -> str:
@@ -50,6 +51,12 @@ def _op_examples() -> dict[str, list[tuple[dict, list, str]]]:
         node = graph["op"]
         found.setdefault(node.op, []).append((dict(node.attrs), [graph.shapes[i] for i in node.inputs], case.name))
     return found
+
+
+def _token_cases() -> str:
+    from aiperf_conformance.cases import OP_CASES
+
+    return ", ".join(f"`{case.name}`" for case in OP_CASES if case.graph().takes_tokens)
 
 
 def _shown(value) -> str:
@@ -97,8 +104,9 @@ def render_ops() -> str:
     rows = ["| op | inputs | attributes (`name`=default; no default: required) | parameters | kit cases |",
             "| --- | --- | --- | --- | --- |"]
     for name, spec in OPS.items():
-        if name == "input":
-            found, cases = [(_INPUT_EXAMPLE, [], "")], "every case"
+        if name in _INPUT_EXAMPLES:
+            found = [(_INPUT_EXAMPLES[name], [], "")]
+            cases = "every case" if name == "input" else _token_cases()
         elif name in examples:
             found = examples[name]
             cases = ", ".join(f"`{case}`" for _, _, case in found)
@@ -117,7 +125,8 @@ def render_ops() -> str:
 def render_checks() -> str:
     from aiperf_conformance.levels.parallel import DATA_PARALLEL_CHECKS, SINGLE_DEVICE_CHECKS
 
-    rows = ["| check id (at fp32) | at precisions | native counter | applies to |", "| --- | --- | --- | --- |"]
+    rows = ["| check id (at fp32) | at precisions | native counter | applies to | workload | needs (beyond the CNN ops) |",
+            "| --- | --- | --- | --- | --- | --- |"]
     for check in catalogue(LEVELS, ("fp32",)):
         precisions = "every declared" if check.level in PER_PRECISION_LEVELS else "fp32"
         applies = "every backend"
@@ -125,7 +134,9 @@ def render_checks() -> str:
             applies = "data-parallel backends"
         elif check.name in SINGLE_DEVICE_CHECKS and check.level == "parallel":
             applies = "single-device backends"
-        rows.append(f"| `{check.id}` | {precisions} | {'needed' if check.needs_counter else '-'} | {applies} |")
+        needs = ", ".join(f"`{op}`" for op in sorted(check.ops)) or "-"
+        rows.append(f"| `{check.id}` | {precisions} | {'needed' if check.needs_counter else '-'} | {applies} | "
+                    f"{check.workload} | {needs} |")
     return "\n".join(rows)
 
 

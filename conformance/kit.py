@@ -1,10 +1,14 @@
 """The conformance kit: levels from single ops to data-parallel training (after Deep500's levels).
 
 Each level is a module in conformance/levels/ with a function `checks(ctx)` that yields
-`Check(level, name, run, precision, needs_counter)`; `run(ctx)` returns an Outcome. The runner
-applies the backend's expected failures, times each check, and turns exceptions into 'error'
+`Check(level, name, run, precision, needs_counter, workload, ops)`; `run(ctx)` returns an Outcome. The
+runner applies the backend's expected failures, times each check, and turns exceptions into 'error'
 results, so one broken check never hides the others. The NumPy reference executor (package
 aiperf_numpy) is the oracle.
+
+A check names the workload it certifies (cnn, lm, or ir for the model-zoo CNN ops) and the IR ops
+its graphs need beyond the CNN ones (new_ops). Where the backend does not declare one of those
+(Backend.supported_ops), the check is not run: its result is 'unsupported', never a pass.
 
 Check ids. A check's id is `level/name` at fp32 and `level/name@precision` at any other precision,
 e.g. `op/conv_1x1/forward` and `op/conv_1x1/forward@bf16`. The op, graph and train levels run once
@@ -29,7 +33,7 @@ import numpy as np
 
 from aiperf_core.backend import PRECISIONS, Backend
 from aiperf_core.errors import AiperfError
-from aiperf_conformance.results import ERROR, FAIL, PASS, XFAIL, XPASS, CheckResult, Report
+from aiperf_conformance.results import ERROR, FAIL, PASS, UNSUPPORTED, XFAIL, XPASS, CheckResult, Report
 
 LEVELS = ("op", "graph", "morph", "train", "count", "parallel")
 PER_PRECISION_LEVELS = ("op", "graph", "train")  # the others run at fp32 only
@@ -37,6 +41,13 @@ PER_PRECISION_LEVELS = ("op", "graph", "train")  # the others run at fp32 only
 
 def check_id(level: str, name: str, precision: str = "fp32") -> str:
     return f"{level}/{name}" if precision == "fp32" else f"{level}/{name}@{precision}"
+
+
+def new_ops(*graphs) -> frozenset[str]:
+    """The ops of `graphs` beyond the CNN ones: what a check needs a backend to declare."""
+    from aiperf_core.ir import VERSION_1_OPS, lowering_need
+
+    return frozenset(lowering_need(n) for g in graphs for n in g.nodes) - VERSION_1_OPS
 
 
 @dataclass
@@ -56,6 +67,8 @@ class Check:
     run: Callable[["Context"], Outcome]
     precision: str = "fp32"
     needs_counter: bool = False  # fails by design on a backend without a native op counter
+    workload: str = "cnn"  # what it certifies: cnn, lm, or ir (the model-zoo ops; results.CHECK_TAGS)
+    ops: frozenset[str] = frozenset()  # the IR ops its graphs hold beyond the CNN ones (VERSION_1_OPS)
 
     @property
     def id(self) -> str:
@@ -263,8 +276,17 @@ def output_size(path: str) -> int:
         return 0
 
 
+def unsupported_ops(backend: Backend, check: Check) -> list[str]:
+    return sorted(check.ops - backend.supported_ops())
+
+
 def run_check(ctx: Context, check: Check) -> CheckResult:
     start = time.perf_counter()
+    missing = unsupported_ops(ctx.backend, check)
+    if missing:  # declared by the backend: never run, never a pass
+        return CheckResult(check.level, check.name, UNSUPPORTED, None, None, None,
+                           f"backend '{ctx.backend.name}' does not lower {', '.join(missing)} (Backend.supported_ops)",
+                           0.0, check.precision, ctx.device, check.workload, missing)
     reason = ctx.expectations.xfail_reason(check.id)
     try:
         outcome = check.run(ctx)
@@ -286,7 +308,7 @@ def run_check(ctx: Context, check: Check) -> CheckResult:
     elif status == XPASS:
         message = f"listed as an expected failure ({reason}) but passed: update the expectations file"
     return CheckResult(check.level, check.name, status, outcome.measured, outcome.expected, outcome.tolerance,
-                       message, time.perf_counter() - start, check.precision, device)
+                       message, time.perf_counter() - start, check.precision, device, check.workload)
 
 
 def iter_results(ctx: Context, checks: list[Check]) -> Iterator[CheckResult]:

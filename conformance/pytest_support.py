@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from aiperf_conformance.kit import LEVELS, Check, Context, collect, make_context, parse_levels, reference, run_check
-from aiperf_conformance.results import BAD, XFAIL
+from aiperf_conformance.results import BAD, UNSUPPORTED, XFAIL
 
 _contexts: dict[tuple, Context] = {}
 
@@ -64,3 +64,7 @@ def run_case(case: Case) -> None:
         import pytest
 
         pytest.xfail(result.message)
+    if result.status == UNSUPPORTED:  # the backend declares it does not lower the op: not a pass
+        import pytest
+
+        pytest.skip(f"unsupported: {result.message}")

@@ -4,6 +4,13 @@ A report certifies a backend only if it ran checks, at least one passed, none fa
 a quick run. A report with no passing check (no check at all, or only expected failures) is never
 "ok": a kit that checked nothing must not pass. A quick run (reduced sizes) is "ok" when nothing
 failed, but it is marked, in the report and in the summary, as not a certification.
+
+A check whose graphs need an op the backend does not declare (Backend.supported_ops) is
+'unsupported': neither a pass nor a failure, counted apart. Each check certifies a workload: `cnn`
+(the ResNet family), `lm` (the transformer checks) or `ir` (the model-zoo CNN ops, which no workload
+needs). A workload is certified where the report certifies and every check of that workload ran
+(none unsupported): a plugin that lowers only the CNN ops certifies for the CNN workload, not the LM
+one, and `aiperf conformance` still exits 0 for it.
 """
 
 from __future__ import annotations
@@ -14,8 +21,11 @@ from typing import Any
 
 from aiperf_core.atomic import write_text_atomic
 
-PASS, FAIL, XFAIL, XPASS, ERROR = "pass", "fail", "xfail", "xpass", "error"
+PASS, FAIL, XFAIL, XPASS, ERROR, UNSUPPORTED = "pass", "fail", "xfail", "xpass", "error", "unsupported"
 BAD = (FAIL, XPASS, ERROR)
+STATUSES = (PASS, FAIL, XFAIL, XPASS, ERROR, UNSUPPORTED)
+WORKLOADS = ("cnn", "lm")  # what a scored run trains
+CHECK_TAGS = WORKLOADS + ("ir",)  # what a check certifies; 'ir' (the model-zoo CNN ops) is no workload's
 QUICK_NOTE = "quick: not a certification (reduced sizes)"
 
 
@@ -31,6 +41,8 @@ class CheckResult:
     seconds: float = 0.0
     precision: str = "fp32"
     device: str | None = None
+    workload: str = "cnn"  # what the check certifies (CHECK_TAGS)
+    missing_ops: list[str] = field(default_factory=list)  # why it is unsupported: the ops the backend lacks
 
     @property
     def id(self) -> str:
@@ -68,8 +80,27 @@ class Report:
     def certifies(self) -> bool:
         return self.ok and not self.quick
 
+    def workloads(self) -> dict[str, bool]:
+        """{workload: certified}: the report certifies, and the workload's checks ran (at least one, and
+        none unsupported). A report from before workloads existed holds CNN checks only (from_dict)."""
+        out = {}
+        for workload in WORKLOADS:
+            rows = [r for r in self.results if r.workload == workload]
+            out[workload] = self.certifies and bool(rows) and all(r.status != UNSUPPORTED for r in rows)
+        return out
+
+    def unsupported(self) -> dict[str, tuple[int, list[str]]]:
+        """{workload: (unsupported checks, the ops the backend lacks for them)}, for each workload that has any."""
+        found: dict[str, tuple[int, list[str]]] = {}
+        for r in self.results:
+            if r.status == UNSUPPORTED:
+                count, ops = found.get(r.workload, (0, []))
+                found[r.workload] = (count + 1, sorted(set(ops) | set(r.missing_ops)))
+        return dict(sorted(found.items(), key=lambda item: CHECK_TAGS.index(item[0]) if item[0] in CHECK_TAGS
+                           else len(CHECK_TAGS)))
+
     def counts(self) -> dict[str, int]:
-        out = {s: 0 for s in (PASS, FAIL, XFAIL, XPASS, ERROR)}
+        out = {s: 0 for s in STATUSES}
         for r in self.results:
             out[r.status] += 1
         return out
@@ -79,7 +110,7 @@ class Report:
                 "device": self.device,
                 "device_model": self.device_model, "precisions": self.precisions, "quick": self.quick,
                 "note": QUICK_NOTE if self.quick else None, "expectations": self.expectations,
-                "ok": self.ok, "certifies": self.certifies, "counts": self.counts(),
+                "ok": self.ok, "certifies": self.certifies, "workloads": self.workloads(), "counts": self.counts(),
                 "checks": [asdict(r) | {"id": r.id} for r in self.results]}
 
     def write(self, path) -> None:
@@ -96,6 +127,13 @@ class Report:
             word = "DOES NOT CONFORM: no check passed"
         else:
             word = "CONFORMS"
+        scope = []
+        if self.results and not self.quick:
+            scope.append(f"workloads certified: {', '.join(w for w, ok in self.workloads().items() if ok) or 'none'}")
+        if c[UNSUPPORTED]:
+            scope.append(f"unsupported: {c[UNSUPPORTED]} checks of {', '.join(self.unsupported())}")
+        if scope:
+            figures += f" ({'; '.join(scope)})"
         if self.quick:
             return f"{word}: {figures} -- {QUICK_NOTE}"
         return f"{word}: {figures}"
@@ -115,9 +153,14 @@ class Report:
                 rows = [r for r in self.results if r.level == level and r.precision == precision]
                 if not rows:
                     continue
-                c = {s: sum(r.status == s for r in rows) for s in (PASS, FAIL, XFAIL, XPASS, ERROR)}
+                c = {s: sum(r.status == s for r in rows) for s in STATUSES}
+                unsupported = f"  {c[UNSUPPORTED]:3d} unsupported" if c[UNSUPPORTED] else ""
                 lines.append(f"  {level:<8} {precision:<4} {c[PASS]:3d} passed  {c[FAIL] + c[ERROR] + c[XPASS]:3d} "
-                             f"failed  {c[XFAIL]:3d} expected failures  ({sum(r.seconds for r in rows):.1f} s)")
+                             f"failed  {c[XFAIL]:3d} expected failures{unsupported}  "
+                             f"({sum(r.seconds for r in rows):.1f} s)")
+        for workload, (count, ops) in self.unsupported().items():
+            lines.append(f"  unsupported: {count} checks of workload '{workload}': the backend does not lower "
+                         f"{', '.join(ops)} (Backend.supported_ops)")
         for r in self.results:
             if r.status in BAD:
                 lines.append(f"  {r.status.upper():5} {r.id}: {r.message}")

@@ -3,7 +3,7 @@ the IR's ops) equal what the code renders, and every IR op has a case in the kit
 
 from pathlib import Path
 
-from aiperf_core.ir import OPS
+from aiperf_core.ir import INPUT_OPS, OPS
 from aiperf_conformance import guide
 from aiperf_conformance.cases import OP_CASES
 from aiperf_conformance.kit import catalogue
@@ -29,7 +29,8 @@ def test_every_check_id_and_op_is_in_the_guide():
 
 def test_every_ir_op_has_a_kit_case():
     covered = {case.graph()["op"].op for case in OP_CASES}
-    assert set(OPS) - {"input"} <= covered
+    assert set(OPS) - INPUT_OPS <= covered
+    assert {case.graph().nodes[0].op for case in OP_CASES} == INPUT_OPS
 
 
 def test_check_mode_reports_a_stale_guide(tmp_path, capsys):

@@ -19,8 +19,9 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true",
                    help="every level on reduced sizes: a smoke test, never a certification")
     p.add_argument("--list", action="store_true",
-                   help="print every check id with its level, precision and whether it needs a native counter "
-                        "(for the backend given by --backend: the checks it would run), and exit")
+                   help="print every check id with its level, precision, the workload it certifies (cnn, lm, "
+                        "or ir: the model-zoo ops) and whether it needs a native counter (for the backend given "
+                        "by --backend: the checks it would run), and exit")
     p.add_argument("--report", default=None, metavar="FILE.json", help="write the machine-readable report here")
     p.add_argument("--json", action="store_true", help="print the report (or the --list) as JSON")
     p.add_argument("--seed", type=int, default=0, help="seed for the random inputs and weights")
@@ -40,15 +41,15 @@ def list_checks(args, levels) -> int:
         checks = collect(make_context(backend, args.backend, precisions=args.precision), levels)
     else:
         checks = catalogue(levels, parse_precisions(args.precision, PRECISIONS, "any", "any device"))
-    rows = [{"id": c.id, "level": c.level, "precision": c.precision, "needs_native_counter": c.needs_counter}
-            for c in checks]
+    rows = [{"id": c.id, "level": c.level, "precision": c.precision, "needs_native_counter": c.needs_counter,
+             "workload": c.workload, "ops": sorted(c.ops)} for c in checks]
     if args.json:
         print(json.dumps(rows))
         return 0
     width = max(len(r["id"]) for r in rows)
-    print(f"{'check id':<{width}}  {'level':<8}  {'precision':<9}  native counter")
+    print(f"{'check id':<{width}}  {'level':<8}  {'precision':<9}  {'workload':<8}  native counter")
     for r in rows:
-        print(f"{r['id']:<{width}}  {r['level']:<8}  {r['precision']:<9}  "
+        print(f"{r['id']:<{width}}  {r['level']:<8}  {r['precision']:<9}  {r['workload']:<8}  "
               f"{'needed' if r['needs_native_counter'] else '-'}")
     return 0
 

@@ -364,7 +364,7 @@ def _report_problems(report: dict[str, Any], verdict: Verdict, model: str | None
     """Why a kit report does not certify this run's backend on this model; empty when it does.
     Its verdict is recomputed from its checks, not read from its 'ok' or 'certifies'."""
     from aiperf_conformance.kit import LEVELS
-    from aiperf_conformance.results import BAD, PASS
+    from aiperf_conformance.results import BAD, PASS, UNSUPPORTED
 
     problems = []
     if report.get("quick"):
@@ -382,6 +382,12 @@ def _report_problems(report: dict[str, Any], verdict: Verdict, model: str | None
     failed = sum(s in BAD for s in statuses)
     if failed or PASS not in statuses:
         problems.append(f"does not conform ({failed} failed, {statuses.count(PASS)} passed)")
+    # A CNN run needs the kit's CNN checks to have run (a report from before workloads holds CNN checks only).
+    unsupported = [c.get("id") for c in report["checks"] if isinstance(c, dict) and c.get("status") == UNSUPPORTED
+                   and c.get("workload", "cnn") == "cnn"]
+    if unsupported:
+        problems.append(f"the cnn workload is not certified: {len(unsupported)} of its checks unsupported "
+                        f"({unsupported[0]}, ...)")
     return problems
 
 

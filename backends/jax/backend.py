@@ -168,6 +168,11 @@ class JaxBackend(Backend):
                            notes="the batch axis sharded over a mesh of the training devices in one jitted step; "
                                  "batch statistics over the global batch array")
 
+    def supported_ops(self) -> frozenset[str]:
+        from aiperf_core.ir import ALL_OPS  # every op, forward and backward (lowering.py)
+
+        return ALL_OPS
+
     def native_counter(self) -> NativeCounter | None:
         from aiperf_backends.jax.counter import XlaCostCounter, counting_device
 
@@ -204,7 +209,7 @@ class JaxBackend(Backend):
                                label_smoothing: float) -> tuple[float, Weights]:
         import jax
 
-        from aiperf_backends.jax.lowering import reference_dropout_masks
+        from aiperf_backends.jax.lowering import host_input, reference_dropout_masks
         from aiperf_backends.jax.training import summed_loss
 
         graph = model.graph
@@ -218,10 +223,10 @@ class JaxBackend(Backend):
             def loss_fn(params, state, xb, yb, dropout_masks):
                 total, _ = summed_loss(graph, params, state, xb, yb, label_smoothing, precision=precision,
                                        masks=dropout_masks)
-                return total / xb.shape[0]
+                return total / yb.size  # the mean over every label: images, or every token
 
             model.cache[key] = jax.jit(jax.value_and_grad(loss_fn))
-        inputs = model.placement.replicate((x, labels.astype(np.int32), masks))
+        inputs = model.placement.replicate((host_input(graph, x), labels.astype(np.int32), masks))
         # Functional: the model's parameters and BN statistics are untouched.
         loss, grads = model.cache[key](model.params, model.state, *inputs)
         out: Weights = {}

@@ -7,15 +7,32 @@ round-trip bit for bit.
 
 A lowered model (`JaxModel`) holds
 
-* ``params``: {node id: {kernel, bias, gamma, beta}} float32 master weights (trainable);
-* ``state``:  {node id: {moving_mean, moving_variance}} batch-norm statistics (not trainable);
+* ``params``: {node id: {kernel, bias, gamma, beta, table}} float32 master weights (trainable:
+  aiperf_core.ir.is_trainable);
+* ``state``:  {node id: {moving_mean, moving_variance}} batch-norm statistics and {node id: {value}}
+  the constants of mul_const and add_const (not trainable: outside the pytree that is differentiated,
+  exported and imported as they are);
 * ``placement``: the device(s) both live on (distributed.Placement: the first local device after
   lowering, the training devices after train()); every input is put there before it is used;
 
 and `apply(graph, params, state, x, ...)` runs the graph node by node:
 
 * conv2d: explicit per-side padding [t, b, l, r] becomes lax padding ((t, b), (l, r)) (zeros);
+  groups through ``feature_group_count`` (the IR's HWIO kernel with I = C / groups is lax's);
 * max_pool: ``lax.reduce_window`` with -inf padding;
+* avg_pool: the zero-padded window sum (``lax.reduce_window`` of add, in float32) divided by
+  kh * kw (count_padding) or by each window's number of real taps (the same window sum over ones);
+* lrn: the channel window's sum of squares by ``lax.reduce_window`` over the last axis (zero
+  padded by (size - 1) / 2 each side, so the window is clipped at the edges), in float32;
+* mul_const, add_const: the node's constant from ``state``; channel_shuffle: reshape (G, C/G),
+  swap, reshape;
+* token_input: the int32 token ids (taken as int32 on the host: ids below the vocab fit, and jax
+  without x64 has no int64); embedding: ``jnp.take`` of the table's rows (its gradient a
+  scatter-add); position_embedding: x + table;
+* layer_norm: over the last axis in float32 (biased variance), autodiff backward;
+* attention: ``jax.nn.dot_product_attention`` on (N, S, heads, head_dim), its layout (B, T, N, H),
+  with ``is_causal``; see `attention` for how its products get the run's precision;
+* gelu: ``jax.nn.gelu(approximate=True)``, the IR's tanh form;
 * batch_norm: inference uses the moving statistics; training normalises with the batch mean and
   the biased batch variance (statistics in float32 over the *global* batch array, so with the
   batch axis sharded over devices they are the statistics of the whole global batch) and returns
@@ -23,8 +40,8 @@ and `apply(graph, params, state, x, ...)` runs the graph node by node:
   m / (m - 1), taken as 1 when m == 1), as the NumPy reference does; its training-mode backward is
   the closed form (a custom VJP), not autodiff of the forward formula;
 * relu: ``jax.nn.relu`` (gradient 0 at exactly 0, as the reference);
-* softmax in float32; with ``logits=True`` the softmax's input is returned so the loss can use
-  a stable log-softmax;
+* softmax in float32 over the last axis (per position of a sequence); with ``logits=True`` the
+  softmax's input is returned so the loss can use a stable log-softmax;
 * dropout: identity in inference; in training inverted dropout with masks either given
   (``masks``: node id -> keep/(1-rate) array, e.g. the NumPy reference's) or drawn from a JAX
   PRNG key folded with the node's index.
@@ -39,13 +56,15 @@ function, never jax's process-wide ``jax_default_matmul_precision``, which the u
   (no precision given is DEFAULT). jax 0.10 spells ``HIGH`` 'tensorfloat32', but XLA's Triton
   GEMM emitter uses TF32 only at DEFAULT (its cuBLAS and cuDNN paths at DEFAULT and HIGH alike),
   so DEFAULT is the precision that means TF32 on every CUDA path;
-* bf16 (``compute_dtype`` bfloat16): conv and dense run in bfloat16 on bfloat16 copies of the
-  float32 master weights; batch-norm statistics, the softmax and the loss stay float32.
+* bf16 (``compute_dtype`` bfloat16): conv, dense and attention's products run in bfloat16 on
+  bfloat16 copies of the float32 master weights, biases added in bfloat16 with their gradients
+  summed in float32 (`add_parameter`); batch-norm statistics, layer norm, lrn, the pools' sums,
+  attention's softmax, the output softmax and the loss stay float32.
 
 Input: a float32 batch is taken as already normalised (in-memory datasets); a uint8 batch (streamed
 pixels) is normalised inside the compiled function, `normalised_input`, with exactly the host's
 arithmetic (aiperf_core.data.preprocess.normalise), so only a quarter of the bytes cross to the
-device.
+device. Token ids cross as int32 and are never normalised (`host_input`).
 """
 
 from __future__ import annotations
@@ -57,11 +76,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from aiperf_core.errors import GraphError
-from aiperf_core.ir import Graph
+from aiperf_core.ir import Graph, is_trainable
 from aiperf_core.weights import Weights, validate_weights
-
-TRAINABLE = ("kernel", "bias", "gamma", "beta")
-STATE = ("moving_mean", "moving_variance")
 
 
 @dataclass
@@ -86,7 +102,7 @@ class JaxModel:
         for node_id in self.graph.all_param_shapes():
             for pname, array in weights[node_id].items():
                 value = np.asarray(array, dtype=np.float32)
-                (params if pname in TRAINABLE else state).setdefault(node_id, {})[pname] = value
+                (params if is_trainable(pname) else state).setdefault(node_id, {})[pname] = value
         self.params, self.state = self.placement.replicate((params, state))
 
     def export_canonical(self) -> Weights:
@@ -94,13 +110,23 @@ class JaxModel:
         for node_id, shapes in self.graph.all_param_shapes().items():
             out[node_id] = {}
             for pname in shapes:
-                source = self.params if pname in TRAINABLE else self.state
+                source = self.params if is_trainable(pname) else self.state
                 out[node_id][pname] = np.array(source[node_id][pname], dtype=np.float32)
         return out
 
 
+def host_input(graph: Graph, x: np.ndarray) -> np.ndarray:
+    """An in-memory batch as it crosses to the device: token ids as int32 (below the vocab, so
+    exact; jax without x64 would narrow int64 itself), values as float32 (normalised already).
+    Streamed uint8 pixels do not come through here: they cross as they are."""
+    if graph.takes_tokens:
+        return np.ascontiguousarray(x, dtype=np.int32)
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
 def compute_dtype(precision: str):
-    """The dtype conv and dense compute in, or None for float32 (fp32 and tf32 store float32)."""
+    """The dtype conv, dense and attention compute in, or None for float32 (fp32 and tf32 store
+    float32)."""
     import jax.numpy as jnp
 
     return {"fp32": None, "tf32": None, "bf16": jnp.bfloat16, "fp16": jnp.float16}[precision]
@@ -134,7 +160,8 @@ def conv2d(x, kernel, attrs, precision: str = "fp32"):
     if dtype is not None:
         x, kernel = x.astype(dtype), kernel.astype(dtype)
     return lax.conv_general_dilated(x, kernel, tuple(attrs["strides"]), ((pt, pb), (pl, pr)),
-                                    dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=lax_precision(precision))
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                    feature_group_count=attrs.get("groups", 1), precision=lax_precision(precision))
 
 
 def dense(x, kernel, precision: str = "fp32"):
@@ -156,6 +183,118 @@ def max_pool(x, attrs):
     # A Python -inf init makes JAX use its differentiable max-window primitive (reduce_window_max).
     return lax.reduce_window(x, -jnp.inf, lax.max, (1, kh, kw, 1), (1, sh, sw, 1),
                              ((0, 0), (pt, pb), (pl, pr), (0, 0)))
+
+
+@functools.lru_cache(maxsize=None)
+def _add_parameter():
+    """x + p in x's dtype, with p's gradient summed in float32 (`add_parameter`)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def add(x, p):
+        return x + p.astype(x.dtype)
+
+    def add_fwd(x, p):
+        return add(x, p), p  # p: its rank and dtype, for the backward
+
+    def add_bwd(p, dy):
+        axes = tuple(range(dy.ndim - p.ndim))  # the axes p is broadcast over
+        return dy, jnp.sum(dy.astype(jnp.float32), axis=axes).astype(p.dtype)
+
+    add.defvjp(add_fwd, add_bwd)
+    return add
+
+
+def add_parameter(x, p):
+    """x + p (a bias, or a position table) in x's dtype; p's gradient is summed in float32.
+
+    Autodiff's gradient of a float32 parameter added in bfloat16 is a bfloat16 reduction with a
+    bfloat16 accumulator (XLA's reduce keeps its operand's type), so at bf16 a dense layer's bias
+    over a sequence summed N * S values in 8 bits of mantissa: 0.56% off over 1024 positive
+    values, and a conv bias over 90 positions 4% of its graph's largest gradient away from the
+    reference (tests/test_jax_sequence.py). Here only the summed values are bfloat16; the forward
+    pass is the plain add, and at fp32 and tf32 nothing changes."""
+    if x.dtype == p.dtype:
+        return x + p
+    return _add_parameter()(x, p)
+
+
+def avg_pool(x, attrs):
+    """Window sums in float32 over zero padding, divided by every tap or by the real ones."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    kh, kw = attrs["kernel"]
+    sh, sw = attrs["strides"]
+    pt, pb, pl, pr = attrs["padding"]
+    window, strides = (1, kh, kw, 1), (1, sh, sw, 1)
+    padding = ((0, 0), (pt, pb), (pl, pr), (0, 0))
+    total = lax.reduce_window(x.astype(jnp.float32), 0.0, lax.add, window, strides, padding)
+    if attrs["count_padding"]:
+        divisor = float(kh * kw)
+    else:  # the real taps of each window: the same window sum over an image of ones
+        ones = jnp.ones((1,) + x.shape[1:3] + (1,), jnp.float32)
+        divisor = lax.reduce_window(ones, 0.0, lax.add, window, strides, padding)
+    return (total / divisor).astype(x.dtype)
+
+
+def lrn(x, attrs):
+    """ONNX's LRN over the channel axis, in float32: x / (bias + alpha / size * window sum of x^2)^beta."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    size = attrs["size"]
+    half = (size - 1) // 2
+    xf = x.astype(jnp.float32)
+    window_sum = lax.reduce_window(xf * xf, 0.0, lax.add, (1,) * (x.ndim - 1) + (size,), (1,) * x.ndim,
+                                   ((0, 0),) * (x.ndim - 1) + ((half, half),))
+    scale = attrs["bias"] + (attrs["alpha"] / size) * window_sum
+    return (xf * scale ** -attrs["beta"]).astype(x.dtype)
+
+
+def channel_shuffle(x, groups: int):
+    """Channel g * (C / G) + j moves to j * G + g (ShuffleNet's reshape, transpose, reshape)."""
+    *lead, channels = x.shape
+    return x.reshape(*lead, groups, channels // groups).swapaxes(-1, -2).reshape(*lead, channels)
+
+
+def layer_norm(x, gamma, beta, epsilon: float):
+    """Over the last axis, in float32 (biased variance), cast back to x's dtype."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=-1, keepdims=True)
+    centred = xf - mean
+    var = jnp.mean(centred * centred, axis=-1, keepdims=True)
+    return (centred * lax.rsqrt(var + epsilon) * gamma + beta).astype(x.dtype)
+
+
+def attention(q, k, v, attrs, precision: str = "fp32"):
+    """Multi-head scaled dot-product attention, (N, S, heads * head_dim) in and out.
+
+    Head h is features [h * d, (h + 1) * d), so (N, S, heads, d) is a reshape, and it is
+    jax.nn.dot_product_attention's layout (B, T, N, H): no transpose. Its softmax runs in float32
+    and its causal mask sets the masked scores to a large negative number, whose probability is
+    exactly 0 in float32, as the IR asks.
+
+    jax.nn.dot_product_attention takes no precision argument: its float32 products use jax's
+    configured default matmul precision (TF32 on CUDA GPUs of compute capability 8.0+ when nothing
+    is configured, the issue 15 error). The call is therefore traced inside a scoped
+    `jax.default_matmul_precision` of the run's precision (HIGHEST at fp32, DEFAULT otherwise; its
+    bfloat16 score product keeps its own explicit BF16_BF16_F32). The scope covers this trace only,
+    so the user's own setting elsewhere is left alone, and autodiff's transposed products inherit
+    the precision recorded on the forward ones (a test reads the training step's StableHLO)."""
+    import jax
+    import jax.numpy as jnp
+
+    heads, dim = attrs["heads"], attrs["head_dim"]
+    dtype = compute_dtype(precision) or jnp.result_type(q, k, v)
+    q, k, v = (t.astype(dtype).reshape(t.shape[:-1] + (heads, dim)) for t in (q, k, v))
+    with jax.default_matmul_precision(lax_precision(precision).name.lower()):
+        out = jax.nn.dot_product_attention(q, k, v, scale=1.0 / float(np.sqrt(dim)), is_causal=attrs["causal"])
+    return out.reshape(out.shape[:-2] + (heads * dim,))
 
 
 @functools.lru_cache(maxsize=None)
@@ -222,9 +361,10 @@ def batch_norm(x, p, s, attrs, training: bool):
 
 def apply(graph: Graph, params, state, x, *, training: bool = False, logits: bool = False,
           precision: str = "fp32", masks: Mapping[str, Any] | None = None, key=None):
-    """Run the graph on x, a float32 (normalised) or uint8 (pixels, normalised here) NHWC batch.
-    Returns (output, new_state); new_state holds the BN updates of a training pass (the old
-    statistics where a node was not reached) and is `state` itself in inference."""
+    """Run the graph on x, a float32 (normalised) or uint8 (pixels, normalised here) NHWC batch, a
+    float32 sequence batch (N, S, D), or int32 token ids (N, S). Returns (output, new_state);
+    new_state holds the BN updates of a training pass (the old statistics where a node was not
+    reached) and is `state` itself in inference."""
     import jax
     import jax.numpy as jnp
 
@@ -237,14 +377,16 @@ def apply(graph: Graph, params, state, x, *, training: bool = False, logits: boo
         ins = [values[i] for i in node.inputs]
         if op == "input":
             y = normalised_input(x)
+        elif op == "token_input":
+            y = x
         elif op == "conv2d":
             y = conv2d(ins[0], params[node.id]["kernel"], a, precision)
             if a["use_bias"]:
-                y = y + params[node.id]["bias"].astype(y.dtype)
+                y = add_parameter(y, params[node.id]["bias"])
         elif op == "dense":
             y = dense(ins[0], params[node.id]["kernel"], precision)
             if a["use_bias"]:
-                y = y + params[node.id]["bias"].astype(y.dtype)
+                y = add_parameter(y, params[node.id]["bias"])
         elif op == "batch_norm":
             y, upd = batch_norm(ins[0], params[node.id], state[node.id], a, training)
             if upd is not None:
@@ -267,6 +409,26 @@ def apply(graph: Graph, params, state, x, *, training: bool = False, logits: boo
             y = ins[0].reshape(ins[0].shape[0], -1)
         elif op == "softmax":
             y = jax.nn.softmax(ins[0].astype(jnp.float32), axis=-1)
+        elif op == "avg_pool":
+            y = avg_pool(ins[0], a)
+        elif op == "lrn":
+            y = lrn(ins[0], a)
+        elif op == "mul_const":
+            y = ins[0] * state[node.id]["value"].astype(ins[0].dtype)
+        elif op == "add_const":
+            y = ins[0] + state[node.id]["value"].astype(ins[0].dtype)
+        elif op == "channel_shuffle":
+            y = channel_shuffle(ins[0], a["groups"])
+        elif op == "embedding":
+            y = jnp.take(params[node.id]["table"], ins[0], axis=0)
+        elif op == "position_embedding":
+            y = add_parameter(ins[0], params[node.id]["table"])
+        elif op == "layer_norm":
+            y = layer_norm(ins[0], params[node.id]["gamma"], params[node.id]["beta"], a["epsilon"])
+        elif op == "attention":
+            y = attention(*ins, a, precision)
+        elif op == "gelu":
+            y = jax.nn.gelu(ins[0], approximate=True)
         elif op == "dropout":
             y = ins[0]
             rate = a["rate"]

@@ -10,7 +10,10 @@ time of the calls that traced and compiled (`Traced`, `CompileClock`).
 
 Every training image is seen once per epoch, in the order np.random.default_rng(seed + epoch)
 .permutation(n), in batches of config.batch_size; the last batch is short and not dropped, so
-images are counted exactly and each step's loss is exactly the mean over the images it saw. With
+images are counted exactly and each step's loss is exactly the mean over the images it saw. A
+sequence graph (token ids (N, S), labels (N, S)) is trained the same way: its loss is the mean
+cross-entropy over every position of every sequence, its validation loss and accuracy are over
+every position, and EpochReport's image counts count sequences. With
 several devices the batch axis is sharded over a 1-D mesh (distributed.py); the code is written
 over the global batch, so the gradients and the batch-norm statistics are those of the global
 batch whatever the number of devices.
@@ -41,8 +44,14 @@ PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is no
 PREDICT_BATCH = 256
 
 
+def labels_per_sample(graph) -> int:
+    """Labels each sample carries: 1 for an image, S for a sequence with a class per position."""
+    return int(np.prod(graph.output_shape[:-1], dtype=np.int64))
+
+
 def summed_loss(graph, params, state, x, labels, label_smoothing, *, precision="fp32", masks=None, key=None):
-    """(summed cross-entropy over the batch, new BN state), training mode.
+    """(summed cross-entropy over the batch's labels, new BN state), training mode: one label per
+    image, or one per position of a sequence.
 
     With a softmax output the loss comes from its logits (stable log-softmax); otherwise the
     output is read as probabilities clipped to [1e-7, 1 - 1e-7], as the reference does."""
@@ -64,7 +73,8 @@ def summed_loss(graph, params, state, x, labels, label_smoothing, *, precision="
 
 
 def eval_sums(graph, params, state, x, labels, valid, label_smoothing, precision):
-    """(summed loss, correct predictions) over the rows where `valid` is true, inference mode."""
+    """(summed loss, correct predictions) over the rows where `valid` is true (every position of
+    a sequence row), inference mode."""
     import jax
     import jax.numpy as jnp
 
@@ -79,6 +89,7 @@ def eval_sums(graph, params, state, x, labels, valid, label_smoothing, precision
     else:
         logp = jnp.log(jnp.clip(out, PROBABILITY_CLIP, 1.0 - PROBABILITY_CLIP))
     per = -jnp.sum(target * logp, axis=-1)
+    valid = valid.reshape(valid.shape + (1,) * (per.ndim - 1))  # a sequence row's every position
     correct = (jnp.argmax(out, axis=-1) == labels) & valid
     return jnp.sum(jnp.where(valid, per, 0.0)), jnp.sum(correct)
 
@@ -135,7 +146,7 @@ def make_train_step(graph, precision: str, momentum: float, label_smoothing: flo
         def loss_fn(p):
             total, new_state = summed_loss(graph, p, state, x, labels, label_smoothing, precision=precision,
                                            key=jax.random.fold_in(key, index))
-            return total / x.shape[0], (total, new_state)
+            return total / labels.size, (total, new_state)
 
         grads, (total, new_state) = jax.grad(loss_fn, has_aux=True)(params)
         velocity = jax.tree_util.tree_map(lambda v, g: momentum * v + g, velocity, grads)
@@ -181,6 +192,9 @@ def padded(array: np.ndarray, size: int) -> np.ndarray:
 def predict(model, x: np.ndarray) -> np.ndarray:
     """Inference in chunks padded to a power of two, on the model's devices; each image's output
     does not depend on the others in inference mode, so the padding rows are simply dropped."""
+    from aiperf_backends.jax.lowering import host_input
+
+    x = host_input(model.graph, x)
     fn = predict_fn(model)
     outputs = []
     for start in range(0, len(x), PREDICT_BATCH):
@@ -296,6 +310,8 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
     import jax
     import jax.numpy as jnp
 
+    from aiperf_backends.jax.lowering import host_input
+
     if not model.params:
         raise BackendError("the graph has no trainable parameters: there is nothing to train")
     key = ("train", config.precision, float(config.momentum), float(config.label_smoothing))
@@ -309,8 +325,9 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
     state = placement.replicate(model.state)
     velocity = placement.replicate(jax.tree_util.tree_map(jnp.zeros_like, params))
     if not is_streaming(data):  # convert once, not per batch
-        data = Dataset(np.ascontiguousarray(data.x_train, dtype=np.float32), np.asarray(data.y_train, np.int32),
-                       np.ascontiguousarray(data.x_val, dtype=np.float32), data.y_val, data.classes)
+        data = Dataset(host_input(model.graph, np.asarray(data.x_train)), np.asarray(data.y_train, np.int32),
+                       host_input(model.graph, np.asarray(data.x_val)), data.y_val, data.classes)
+    positions = labels_per_sample(model.graph)
     clock, compiling = StepClock(), CompileClock()
     feed = feed_for(data, placement, compiling, config.batch_size)
     rng_key = placement.replicate(jax.random.PRNGKey(config.seed))
@@ -355,9 +372,9 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
                 val_loss = float(np.sum([np.float64(s) for s, _ in val_parts]))
                 correct = int(np.sum([int(c) for _, c in val_parts]))
             report = EpochReport(epoch=epoch, train_images=images, val_images=val_total,
-                                 loss=loss_sum / max(images, 1),
-                                 val_loss=val_loss / val_total if val_total else 0.0,
-                                 val_accuracy=correct / val_total if val_total else 0.0,
+                                 loss=loss_sum / max(images * positions, 1),
+                                 val_loss=val_loss / (val_total * positions) if val_total else 0.0,
+                                 val_accuracy=correct / (val_total * positions) if val_total else 0.0,
                                  skipped_images=skipped, step_seconds=clock.lap(),
                                  compile_seconds=compiling.lap())
             reports.append(report)

@@ -1,5 +1,10 @@
 """Level 'count': the backend's native op counter against the analytic count under the counter's
-declared convention, per category it covers, forward and forward+backward.
+declared convention, per category it covers, forward and forward+backward, on two ResNets and a
+2-layer GPT.
+
+The matrix products (conv, dense, and attention's two products) must agree exactly under every
+convention; attention's count depends on it (paper: the full S x S scores; valid: the S(S+1)/2 pairs
+a causal mask keeps).
 
 A native count of zero or below for a category that has operations is a failure with its own
 message, never a match: a counter that cannot see some kernels (XLA reports -1 for a cuDNN custom
@@ -12,10 +17,10 @@ from functools import partial
 import aiperf_opcount as opcount
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_conformance.kit import Check, Context, Outcome
-from aiperf_conformance.levels.graph import GRAPHS
+from aiperf_conformance.levels.graph import GRAPHS, checks_tags
 
 BATCH = 2
-EXACT_CATEGORIES = ("conv", "dense")  # MAC-based: every convention agrees on these exactly
+EXACT_CATEGORIES = ("conv", "dense", "attention")  # MAC-based: every convention agrees on these exactly
 
 
 def analytic_by_category(graph, convention, backward: bool, includes_update: bool) -> dict[str, int]:
@@ -86,6 +91,6 @@ def native_vs_analytic(ctx: Context, name: str, backward: bool) -> Outcome:
 def checks(ctx: Context):
     for name in GRAPHS:
         yield Check("count", f"{name}/forward", partial(native_vs_analytic, name=name, backward=False),
-                    needs_counter=True)
+                    needs_counter=True, **checks_tags(name))
         yield Check("count", f"{name}/forward_backward", partial(native_vs_analytic, name=name, backward=True),
-                    needs_counter=True)
+                    needs_counter=True, **checks_tags(name))
