@@ -2,10 +2,24 @@
 
 For each backend (torch, jax, tensorflow, mindspore, those installed), the GPT that
 aiperf_core.builders.gpt describes is lowered from the IR and trained one step at a time through the
-backend's own training step, against a model of the same shape written by hand in that framework the
-way its users write one (torch: a nanoGPT-style module with fused QKV and
-F.scaled_dot_product_attention). Same batch of token ids, SGD with momentum, the same precision,
-warm-up steps first; timed in pairs, median of the pairs' ratios (_common.compare_training_throughput).
+backend's own training step (torch: training.Stepper; jax: training.make_train_step; TensorFlow:
+training.Trainer.step; MindSpore: training.Stepper), against a model of the same shape written by
+hand in that framework the way its users write one, with one fused QKV product, a causal softmax
+attention, tanh GELU, layer norm and an untied LM head:
+
+* torch: a nanoGPT-style nn.Module with F.scaled_dot_product_attention(is_causal=True), autocast;
+* jax: a Flax linen module with jax.nn.dot_product_attention(is_causal=True), its jitted step an SGD
+  with momentum written out (torch's rule, as the backend's), the products at the backend's
+  lax precision;
+* TensorFlow: Keras layers (Dense, LayerNormalization, Embedding) with the attention written out
+  in tf.matmul (Keras has no fused causal kernel), a tf.function step with Keras' SGD, compiled
+  with XLA where the backend compiles its own step (GPUs), Keras' mixed-precision policy;
+* MindSpore: nn.Cell (nn.Dense, nn.LayerNorm, nn.Embedding, ops.BatchMatMul) with nn.Momentum, in
+  PyNative mode as the backend trains, ms.amp's O1 for the mixed precisions.
+
+Same batch of token ids, SGD with momentum, the same precision, warm-up steps first; timed in pairs,
+median of the pairs' ratios (_common.compare_training_throughput). Each backend is one `<name>_pair`
+in PAIRS returning a `Pair`; the hand-written model's parameter count must equal the IR's.
 
 Then model-FLOP utilisation: the analytic operations of one training sequence (the paper's count,
 FP + BP, as scored) times the lowered step's sequences per second, over the backend's measured dense
@@ -13,8 +27,9 @@ GEMM peak at the same precision (Backend.matmul_seconds, as `aiperf peak` measur
 
 Sizes: on a CPU a small GPT (4 layers, width 256, 4 heads, 128 tokens, vocabulary 256, batch 8, fp32);
 on a CUDA device GPT-2 small's shape (12 layers, width 768, 12 heads, 1024 tokens, vocabulary 50,304,
-batch 8) at the backend's fastest precision. AIPERF_BENCH_STEPS sets the timed pairs (default 12 on a
-CPU, 20 on a GPU); --backends=torch,jax picks backends; --smoke runs every path at toy sizes.
+batch 8) at the backend's fastest declared precision. AIPERF_BENCH_STEPS sets the timed pairs
+(default 12 on a CPU, 20 on a GPU); --backends=torch,jax picks backends; --precision=bf16 runs a
+precision the backend declares instead; --smoke runs every path at toy sizes.
 
 Goal: lowered / hand-written sequences per second >= 0.97 on every backend.
 """
@@ -58,10 +73,8 @@ class Pair:
 
 
 def chosen_backends() -> list[str]:
-    for arg in sys.argv[1:]:
-        if arg.startswith("--backends="):
-            return [b for b in arg.split("=", 1)[1].split(",") if b]
-    return ["torch", "jax", "tensorflow", "mindspore"]
+    names = option("backends")
+    return list(PAIRS) if names is None else [b for b in names.split(",") if b]
 
 
 def training_ops_per_sequence(graph) -> int:
@@ -73,15 +86,29 @@ def training_ops_per_sequence(graph) -> int:
 
 def gemm_peak(backend, device: str, precision: str) -> float:
     """The backend's dense GEMM rate (operations per second) at `precision`: best of ten products."""
-    size = 256 if SMOKE else 4096 if "cuda" in device or "gpu" in device else 2048
+    from aiperf_core.inventory import is_cpu_device
+
+    size = 256 if SMOKE else 2048 if is_cpu_device(device) else 4096
     return 2 * size ** 3 / min(backend.matmul_seconds(device, precision, size, 10))
 
 
+def option(name: str) -> str | None:
+    """The value of --name=VALUE on the command line, None when absent."""
+    return next((arg.split("=", 1)[1] for arg in sys.argv[1:] if arg.startswith(f"--{name}=")), None)
+
+
 def bench_precision(backend, device: str) -> str:
-    """fp32 on a CPU (and in --smoke), where the mixed precisions are emulated or absent; else the
-    backend's fastest declared precision on `device`."""
+    """--precision when given (it must be one the backend declares on `device`); else fp32 on a CPU
+    (and in --smoke), where the mixed precisions are emulated or slower, and the backend's fastest
+    declared precision on an accelerator."""
     from aiperf_core.inventory import is_cpu_device
 
+    asked = option("precision")
+    if asked is not None:
+        declared = backend.precisions(device)
+        if asked not in declared:
+            raise ValueError(f"--precision {asked}: backend {backend.name} declares {', '.join(declared)} on {device}")
+        return asked
     return "fp32" if SMOKE or is_cpu_device(device) else backend.fastest_precision(device)
 
 
