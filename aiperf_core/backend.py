@@ -276,6 +276,9 @@ class CounterConvention:
     mac_ops: ops per multiply-accumulate (2 when a MAC counts as a mul and an add).
     padding: 'paper' when padded taps are counted, 'valid' when only taps on real input are.
     covers: opcount categories the counter measures; the others it reports as 0 or leaves out.
+    attention: how the counter counts causal attention's products: 'paper' when every one of the S x S
+      scores is counted, masked or not, 'valid' when only the S(S+1)/2 pairs the mask keeps are; None
+      when it follows `padding`. XLA, for one, skips padded taps but multiplies every score.
     """
 
     mac_ops: int
@@ -283,6 +286,11 @@ class CounterConvention:
     covers: tuple[str, ...]
     includes_update: bool = False  # whether a backward count contains the weight update
     notes: str = ""
+    attention: str | None = None
+
+    def convention_for(self, category: str) -> str:
+        """The opcount convention this counter's `category` count follows."""
+        return (self.attention or self.padding) if category == "attention" else self.padding
 
 
 class NativeCounter(abc.ABC):

@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pytest
 
+import aiperf_opcount
+
 from aiperf_core.backend import CounterConvention, NativeCounter
 from aiperf_core.cli import main
 from aiperf_core.errors import AiperfError
@@ -300,6 +302,46 @@ def test_morph_count_delta_refuses_non_positive_counts():
     bad = results["morph/deeper/count_delta"]
     assert bad.status == "fail" and "parent forward conv: the native counter returned -53" in bad.message
     assert results["morph/deeper/preserves_function"].status == "pass"
+
+
+class XlaLikeCounter(NativeCounter):
+    """Counts as XLA does: padded taps skipped ('valid'), every one of attention's S x S scores counted
+    ('paper'), from opcount itself, so only the declared convention decides the check."""
+
+    def __init__(self, attention):
+        self.convention = CounterConvention(mac_ops=2, padding="valid", covers=("conv", "dense", "attention"),
+                                            attention=attention)
+
+    def count(self, model, batch, backward):
+        out = {}
+        for category in self.convention.covers:
+            rule = "paper" if category == "attention" else "valid"
+            counted = aiperf_opcount.count(model.graph, rule).by_category().get(category, {"fp": 0, "bp": 0})
+            out[category] = batch * (counted["fp"] + (counted["bp"] if backward else 0))
+        return out
+
+
+class XlaLikeBackend(NumpyBackend):
+    name = "xlalike"
+
+    def __init__(self, attention=None):
+        self.attention = attention
+
+    def native_counter(self):
+        return XlaLikeCounter(self.attention)
+
+
+def test_a_counter_declares_attention_apart_from_padding_and_the_kit_compares_each_so():
+    assert CounterConvention(2, "valid", ("conv",), attention="paper").convention_for("conv") == "valid"
+    assert CounterConvention(2, "valid", ("conv",)).convention_for("attention") == "valid"
+    declared = results_for(XlaLikeBackend(attention="paper"), "count")
+    assert {i: r.status for i, r in declared.items() if i.startswith("count/gpt/")} == {
+        "count/gpt/forward": "pass", "count/gpt/forward_backward": "pass"}
+    assert "attention" in declared["count/gpt/forward"].message
+    # The same counts under a convention that claims attention follows 'valid' padding: the causal
+    # mask's S(S+1)/2 pairs against every score, a failure that names the rule.
+    undeclared = results_for(XlaLikeBackend(), "count")["count/gpt/forward"]
+    assert undeclared.status == "fail" and "attention" in undeclared.message and "analytic (valid)" in undeclared.message
 
 
 # -- listing --------------------------------------------------------------------------------------

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 
 import aiperf_opcount as opcount
 from aiperf_backends.jax import JaxBackend, training
-from aiperf_backends.jax.counter import ATTENTION_CONVENTION
 from aiperf_backends.jax.lowering import lower_graph
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_core.backend import Dataset, Schedule, TrainConfig
@@ -290,11 +289,12 @@ def test_the_native_counter_on_a_gpt_matches_the_analytic_dense_and_attention():
     graph = gpt(2, 32, 4, 8, 50)
     counter = BACKEND.native_counter()
     convention = counter.convention
-    assert convention.padding == "valid" and ATTENTION_CONVENTION == "paper"
+    assert convention.padding == "valid" and convention.attention == "paper"
+    assert "attention" in convention.covers  # so the kit's count level checks it
     model = BACKEND.lower(graph, _weights(graph))
     # dense under the counter's padding convention, attention under its own (every S x S score)
-    analytic = {"dense": opcount.count(graph, convention.padding).by_category()["dense"],
-                "attention": opcount.count(graph, ATTENTION_CONVENTION).by_category()["attention"]}
+    analytic = {c: opcount.count(graph, convention.convention_for(c)).by_category()[c]
+                for c in ("dense", "attention")}
     assert analytic["attention"] != opcount.count(graph, "valid").by_category()["attention"]  # causal: it matters
     batch = 2
     for backward in (False, True):

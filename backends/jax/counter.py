@@ -21,7 +21,7 @@ time, with the node's shapes at the requested batch:
   forward followed by the transposed products: the input gradients of both products, four), and
   nothing when only data lies upstream (opcount's rule). XLA lowers the causal mask as a select
   over the full S x S scores, so every score is multiplied and counted, masked or not: attention is
-  counted in the paper convention (``ATTENTION_CONVENTION``), whatever the padding convention of
+  counted in the paper convention (``CONVENTION.attention``), whatever the padding convention of
   the convolutions.
 
 Bias additions, normalisation, activations, pooling, the softmax (attention's included) and the
@@ -29,12 +29,8 @@ embedding's gather are not attributed, so only 'conv', 'dense' and 'attention' a
 weight update is not counted. Compiled costs are cached per (op, shapes, attributes), so counting
 many similar graphs (morphs) is cheap.
 
-The convention's `covers` names 'conv' and 'dense' only: CounterConvention has one `padding` for
-every category, and this counter's is 'valid' for convolutions but 'paper' for attention, so the
-conformance kit, which compares every covered category under `padding`, would compare attention's
-S x S count with the S (S + 1) / 2 pairs of opcount's 'valid' rule. The 'attention' count is
-reported all the same (tests compare it with opcount's 'paper' attention, exactly); the kit can
-check it once the contract can say how a counter counts attention.
+So the convention's `padding` is 'valid' (the convolutions) and its `attention` 'paper': the
+conformance kit compares each covered category under the rule the counter declares for it.
 
 The functions are always compiled for the CPU client of this process (`counting_device`), whatever
 device trains: on a GPU, XLA hands convolutions to cuDNN as custom calls, whose cost analysis is
@@ -54,17 +50,15 @@ from aiperf_core.backend import BackendError, CounterConvention, NativeCounter
 CONVENTION = CounterConvention(
     mac_ops=2,
     padding="valid",
-    covers=("conv", "dense"),
+    covers=("conv", "dense", "attention"),
     includes_update=False,
+    attention="paper",
     notes=("XLA HloCostAnalysis via jax .lower().compile().cost_analysis(), per conv/dense node: 2 FLOPs per MAC, "
            "only taps on real input (padding skipped); transcendentals are reported separately by XLA and not "
            "attributed; bias, normalisation, activation, pooling and softmax are not counted; the backward count "
-           "has no weight update. Attention's two products are reported too, as 'attention', with every one of "
-           "the S x S scores counted (the paper convention, not 'valid': XLA masks with a select after the "
-           "full product), so the category is not in covers"),
+           "has no weight update. Attention's two products count every one of the S x S scores (the paper "
+           "convention, not 'valid': XLA masks with a select after the full product)"),
 )
-# How the 'attention' count treats a causal mask: every score counted (opcount's 'paper' rule).
-ATTENTION_CONVENTION = "paper"
 
 _CACHE: dict[tuple, int] = {}
 

@@ -12,7 +12,7 @@ from aiperf_core.builders import resnet_small
 from aiperf_core.morph import random_morph
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_conformance.kit import Check, Context, Outcome, compare
-from aiperf_conformance.levels.count import (BATCH, EXACT_CATEGORIES, analytic_by_category, native_count,
+from aiperf_conformance.levels.count import (BATCH, EXACT_CATEGORIES, analytic_for_counter, native_count,
                                              no_counter, non_positive)
 
 MORPHS = ("deeper", "wider", "skip", "kernel")
@@ -52,9 +52,7 @@ def count_delta(ctx: Context, op: str) -> Outcome:
         pass_name = "forward+backward" if backward else "forward"
         native = [counter.count(ctx.backend.lower(g, w), BATCH, backward)
                   for g, w in ((graph, weights), (child.graph, child.weights))]
-        analytic = [{k: v * BATCH for k, v in analytic_by_category(g, conv.padding, backward,
-                                                                   conv.includes_update).items()}
-                    for g in (graph, child.graph)]
+        analytic = [analytic_for_counter(g, conv, backward) for g in (graph, child.graph)]
         for which, n, a in (("parent", native[0], analytic[0]), ("child", native[1], analytic[1])):
             bad = non_positive(n, a, conv.covers, f"{op} {which} {pass_name}")
             if bad:
