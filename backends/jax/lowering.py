@@ -29,7 +29,8 @@ and `apply(graph, params, state, x, ...)` runs the graph node by node:
 * token_input: the int32 token ids (taken as int32 on the host: ids below the vocab fit, and jax
   without x64 has no int64); embedding: ``jnp.take`` of the table's rows (its gradient a
   scatter-add); position_embedding: x + table;
-* layer_norm: over the last axis in float32 (biased variance), autodiff backward;
+* layer_norm: over the last axis in float32 (biased variance), its backward the closed form (a
+  custom VJP, as batch norm's);
 * attention: ``jax.nn.dot_product_attention`` on (N, S, heads, head_dim), its layout (B, T, N, H),
   with ``is_causal``; see `attention` for how its products get the run's precision;
 * gelu: ``jax.nn.gelu(approximate=True)``, the IR's tanh form;
@@ -259,16 +260,47 @@ def channel_shuffle(x, groups: int):
     return x.reshape(*lead, groups, channels // groups).swapaxes(-1, -2).reshape(*lead, channels)
 
 
-def layer_norm(x, gamma, beta, epsilon: float):
-    """Over the last axis, in float32 (biased variance), cast back to x's dtype."""
+@functools.lru_cache(maxsize=None)
+def _layer_norm_float32():
+    """Layer norm over the last axis of a float32 x, with the closed-form backward: autodiff of the
+    two-pass formula left the lowered GPT step about 10% more work than Flax's (docs/performance.md),
+    as it did batch norm's (`_batch_norm_train`)."""
+    import jax
     import jax.numpy as jnp
     from jax import lax
 
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    centred = xf - mean
-    var = jnp.mean(centred * centred, axis=-1, keepdims=True)
-    return (centred * lax.rsqrt(var + epsilon) * gamma + beta).astype(x.dtype)
+    def forward(x, gamma, beta, eps):
+        mean = jnp.mean(x, axis=-1, keepdims=True)
+        centred = x - mean
+        inv = lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
+        xhat = centred * inv
+        return xhat * gamma + beta, (xhat, inv)
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+    def ln(x, gamma, beta, eps):
+        return forward(x, gamma, beta, eps)[0]
+
+    def ln_fwd(x, gamma, beta, eps):
+        y, saved = forward(x, gamma, beta, eps)
+        return y, (saved, gamma)
+
+    def ln_bwd(eps, residuals, dy):
+        (xhat, inv), gamma = residuals
+        leading = tuple(range(dy.ndim - 1))
+        dxhat = dy * gamma
+        dx = inv * (dxhat - jnp.mean(dxhat, axis=-1, keepdims=True)
+                    - xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True))
+        return dx, jnp.sum(dy * xhat, axis=leading), jnp.sum(dy, axis=leading)
+
+    ln.defvjp(ln_fwd, ln_bwd)
+    return ln
+
+
+def layer_norm(x, gamma, beta, epsilon: float):
+    """Over the last axis, in float32 (biased variance), cast back to x's dtype."""
+    import jax.numpy as jnp
+
+    return _layer_norm_float32()(x.astype(jnp.float32), gamma, beta, float(epsilon)).astype(x.dtype)
 
 
 def attention(q, k, v, attrs, precision: str = "fp32"):

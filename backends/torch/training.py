@@ -111,7 +111,10 @@ class Stepper:
             raise BackendError(f"the model is on {device_of(model)}, the step was asked to run on {device}")
         self.precision = config.precision
         self.label_smoothing = config.label_smoothing
-        self.optimizer = torch.optim.SGD(params, lr=config.schedule.initial, momentum=config.momentum)
+        # foreach: the multi-tensor update on every device (torch's default only on CUDA). On a CPU the
+        # per-tensor loop is three small multithreaded ops a tensor, and a GPT lowered from the IR has
+        # more (separate Q, K, V) tensors than a hand-written one (docs/performance.md).
+        self.optimizer = torch.optim.SGD(params, lr=config.schedule.initial, momentum=config.momentum, foreach=True)
         self.scaler = torch.amp.GradScaler(self.device.type) if config.precision == "fp16" else None
         self.compiled = None
         self.compiled_batch: int | None = None  # the shard size the compiled loss runs at
