@@ -125,8 +125,8 @@ def render_ops() -> str:
 def render_checks() -> str:
     from aiperf_conformance.levels.parallel import DATA_PARALLEL_CHECKS, SINGLE_DEVICE_CHECKS
 
-    rows = ["| check id (at fp32) | at precisions | native counter | applies to | workload | needs (beyond the CNN ops) |",
-            "| --- | --- | --- | --- | --- | --- |"]
+    rows = ["| check id (at fp32) | at precisions | native counter | applies to | workload "
+            "| needs (beyond the CNN ops) |", "| --- | --- | --- | --- | --- | --- |"]
     for check in catalogue(LEVELS, ("fp32",)):
         precisions = "every declared" if check.level in PER_PRECISION_LEVELS else "fp32"
         applies = "every backend"

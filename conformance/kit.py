@@ -148,6 +148,25 @@ def parse_levels(text: str | Iterable[str]) -> list[str]:
     return [level for level in LEVELS if level in items]
 
 
+def parse_workloads(text: str | Iterable[str] | None) -> list[str]:
+    """'all' (or None), one check tag or a comma-separated list -> tags in CHECK_TAGS order; an empty
+    or unknown list is an error."""
+    from aiperf_conformance.results import CHECK_TAGS
+
+    if text is None:
+        return list(CHECK_TAGS)
+    items = [x.strip() for x in text.split(",")] if isinstance(text, str) else [str(x).strip() for x in text]
+    items = [x for x in items if x]
+    if items == ["all"]:
+        return list(CHECK_TAGS)
+    if not items:
+        raise AiperfError(f"--workload: no workload given (workloads: {', '.join(CHECK_TAGS)}, all)")
+    for tag in items:
+        if tag not in CHECK_TAGS:
+            raise AiperfError(f"--workload: unknown workload '{tag}' (workloads: {', '.join(CHECK_TAGS)}, all)")
+    return [tag for tag in CHECK_TAGS if tag in items]
+
+
 def parse_precisions(text: str | None, declared: tuple[str, ...], backend_name: str, device: str) -> tuple[str, ...]:
     """The precisions to check: every declared one (None or 'all'), or the listed ones, each of
     which the backend must declare on the device under test."""
@@ -330,15 +349,18 @@ def make_context(backend: Backend, backend_name: str | None = None, seed: int = 
 
 
 def run_conformance(backend: Backend, levels: str | Iterable[str] = LEVELS, *, seed: int = 0, quick: bool = False,
-                    precisions: str | None = None,
+                    precisions: str | None = None, workloads: str | Iterable[str] | None = None,
                     progress: Callable[[CheckResult], None] | None = None) -> Report:
+    """The kit's report: `levels` at `precisions`, the checks of `workloads` only (None: every one)."""
     levels = parse_levels(levels)
+    workloads = parse_workloads(workloads)
     reference()
     ctx = make_context(backend, seed=seed, quick=quick, precisions=precisions)
     report = Report(backend.name, backend.framework_version(), levels, device=ctx.device,
                     device_model=backend.device_model(ctx.device),
-                    precisions=list(ctx.precisions), quick=quick, expectations=ctx.expectations.to_dict())
-    for result in iter_results(ctx, collect(ctx, levels)):
+                    precisions=list(ctx.precisions), quick=quick, expectations=ctx.expectations.to_dict(),
+                    workload_scope=workloads)
+    for result in iter_results(ctx, [c for c in collect(ctx, levels) if c.workload in workloads]):
         report.results.append(result)
         if progress:
             progress(result)

@@ -7,7 +7,9 @@ distribution, so any environment with aiperf installed has it):
 
 Without --aiperf-backend the plugin does nothing (and imports nothing beyond this module). Items are
 named `NAME:CHECK_ID`; an expected failure from the backend's expectations file is reported as
-xfail, a failure, an error or an unexpected pass fails with the kit's one-line message. A backend
+xfail, a failure, an error or an unexpected pass fails with the kit's one-line message, and a check
+that needs an op the backend does not declare (the kit's 'unsupported') is reported as skipped with
+the missing ops: neither a pass nor a failure. A backend
 that cannot load, an empty or unknown level list or an undeclared precision is a usage error.
 """
 

@@ -9,7 +9,8 @@ file can also build the items itself:
     def test_conformance(case): run_case(case)
 
 An expected failure listed in the backend's expectations file passes as 'xfail'; a failure, an error
-or an unexpected pass fails the test with the kit's message.
+or an unexpected pass fails the test with the kit's message; an unsupported check (an op the backend
+does not declare) is skipped, naming the ops.
 """
 
 from __future__ import annotations

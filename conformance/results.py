@@ -10,7 +10,8 @@ A check whose graphs need an op the backend does not declare (Backend.supported_
 (the ResNet family), `lm` (the transformer checks) or `ir` (the model-zoo CNN ops, which no workload
 needs). A workload is certified where the report certifies and every check of that workload ran
 (none unsupported): a plugin that lowers only the CNN ops certifies for the CNN workload, not the LM
-one, and `aiperf conformance` still exits 0 for it.
+one, and `aiperf conformance` still exits 0 for it. `--workload` runs the checks of some tags only
+(`workload_scope`); the others are then not certified.
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ class Report:
     precisions: list[str] = field(default_factory=list)  # the precisions checked there
     quick: bool = False
     expectations: dict | None = None  # {"file": {"path", "sha256"} | None, "defaults": {"path", "sha256"}}
+    # The check tags whose checks the kit ran (`--workload`); a workload left out is not certified.
+    workload_scope: list[str] = field(default_factory=lambda: list(CHECK_TAGS))
 
     @property
     def failed(self) -> list[CheckResult]:
@@ -82,7 +85,8 @@ class Report:
 
     def workloads(self) -> dict[str, bool]:
         """{workload: certified}: the report certifies, and the workload's checks ran (at least one, and
-        none unsupported). A report from before workloads existed holds CNN checks only (from_dict)."""
+        none unsupported). A check result without a workload is a CNN one (reports from before workloads;
+        aiperf_core/submission/check.py reads them so)."""
         out = {}
         for workload in WORKLOADS:
             rows = [r for r in self.results if r.workload == workload]
@@ -110,7 +114,8 @@ class Report:
                 "device": self.device,
                 "device_model": self.device_model, "precisions": self.precisions, "quick": self.quick,
                 "note": QUICK_NOTE if self.quick else None, "expectations": self.expectations,
-                "ok": self.ok, "certifies": self.certifies, "workloads": self.workloads(), "counts": self.counts(),
+                "ok": self.ok, "certifies": self.certifies, "workload_scope": self.workload_scope,
+                "workloads": self.workloads(), "counts": self.counts(),
                 "checks": [asdict(r) | {"id": r.id} for r in self.results]}
 
     def write(self, path) -> None:
@@ -132,6 +137,9 @@ class Report:
             scope.append(f"workloads certified: {', '.join(w for w, ok in self.workloads().items() if ok) or 'none'}")
         if c[UNSUPPORTED]:
             scope.append(f"unsupported: {c[UNSUPPORTED]} checks of {', '.join(self.unsupported())}")
+        left_out = [t for t in CHECK_TAGS if t not in self.workload_scope]
+        if left_out:
+            scope.append(f"not run (--workload): {', '.join(left_out)}")
         if scope:
             figures += f" ({'; '.join(scope)})"
         if self.quick:

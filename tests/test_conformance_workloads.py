@@ -8,14 +8,14 @@ import contextlib
 import json
 
 import numpy as np
-import onnx
 import pytest
 import scipy.special
 from onnx import TensorProto, helper, numpy_helper
 
+from aiperf_core.builders import gpt
 from aiperf_core.cli import main
+from aiperf_core.errors import GraphError
 from aiperf_core.ir import ALL_OPS, VERSION_1_OPS, lowering_need
-from aiperf_core.onnx_io import import_onnx
 from aiperf_core.submission.check import check_submission
 from aiperf_numpy import executor
 from aiperf_numpy.backend import NumpyBackend
@@ -74,6 +74,18 @@ def test_every_transformer_check_of_every_level_is_unsupported_on_a_cnn_only_bac
         assert result.status == "unsupported" and result.workload == "lm", check.id
 
 
+def test_a_cnn_only_backend_refuses_to_lower_what_it_does_not_declare():
+    with pytest.raises(GraphError, match="does not lower 'token_input'") as caught:
+        CnnOnly().lower(gpt(2, 32, 4, 16, 64))
+    assert caught.value.node == "tokens"
+    sequence = next(c for c in OP_CASES if c.name == "dense_sequence").graph()
+    with pytest.raises(GraphError, match="does not lower 'sequence_input'"):
+        CnnOnly().lower(sequence)
+    grouped = next(c for c in OP_CASES if c.name == "conv_grouped").graph()
+    with pytest.raises(GraphError, match="does not lower 'grouped_conv2d'"):
+        CnnOnly().lower(grouped)
+
+
 def test_the_cli_exits_0_for_a_cnn_only_backend(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(NumpyBackend, "supported_ops", lambda self: VERSION_1_OPS)
     path = tmp_path / "kit.json"
@@ -88,6 +100,30 @@ def test_a_backend_that_lowers_every_op_certifies_both_workloads():
     report = run_conformance(NumpyBackend(), ["op"])
     assert report.workloads() == {"cnn": True, "lm": True} and report.counts()["unsupported"] == 0
     assert report.verdict().endswith("(workloads certified: cnn, lm)")
+
+
+def test_workload_runs_only_its_checks_and_leaves_the_others_uncertified(tmp_path, capsys):
+    report = run_conformance(NumpyBackend(), ["op"], workloads="cnn")
+    assert report.results and {r.workload for r in report.results} == {"cnn"}
+    assert report.workload_scope == ["cnn"] and report.workloads() == {"cnn": True, "lm": False}
+    assert report.verdict().endswith("(workloads certified: cnn; not run (--workload): lm, ir)")
+    path = tmp_path / "kit.json"
+    assert main(["conformance", "--backend", "numpy", "--level", "op", "--workload", "lm,ir",
+                 "--report", str(path)]) == 0
+    data = json.loads(path.read_text())
+    assert data["workload_scope"] == ["lm", "ir"] and {c["workload"] for c in data["checks"]} == {"lm", "ir"}
+    assert data["workloads"] == {"cnn": False, "lm": True}
+    capsys.readouterr()
+    assert main(["conformance", "--list", "--json", "--level", "op", "--workload", "lm"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert listed and {c["workload"] for c in listed} == {"lm"}
+
+
+@pytest.mark.parametrize("text", ["vision", "cnn,,moe", ","])
+def test_an_unknown_or_empty_workload_is_one_line_and_exit_2(text, capsys):
+    assert main(["conformance", "--backend", "numpy", "--workload", text]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("aiperf: error: --workload:") and "\n" not in err and "cnn, lm, ir" in err
 
 
 class Mutant(NumpyBackend):
@@ -246,11 +282,20 @@ def test_a_sequence_case_is_checked_per_position():
     assert embedding.graph().takes_tokens
 
 
+def test_the_quick_zoo_still_needs_every_model_zoo_op():
+    every = set().union(*(graph_level.zoo_ops(n) for n in graph_level.ZOO))
+    assert set().union(*(graph_level.zoo_ops(n) for n in graph_level.ZOO_QUICK)) == every
+    assert every == {"lrn", "grouped_conv2d", "avg_pool", "mul_const", "add_const", "channel_shuffle"}
+
+
 @pytest.mark.parametrize("name", graph_level.ZOO)
 def test_the_zoo_table_names_the_ops_each_model_imports_to(name):
-    light = graph_level.zoo_file(name)
-    graph, _ = import_onnx(onnx.load(str(light)))
+    graph, _, x, expected = graph_level._zoo_model(name)  # as the kit runs it: once per process
     assert {lowering_need(n) for n in graph.nodes} - VERSION_1_OPS == graph_level.zoo_ops(name)
+    # Batch norms set to their inputs' statistics keep the logits far inside fp16's range (65,504), which
+    # random statistics left (resnet50's reached 1.3e5, shufflenet's 3e6), and not degenerate.
+    assert np.all(np.isfinite(expected)) and np.abs(expected).max() < 1000 and expected.std() > 0.1
+    assert x.shape == (1, 224, 224, 3) and graph.input_shape == (224, 224, 3)
 
 
 def _tiny_model(seed):
@@ -315,6 +360,21 @@ def test_a_cnn_run_refuses_a_report_whose_cnn_checks_are_unsupported(package, tm
     verdict = check_submission(tmp_path / "t.tar.gz")
     assert not verdict.accepted
     assert any("the cnn workload is not certified" in r for r in verdict.rejections), verdict.rejections
+
+
+def test_a_cnn_run_refuses_a_report_that_left_out_the_cnn_checks(package, tmp_path):  # noqa: F811
+    files = members(package)
+    lm_only = kit_report(workload_scope=["lm"])
+    lm_only["checks"] = [dict(c, workload="lm") for c in lm_only["checks"]]
+    files["conformance/1.json"] = json.dumps(lm_only).encode()
+    repack(files, tmp_path / "t.tar.gz")
+    rejections = check_submission(tmp_path / "t.tar.gz").rejections
+    assert any("the cnn workload was not checked (--workload lm)" in r for r in rejections), rejections
+    assert any("no cnn check at levels: op, graph, morph, train, count, parallel" in r for r in rejections)
+    cnn = kit_report(workload_scope=["cnn"])
+    files["conformance/1.json"] = json.dumps(cnn).encode()
+    repack(files, tmp_path / "t.tar.gz")
+    assert check_submission(tmp_path / "t.tar.gz").accepted
 
 
 def test_a_report_from_before_workloads_is_read_as_cnn_only(package, tmp_path):  # noqa: F811

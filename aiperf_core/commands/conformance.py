@@ -16,6 +16,9 @@ def add_arguments(p) -> None:
     p.add_argument("--precision", default=None, metavar="LIST",
                    help="run the op, graph and train levels only at these precisions, each declared on the "
                         "device under test (default: every declared one); morph, count and parallel run at fp32")
+    p.add_argument("--workload", default="all", metavar="LIST",
+                   help="run only the checks that certify these workloads: cnn, lm, ir (the model-zoo ops), a "
+                        "comma-separated list, or all (default); a workload left out is not certified")
     p.add_argument("--quick", action="store_true",
                    help="every level on reduced sizes: a smoke test, never a certification")
     p.add_argument("--list", action="store_true",
@@ -29,7 +32,7 @@ def add_arguments(p) -> None:
                    help="config file (default: $AIPERF_CONFIG, else ./aiperf.toml if present)")
 
 
-def list_checks(args, levels) -> int:
+def list_checks(args, levels, workloads) -> int:
     import json
 
     from aiperf_core.backend import PRECISIONS
@@ -41,6 +44,7 @@ def list_checks(args, levels) -> int:
         checks = collect(make_context(backend, args.backend, precisions=args.precision), levels)
     else:
         checks = catalogue(levels, parse_precisions(args.precision, PRECISIONS, "any", "any device"))
+    checks = [c for c in checks if c.workload in workloads]
     rows = [{"id": c.id, "level": c.level, "precision": c.precision, "needs_native_counter": c.needs_counter,
              "workload": c.workload, "ops": sorted(c.ops)} for c in checks]
     if args.json:
@@ -60,11 +64,12 @@ def run(args) -> int:
     from aiperf_core.commands.options import writable_file, writing
     from aiperf_core.config_file import load_config
     from aiperf_core.registry import load_backend, resolve_backend_name
-    from aiperf_conformance.kit import parse_levels, run_conformance
+    from aiperf_conformance.kit import parse_levels, parse_workloads, run_conformance
 
     levels = parse_levels(args.level)
+    workloads = parse_workloads(args.workload)
     if args.list:
-        return list_checks(args, levels)
+        return list_checks(args, levels, workloads)
     if args.report:  # before the kit's minutes, not after them
         writable_file("--report", args.report)
     backend = load_backend(resolve_backend_name(args.backend, config=load_config(args.config)))
@@ -74,7 +79,7 @@ def run(args) -> int:
             print(f"  {result.status:5} {result.id} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
 
     report = run_conformance(backend, levels, seed=args.seed, quick=args.quick, precisions=args.precision,
-                             progress=progress)
+                             workloads=workloads, progress=progress)
     if args.report:
         with writing(args.report, "--report"):
             report.write(args.report)

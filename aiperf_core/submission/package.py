@@ -125,6 +125,8 @@ def load_conformance_report(path: Path) -> dict:
     for key, kind in (("backend", str), ("levels", list), ("precisions", list), ("checks", list), ("quick", bool)):
         if not isinstance(report.get(key), kind):
             raise SubmissionError(f"{path}: {key}: missing or not a {kind.__name__} (not an aiperf conformance report?)")
+    if "workload_scope" in report and not isinstance(report["workload_scope"], list):  # absent: from before it
+        raise SubmissionError(f"{path}: workload_scope: not a list (not an aiperf conformance report?)")
     return report
 
 

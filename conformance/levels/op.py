@@ -48,7 +48,8 @@ def backward(ctx: Context, case: OpCase, index: int, precision: str) -> Outcome:
 def key_biases(graph) -> frozenset:
     """(node, 'bias') of every attention's key projection: compare_grads' zero_in_exact."""
     return frozenset((n.inputs[1], "bias") for n in graph.nodes
-                     if n.op == "attention" and graph[n.inputs[1]].op == "dense" and graph[n.inputs[1]].attrs["use_bias"])
+                     if n.op == "attention" and graph[n.inputs[1]].op == "dense"
+                     and graph[n.inputs[1]].attrs["use_bias"])
 
 
 def compare_grads(loss, grads, ref_loss, ref_grads, tol: float, normwise: bool = False,
