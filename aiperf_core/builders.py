@@ -97,6 +97,21 @@ def resnet_small(input_shape=(32, 32, 3), classes: int = 10) -> Graph:
     return Graph(b.nodes, name="resnet_small")
 
 
+def resnet_one_block(input_shape=(16, 16, 3), classes: int = 3) -> Graph:
+    """A 3x3 stem and one downsampling bottleneck with a projection shortcut: every op of resnet_small
+    (3x3 and strided 1x1 convs, batch norm, relu, max pool, add, global average pool, dense, softmax)
+    at 5 convs instead of 13, for checks that are per op rather than per block but pay per node to
+    trace and compile (data-parallel steps, per shard shape and per rank)."""
+    shape = _check(input_shape, classes, 8, "resnet_one_block")
+    b = _Builder()
+    x = b.add("input", "input", shape=list(shape))
+    x = b.conv_bn("conv1", x, 8, 3, 1, 1, relu=True)
+    x = b.add("pool1", "max_pool", [x], kernel=[3, 3], strides=[2, 2], padding=[1, 1, 1, 1])
+    x = b.bottleneck("conv2_block1", x, (4, 4, 16), stride=2, project=True)
+    b.head(x, classes)
+    return Graph(b.nodes, name="resnet_one_block")
+
+
 GPT_DEFAULTS = {"layers": 2, "hidden": 128, "heads": 4, "seq_len": 128, "vocab": 256, "ffn": None}
 
 

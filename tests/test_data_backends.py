@@ -133,7 +133,7 @@ cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 from aiperf_core.backend import Schedule, TrainConfig
-from aiperf_core.builders import resnet_small
+from aiperf_core.builders import resnet_one_block
 from aiperf_core.data import load_dataset
 from aiperf_backends.tensorflow import TensorFlowBackend
 from aiperf_backends.tensorflow.training import Trainer, run_epochs
@@ -142,7 +142,7 @@ path, size, classes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 data = load_dataset({"name": "imagenet", "path": path, "image_size": size}, workers=2)
 config = TrainConfig(epochs=1, batch_size=15, schedule=Schedule(initial=0.05), seed=3)
 backend = TensorFlowBackend()
-graph = resnet_small((size, size, 3), classes)
+graph = resnet_one_block((size, size, 3), classes)  # the sharding is what is checked: one block is enough
 parallel = backend.train(backend.lower(graph), data, config)               # MirroredStrategy, 2 CPUs
 single = run_epochs(Trainer(backend.lower(graph), config), data, config)   # one device
 print("RESULT " + json.dumps({"devices": backend.devices(), "parallel": [r.__dict__ for r in parallel],

@@ -320,7 +320,7 @@ _DP_SCRIPT = """
     import numpy as np
     import jax
     from aiperf_core.backend import Dataset, Schedule, TrainConfig
-    from aiperf_core.builders import resnet_small
+    from aiperf_core.builders import resnet_one_block
     from aiperf_core.data.stream import StreamingDataset
     from aiperf_core.data.synthetic import SyntheticSource
     from aiperf_backends.jax import JaxBackend
@@ -331,7 +331,7 @@ _DP_SCRIPT = """
 
     backend = JaxBackend()  # AIPERF_CPU_DEVICES=2 and no XLA_FLAGS: the backend sets the flag itself
     assert backend.devices() == ["cpu:0", "cpu:1"], backend.devices()
-    graph = resnet_small((16, 16, 3), 5)
+    graph = resnet_one_block((16, 16, 3), 5)  # sharding is per op: one block is enough
     weights = trained_looking_weights(graph, 3)
     rng = np.random.default_rng(9)  # seed 5 put a ReLU input within rounding of its kink (docs/backends/jax.md)
     # 41 images in batches of 16: two batches sharded 8 + 8, then a short one of 9 (replicated).

@@ -22,6 +22,9 @@ from test_workflow import TINY_POLICY
 
 SEED = 20261122
 KILL_POINTS = 22
+# The longest pause before a kill. The seeded draws are the same at any scale; 3.5 s still spans a
+# primary's start-up and a replica's, and a trial's epoch takes about 2 s here.
+MAX_PAUSE_S = 3.5
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
@@ -110,6 +113,11 @@ def _wait_until(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def _usable_ends(run_dir: Path) -> list[str]:
+    return [e["trial"] for log in sorted(run_dir.glob("replicas/*/events.jsonl")) for e in read_events(log)
+            if e["event"] == "trial_end" and e["status"] in ("ok", "early_stopped")]
+
+
 def _exits(run_dir: Path) -> list[dict]:
     return [e for e in read_events(run_dir / "primary/events.jsonl") if e["event"] == "replica_exit"]
 
@@ -135,7 +143,7 @@ def test_sigkill_at_seeded_points_loses_nothing_and_counts_nothing_twice(tmp_pat
             # gets kills among running replicas.
             if rng.random() >= 0.2:
                 _wait_until(lambda: _run_starts(run_dir) > starts_before, 120, "the primary to start")
-            time.sleep(rng.uniform(0.05, 7.0))
+            time.sleep(rng.uniform(0.05, MAX_PAUSE_S))
             assert primary.poll() is None, output.read_text()
             pids = _replica_pids(run_dir) if (run_dir / "primary/events.jsonl").exists() else {}
             target = rng.choice(["primary", "replica"]) if pids else "primary"
@@ -165,6 +173,9 @@ def test_sigkill_at_seeded_points_loses_nothing_and_counts_nothing_twice(tmp_pat
             kills[target] += 1
         # SIGTERM is the primary's to handle once it runs (run_start logged); before, it just dies.
         _wait_until(lambda: _run_starts(run_dir) > starts_before, 60, "the primary to start")
+        # A usable trial, however the kills fell on a slow machine: the publication check below
+        # must never hold vacuously.
+        _wait_until(lambda: _usable_ends(run_dir), 300, "a trial to end usable")
         time.sleep(1)
     finally:
         if primary.poll() is None:

@@ -423,20 +423,13 @@ DEVICES_SCRIPT = """
     import numpy as np
 
     from aiperf_core.backend import Dataset, Schedule, TrainConfig
-    from aiperf_core.builders import _Builder
-    from aiperf_core.ir import Graph
+    from aiperf_core.builders import resnet_one_block
     from aiperf_backends.tensorflow import TensorFlowBackend
     from aiperf_backends.tensorflow.distributed import make_strategy
     from aiperf_conformance.cases import trained_looking_weights
 
     backend = TensorFlowBackend()  # AIPERF_CPU_DEVICES=3: three logical CPUs
-    # resnet_small's ops (3x3 and strided 1x1 convs, batch norm, max pool, add, pooling, dense) in one
-    # bottleneck, 5 convs instead of 13: each strategy traces its step anew, per shard shape.
-    b = _Builder()
-    x = b.conv_bn("conv1", b.add("input", "input", shape=[16, 16, 3]), 8, 3, 1, 1, relu=True)
-    x = b.add("pool1", "max_pool", [x], kernel=[3, 3], strides=[2, 2], padding=[1, 1, 1, 1])
-    b.head(b.bottleneck("conv2_block1", x, (4, 4, 16), stride=2, project=True), 5)
-    graph = Graph(b.nodes, name="resnet_one_block")
+    graph = resnet_one_block((16, 16, 3), 5)  # each strategy traces its step anew, per shard shape
     weights = trained_looking_weights(graph, 3)
     rng = np.random.default_rng(5)
     x = rng.normal(0, 1, (40,) + graph.input_shape).astype(np.float32)

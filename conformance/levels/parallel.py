@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from aiperf_core.backend import CPU_DEVICES_ENV, BackendError, Dataset, Schedule, TrainConfig
-from aiperf_core.builders import _Builder
+from aiperf_core.builders import resnet_one_block
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph, Node
 from aiperf_conformance.cases import trained_looking_weights
@@ -71,18 +71,9 @@ class Scenario:
 
 
 def _resnet() -> Graph:
-    """A stem and one downsampling bottleneck with a projection shortcut: every op of resnet_small
-    (3x3 and strided 1x1 convs, batch norm, relu, max pool, add, global average pool, dense,
-    softmax) at 5 convs instead of 13. What the level compares (shards, the gradient all-reduce,
-    synchronised statistics, image counts) is per op, not per block, while a data-parallel step's
-    tracing and compiling, per shard shape and per rank, grows with the node count."""
-    b = _Builder()
-    x = b.add("input", "input", shape=[16, 16, 3])
-    x = b.conv_bn("conv1", x, 8, 3, 1, 1, relu=True)
-    x = b.add("pool1", "max_pool", [x], kernel=[3, 3], strides=[2, 2], padding=[1, 1, 1, 1])
-    x = b.bottleneck("conv2_block1", x, (4, 4, 16), stride=2, project=True)
-    b.head(x, 3)
-    return Graph(b.nodes, name="resnet_one_block")
+    # What the level compares (shards, the gradient all-reduce, synchronised statistics, image counts)
+    # is per op, not per block: resnet_small's ops in one block (builders.resnet_one_block).
+    return resnet_one_block((16, 16, 3), 3)
 
 
 def _bn_probe() -> Graph:
