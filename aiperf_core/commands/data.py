@@ -1,4 +1,4 @@
-"""aiperf data check PATH | aiperf data convert SRC DST --to tfrecord|imagefolder | aiperf data stage SRC DST."""
+"""aiperf data check PATH | convert SRC DST --to tfrecord|imagefolder | stage SRC DST | prepare SOURCE OUT."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import time
 from aiperf_core.commands.options import non_negative_int, positive_int, writable_folder, writing
 from aiperf_core.errors import AiperfError
 
-HELP = ("check an ImageNet folder (counts, classes, corrupt images) or convert it between the ImageFolder "
-        "and TFRecord layouts; stage a prepared one to node-local storage")
+HELP = ("prepare ImageNet from its official archives or enwik8 from its zip; check an ImageNet folder (counts, "
+        "classes, corrupt images) or convert it between the ImageFolder and TFRecord layouts; stage a prepared "
+        "dataset to node-local storage")
 DEFAULT_WORKERS = 4
 EXIT_PROBLEMS = 1  # the check ran and found corrupt images or a class mismatch
 
@@ -179,15 +180,25 @@ def run_check(args) -> int:
 
 
 def _print_prepared(report, as_json: bool) -> int:
+    from aiperf_core.data.manifest import BYTES
+
     m = report.manifest
     if as_json:
         print(json.dumps(report.to_dict()))
         return 0 if report.ok else EXIT_PROBLEMS
-    print(f"{report.path}: a prepared dataset (manifest.json), layout {m.layout}, {len(m.classes):,} classes")
-    for split, images in m.images.items():
-        print(f"  {split:<5} {images:>10,} images  {len(m.per_class[split]):>6,} classes")
-    official = "yes" if m.official else "no (it is not the complete ILSVRC2012 set: 1,000 classes, 1,281,167 + 50,000 images)"
-    print(f"  official ILSVRC2012: {official}")
+    if m.layout == BYTES:
+        print(f"{report.path}: a prepared byte-level text dataset (manifest.json), {m.extra.get('dataset', '?')}")
+        for split, size in m.split_bytes.items():
+            print(f"  {split:<5} {size:>12,} bytes")
+        official = "yes" if m.official else f"no ({m.extra.get('official_reason', 'not the 100,000,000-byte enwik8')})"
+        print(f"  official enwik8: {official}")
+    else:
+        print(f"{report.path}: a prepared dataset (manifest.json), layout {m.layout}, {len(m.classes):,} classes")
+        for split, images in m.images.items():
+            print(f"  {split:<5} {images:>10,} images  {len(m.per_class[split]):>6,} classes")
+        official = ("yes" if m.official
+                    else "no (it is not the complete ILSVRC2012 set: 1,000 classes, 1,281,167 + 50,000 images)")
+        print(f"  official ILSVRC2012: {official}")
     print(f"  digest {m.digest}")
     print(f"  {len(m.files):,} files checked against the manifest: "
           f"{'sizes and checksums' if report.deep else 'sizes (--deep: checksums too)'}")
@@ -218,32 +229,47 @@ def run_convert(args) -> int:
 def _add_prepare(sub) -> None:
     import os
 
-    from aiperf_core.data.manifest import LAYOUTS  # light: prepare's own module loads numpy
+    from aiperf_core.data.manifest import IMAGE_LAYOUTS  # light: prepare's own module loads numpy
 
-    r = sub.add_parser("prepare", help="prepare ImageNet from the three official ILSVRC2012 archives "
-                                       "(TFRecord shards or a folder tree, with a manifest)")
-    r.add_argument("source", metavar="SOURCE", help="folder holding ILSVRC2012_img_train.tar, ILSVRC2012_img_val.tar "
-                                                    "and ILSVRC2012_devkit_t12.tar.gz")
+    r = sub.add_parser("prepare", help="prepare ImageNet from the three official ILSVRC2012 archives (TFRecord "
+                                       "shards or a folder tree), or enwik8 from enwik8.zip (byte-level text, "
+                                       "90/5/5 split); with a manifest")
+    r.add_argument("source", metavar="SOURCE", help="a folder holding ILSVRC2012_img_train.tar, "
+                                                    "ILSVRC2012_img_val.tar and ILSVRC2012_devkit_t12.tar.gz "
+                                                    "(ImageNet), or a zip file holding the file enwik8 (enwik8)")
     r.add_argument("out", metavar="OUT", help="output folder (new, empty, or an unfinished prepare to resume)")
-    r.add_argument("--layout", choices=LAYOUTS, default="tfrecord", help="output layout (default tfrecord)")
+    r.add_argument("--layout", choices=IMAGE_LAYOUTS, default=None,
+                   help="ImageNet only: output layout (default tfrecord)")
     r.add_argument("--workers", type=non_negative_int, default=os.cpu_count() or 1, metavar="N",
-                   help="worker processes converting classes in parallel (default: one per core; 0: none)")
+                   help="ImageNet only: worker processes converting classes in parallel (default: one per core; "
+                        "0: none)")
     r.add_argument("--train-shards", type=positive_int, default=None, metavar="N",
-                   help="TFRecord training shards (default 1024, train-00000-of-01024 ...)")
+                   help="ImageNet only: TFRecord training shards (default 1024, train-00000-of-01024 ...)")
     r.add_argument("--val-shards", type=positive_int, default=None, metavar="N",
-                   help="TFRecord validation shards (default 128, validation-00000-of-00128 ...)")
+                   help="ImageNet only: TFRecord validation shards (default 128, validation-00000-of-00128 ...)")
     r.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     r.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
     r.set_defaults(_action=run_prepare)
 
 
+IMAGENET_ONLY = (("layout", "--layout"), ("train_shards", "--train-shards"), ("val_shards", "--val-shards"))
+
+
 def run_prepare(args) -> int:
+    from aiperf_core.data.enwik8 import is_zip_source
+
+    if is_zip_source(args.source):
+        given = [option for attribute, option in IMAGENET_ONLY if getattr(args, attribute) is not None]
+        if given:
+            raise AiperfError(f"{given[0]}: applies to ImageNet's archives, not to the zip {args.source} (enwik8 "
+                              f"has one layout: train.bin, val.bin, test.bin)")
+        return _run_prepare_enwik8(args)
     from aiperf_core.data.prepare import ProgressLine, prepare
 
     writable_folder(None, args.out)  # before the archives are read
     with writing(args.out):
-        summary = prepare(args.source, args.out, args.layout, args.workers, args.train_shards, args.val_shards,
-                          ProgressLine(enabled=not args.quiet))
+        summary = prepare(args.source, args.out, args.layout or "tfrecord", args.workers, args.train_shards,
+                          args.val_shards, ProgressLine(enabled=not args.quiet))
     if summary.already_complete:
         print(f"{summary.out}: already prepared from these archives with these settings; nothing to do")
     images = summary.images
@@ -258,3 +284,24 @@ def run_prepare(args) -> int:
     print(f"  digest {summary.digest} (manifest.json)")
     return 0
 
+
+def _run_prepare_enwik8(args) -> int:
+    from aiperf_core.data.enwik8 import BytesProgress, prepare_enwik8
+
+    writable_folder(None, args.out)  # before the zip is read
+    with writing(args.out):
+        summary = prepare_enwik8(args.source, args.out, BytesProgress(enabled=not args.quiet))
+    if summary.already_complete:
+        print(f"{summary.out}: already prepared from this enwik8 member; nothing to do")
+    sizes = summary.split_bytes
+    print(f"{summary.out}: enwik8, byte-level (vocabulary 256): {sizes['train']:,} train, {sizes['val']:,} val and "
+          f"{sizes['test']:,} test bytes")
+    print(f"  official: {'yes' if summary.official else 'no'} ({summary.reason})")
+    print(f"  member sha256 {summary.member_sha256}")
+    if not summary.already_complete:
+        total = sum(sizes.values())
+        rate = total / summary.seconds / 1e6 if summary.seconds else 0.0
+        kept = f", resumed: {', '.join(summary.kept)} kept from the interrupted run" if summary.kept else ""
+        print(f"  {summary.seconds:.1f} s ({rate:,.0f} MB/s{kept})")
+    print(f"  digest {summary.digest} (manifest.json)")
+    return 0

@@ -3,10 +3,13 @@
 
 `OUT/manifest.json` lists every file of the dataset (relative POSIX path, size, SHA-256), the
 image counts per split and per class, the source archives' sizes, how many images were converted
-and why, and the dataset digest. The digest is the dataset's one identity: a SHA-256 over the
-sorted (path, size, SHA-256) of every listed file, so two folders with the same digest hold the
-same bytes under the same names, whatever machine wrote them. run.json's `dataset.digest` and each
-replica's `dataset_digest` are this value.
+and why, and the dataset digest. A byte-level text dataset (layout "bytes": enwik8, from
+aiperf_core/data/enwik8.py) has no classes or images: its manifest gives each split's byte count
+instead (`split_bytes`, one file `<split>.bin` per split), and its `extra` what the source was.
+
+The digest is the dataset's one identity: a SHA-256 over the sorted (path, size, SHA-256) of every
+listed file, so two folders with the same digest hold the same bytes under the same names, whatever
+machine wrote them. run.json's `dataset.digest` and each replica's `dataset_digest` are this value.
 
 The manifest is written after every listed file is complete, so its presence means the dataset is
 complete. manifest.json itself is not listed (it holds the digest of the others).
@@ -28,11 +31,19 @@ from aiperf_core.errors import AiperfError
 MANIFEST = "manifest.json"
 FORMAT = "aiperf-dataset-manifest"
 VERSION = 1
-LAYOUTS = ("tfrecord", "folder")
+IMAGE_LAYOUTS = ("tfrecord", "folder")
+BYTES = "bytes"  # byte-level text: one raw file <split>.bin per split
+LAYOUTS = IMAGE_LAYOUTS + (BYTES,)
 SPLITS = ("train", "val")
+BYTE_SPLITS = ("train", "val", "test")
 # The official ILSVRC2012 classification set (the devkit's own figures).
 OFFICIAL_CLASSES = 1000
 OFFICIAL_IMAGES = {"train": 1_281_167, "val": 50_000}
+# enwik8 (the first 10^8 bytes of an English Wikipedia dump, Hutter Prize) and its standard split:
+# the first 90,000,000 bytes train, the next 5,000,000 validation, the last 5,000,000 test.
+ENWIK8 = "enwik8"
+ENWIK8_BYTES = 100_000_000
+OFFICIAL_SPLIT_BYTES = {"train": 90_000_000, "val": 5_000_000, "test": 5_000_000}
 CHUNK = 1 << 20
 
 
@@ -55,6 +66,7 @@ class Manifest:
     sources: dict[str, int] = field(default_factory=dict)       # archive name -> bytes
     conversions: dict[str, int] = field(default_factory=dict)   # kind of image -> count
     extra: dict[str, Any] = field(default_factory=dict)         # anything else the writer records
+    split_bytes: dict[str, int] = field(default_factory=dict)   # layout "bytes": split -> bytes of <split>.bin
 
     @property
     def images(self) -> dict[str, int]:
@@ -66,13 +78,20 @@ class Manifest:
 
     @property
     def official(self) -> bool:
-        """The complete official ILSVRC2012 set: 1,000 classes and the devkit's image totals."""
+        """Images: the complete official ILSVRC2012 set, 1,000 classes and the devkit's image totals.
+        Bytes: enwik8 whole (its 100,000,000 bytes) in the standard split."""
+        if self.layout == BYTES:
+            return (self.extra.get("dataset") == ENWIK8 and self.extra.get("member_bytes") == ENWIK8_BYTES
+                    and self.split_bytes == OFFICIAL_SPLIT_BYTES)
         return (len(self.classes) == OFFICIAL_CLASSES and self.images == OFFICIAL_IMAGES
                 and all(set(self.per_class[split]) == set(self.classes) for split in SPLITS))
 
     def to_dict(self) -> dict[str, Any]:
+        # split_bytes only in a bytes manifest: an image manifest keeps exactly its former keys.
+        by_split = {"split_bytes": {s: self.split_bytes[s] for s in BYTE_SPLITS if s in self.split_bytes}} \
+            if self.layout == BYTES else {}
         return {"format": FORMAT, "version": VERSION, "layout": self.layout, "digest": self.digest,
-                "official": self.official, "images": self.images, "classes": list(self.classes),
+                "official": self.official, "images": self.images, **by_split, "classes": list(self.classes),
                 "per_class": {split: dict(sorted(counts.items())) for split, counts in self.per_class.items()},
                 "files": {path: {"size": e.size, "sha256": e.sha256} for path, e in sorted(self.files.items())},
                 "sources": dict(sorted(self.sources.items())), "conversions": dict(sorted(self.conversions.items())),
@@ -147,13 +166,37 @@ def read_manifest(folder: str | os.PathLike) -> Manifest | None:
         if name.startswith("/") or ".." in name.split("/") or name == MANIFEST:
             raise ManifestError(f"{path}: files.{name}: not a path inside the dataset")
         files[name] = FileEntry(entry["size"], entry["sha256"])
+    split_bytes = _split_bytes(path, data, layout, classes, per_class, files)
     manifest = Manifest(layout, list(classes), {s: dict(c) for s, c in per_class.items()}, files,
                         dict(data.get("sources") or {}), dict(data.get("conversions") or {}),
-                        dict(data.get("extra") or {}))
+                        dict(data.get("extra") or {}), split_bytes)
     recorded = need("digest", str)
     if recorded != manifest.digest:
         raise ManifestError(f"{path}: digest: {recorded} does not match its file list ({manifest.digest})")
     return manifest
+
+
+def _split_bytes(path: Path, data: dict, layout: str, classes: list, per_class: dict,
+                 files: dict[str, FileEntry]) -> dict[str, int]:
+    """A bytes manifest's split_bytes, checked against its file list; {} for an image manifest."""
+    if layout != BYTES:
+        if "split_bytes" in data:
+            raise ManifestError(f"{path}: split_bytes: only a manifest of layout {BYTES!r} has it")
+        return {}
+    if classes or per_class:
+        raise ManifestError(f"{path}: {'classes' if classes else 'per_class'}: must be empty in a manifest of "
+                            f"layout {BYTES!r}")
+    split_bytes = data.get("split_bytes")
+    if (not isinstance(split_bytes, dict) or set(split_bytes) != set(BYTE_SPLITS)
+            or not all(type(n) is int and n > 0 for n in split_bytes.values())):
+        raise ManifestError(f"{path}: split_bytes: must be an object of {', '.join(BYTE_SPLITS)} -> bytes (> 0)")
+    for split in BYTE_SPLITS:
+        entry = files.get(f"{split}.bin")
+        if entry is None or entry.size != split_bytes[split]:
+            listed = "not listed" if entry is None else f"listed with {entry.size:,} bytes"
+            raise ManifestError(f"{path}: split_bytes.{split}: {split_bytes[split]:,} bytes, but files.{split}.bin "
+                                f"is {listed}")
+    return {split: split_bytes[split] for split in BYTE_SPLITS}
 
 
 def recorded_digest(folder: str | os.PathLike | None) -> str | None:
