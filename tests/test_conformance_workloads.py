@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from aiperf_core.builders import gpt
 from aiperf_core.cli import main
-from aiperf_core.errors import GraphError
+from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.ir import ALL_OPS, VERSION_1_OPS, lowering_need
 from aiperf_core.submission.check import check_submission
 from aiperf_numpy import executor
@@ -27,6 +27,7 @@ from aiperf_conformance.results import CheckResult, Report
 from test_submission import inputs, kit_report, members, package, repack, run_dir  # noqa: F401 (fixtures)
 
 
+SHIPPED = graph_level.SHIPPED_ZOO_REFERENCES
 LM_NEEDS = {"token_input", "sequence_input", "embedding", "position_embedding", "layer_norm", "gelu", "attention"}
 
 
@@ -296,6 +297,33 @@ def test_the_zoo_table_names_the_ops_each_model_imports_to(name):
     # random statistics left (resnet50's reached 1.3e5, shufflenet's 3e6), and not degenerate.
     assert np.all(np.isfinite(expected)) and np.abs(expected).max() < 1000 and expected.std() > 0.1
     assert x.shape == (1, 224, 224, 3) and graph.input_shape == (224, 224, 3)
+    # The kit ships this model's reference output under the key it is made with here (else every fresh
+    # machine computes it: regenerate with AIPERF_CONFORMANCE_CACHE=conformance/data/zoo_reference).
+    shipped = graph_level.SHIPPED_ZOO_REFERENCES / graph_level.zoo_reference_files[name]
+    assert shipped.is_file(), f"{shipped.name} is not shipped: the key changed (onnx, the seed or the evaluator)"
+    assert np.array_equal(np.load(shipped), expected)
+
+
+def test_batch_norm_statistics_find_their_channels_even_among_equal_random_values():
+    onnx_values = np.array([0.5, 0.7, 0.5, 0.9], np.float32)  # two draws alike, as densenet121 has
+    assert list(graph_level._order(onnx_values, onnx_values.copy(), "m")) == [0, 1, 2, 3]
+    shuffled = onnx_values[[3, 0, 1, 2]]
+    order = graph_level._order(onnx_values, shuffled, "m")
+    assert sorted(order) == [0, 1, 2, 3] and np.array_equal(onnx_values[order], shuffled)
+    with pytest.raises(AiperfError, match="m: its batch-norm statistics are not a permutation"):
+        graph_level._order(onnx_values, np.array([0.5, 0.5, 0.5, 0.9], np.float32), "m")
+
+
+def test_a_shipped_reference_output_is_the_reference_evaluators(monkeypatch, tmp_path):
+    """squeezenet's (the quickest to evaluate, 1.2 million weights), recomputed by ReferenceEvaluator."""
+    monkeypatch.setattr(graph_level, "SHIPPED_ZOO_REFERENCES", tmp_path / "none")
+    monkeypatch.setenv("AIPERF_CONFORMANCE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(graph_level, "_zoo_cache", {})
+    monkeypatch.setattr(graph_level, "zoo_reference_files", {})
+    _, _, _, computed = graph_level._zoo_model("squeezenet")
+    name = graph_level.zoo_reference_files["squeezenet"]
+    assert (tmp_path / "cache" / name).is_file()  # it was computed, not read
+    np.testing.assert_allclose(np.load(SHIPPED / name), computed, rtol=1e-12, atol=0)
 
 
 def _tiny_model(seed):
