@@ -133,38 +133,32 @@ def compare(measured, expected, tolerance: float, what: str, normwise: bool = Fa
     return Outcome(err <= tolerance, err, 0.0, tolerance, f"{what}: {kind} {err:.3g} (tolerance {tolerance:g})")
 
 
-def parse_levels(text: str | Iterable[str]) -> list[str]:
-    """'all', one level or a comma-separated list -> levels in kit order; an empty or unknown list
-    is an error (a kit that runs nothing must never pass)."""
+def _parse_choices(text: str | Iterable[str], choices: tuple[str, ...], option: str, noun: str) -> list[str]:
+    """'all', one choice or a comma-separated list -> choices in their own order; an empty or unknown
+    list is an error naming `option` (a kit that runs nothing must never pass)."""
     items = [x.strip() for x in text.split(",")] if isinstance(text, str) else [str(x).strip() for x in text]
     items = [x for x in items if x]
+    known = f"{noun}s: {', '.join(choices)}, all"
     if not items:
-        raise AiperfError(f"--level: no level given (levels: {', '.join(LEVELS)}, all)")
+        raise AiperfError(f"{option}: no {noun} given ({known})")
     if items == ["all"]:
-        return list(LEVELS)
-    for level in items:
-        if level not in LEVELS:
-            raise AiperfError(f"--level: unknown level '{level}' (levels: {', '.join(LEVELS)}, all)")
-    return [level for level in LEVELS if level in items]
+        return list(choices)
+    for item in items:
+        if item not in choices:
+            raise AiperfError(f"{option}: unknown {noun} '{item}' ({known})")
+    return [c for c in choices if c in items]
+
+
+def parse_levels(text: str | Iterable[str]) -> list[str]:
+    """'all', one level or a comma-separated list -> levels in kit order."""
+    return _parse_choices(text, LEVELS, "--level", "level")
 
 
 def parse_workloads(text: str | Iterable[str] | None) -> list[str]:
-    """'all' (or None), one check tag or a comma-separated list -> tags in CHECK_TAGS order; an empty
-    or unknown list is an error."""
+    """'all' (or None), one check tag or a comma-separated list -> tags in CHECK_TAGS order."""
     from aiperf_conformance.results import CHECK_TAGS
 
-    if text is None:
-        return list(CHECK_TAGS)
-    items = [x.strip() for x in text.split(",")] if isinstance(text, str) else [str(x).strip() for x in text]
-    items = [x for x in items if x]
-    if items == ["all"]:
-        return list(CHECK_TAGS)
-    if not items:
-        raise AiperfError(f"--workload: no workload given (workloads: {', '.join(CHECK_TAGS)}, all)")
-    for tag in items:
-        if tag not in CHECK_TAGS:
-            raise AiperfError(f"--workload: unknown workload '{tag}' (workloads: {', '.join(CHECK_TAGS)}, all)")
-    return [tag for tag in CHECK_TAGS if tag in items]
+    return list(CHECK_TAGS) if text is None else _parse_choices(text, CHECK_TAGS, "--workload", "workload")
 
 
 def parse_precisions(text: str | None, declared: tuple[str, ...], backend_name: str, device: str) -> tuple[str, ...]:
