@@ -684,24 +684,32 @@ def _plan(graph: Graph, op: str, args: Mapping, index: _Index | None = None) -> 
     return _plan_kernel(graph, args["conv"], args.get("size"), index)
 
 
-def replay(graph: Graph, weights: Mapping | None, record: Mapping, *, caps: MorphCaps | None = None) -> MorphResult:
-    """Rebuild the child a record describes from its parent: the same graph and the same weights."""
+def _checked_record(graph: Graph, record: Any, arguments: Mapping[str, tuple[set, set]],
+                    what: str = "morph") -> tuple[str, Mapping, _Index]:
+    """A record's op and args, checked against `arguments` (op -> required and optional names), and the
+    parent's index; a GraphError if the record is malformed or was made from another parent."""
     if not isinstance(record, Mapping):
-        raise GraphError("a morph record must be an object")
+        raise GraphError(f"a {what} record must be an object")
     op, args = record.get("op"), record.get("args")
-    if op not in OPERATORS:
-        raise GraphError(f"morph record has unknown op {op!r} (choose from {', '.join(OPERATORS)})")
+    if op not in arguments:
+        raise GraphError(f"{what} record has unknown op {op!r} (choose from {', '.join(arguments)})")
     if not isinstance(args, Mapping):
         raise GraphError(f"{op} record: 'args' must be an object")
-    required, optional = _ARGS[op]
+    required, optional = arguments[op]
     missing, extra = sorted(required - set(args)), sorted(set(args) - required - optional)
     if missing or extra:
         raise GraphError(f"{op} record: {'missing' if missing else 'unknown'} argument '{(missing or extra)[0]}'")
     index = _Index(graph)
     parent = index.signature_hash
     if record.get("parent") != parent:
-        raise GraphError(f"{op} record was made from another parent (signature {str(record['parent'])[:12]}..., "
+        raise GraphError(f"{op} record was made from another parent (signature {str(record.get('parent'))[:12]}..., "
                          f"this graph {parent[:12]}...)")
+    return op, args, index
+
+
+def replay(graph: Graph, weights: Mapping | None, record: Mapping, *, caps: MorphCaps | None = None) -> MorphResult:
+    """Rebuild the child a record describes from its parent: the same graph and the same weights."""
+    op, args, index = _checked_record(graph, record, _ARGS)
     return _plan(graph, op, args, index).finish(graph, weights, caps)
 
 
@@ -781,16 +789,29 @@ def _generate_candidates(graph: Graph, weights: Mapping | None, n: int, seed: in
                          ops: Sequence[str]) -> list[MorphResult]:
     rng = np.random.default_rng(seed)
     proposer = _Proposer(graph, ops)
+    if not proposer.targets:
+        return []
+
+    def draw() -> _Plan | None:
+        proposal = proposer.propose(rng)
+        return None if proposal is None else _plan(graph, *proposal, index=proposer.index)
+
+    return _distinct_children(graph, weights, n, draw, caps, proposer.index)
+
+
+def _distinct_children(graph: Graph, weights: Mapping | None, n: int, draw: Callable[[], _Plan | None],
+                       caps: MorphCaps | None, index: _Index) -> list[MorphResult]:
+    """Up to n children from plans drawn one at a time (None: a draw that found nothing), skipping
+    those over a cap or repeating an architecture; at most 20 draws per wanted child."""
     parent_ops = count(graph).total if caps is not None and caps.needs_ops else None
-    seen = {proposer.index.signature}
+    seen = {index.signature}
     out: list[MorphResult] = []
     draws = 0
-    while proposer.targets and len(out) < n and draws < 20 * n:
+    while len(out) < n and draws < 20 * n:
         draws += 1
-        proposal = proposer.propose(rng)
-        if proposal is None:
+        plan = draw()
+        if plan is None:
             continue
-        plan = _plan(graph, *proposal, index=proposer.index)
         try:
             plan.check(graph, caps, parent_ops)
         except CapExceeded:

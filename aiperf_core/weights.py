@@ -50,22 +50,24 @@ def init_weights(graph: Graph, seed: int = 0, dtype=np.float32) -> Weights:
     """He-normal kernels (fan-in), zero biases, BN as identity over unit statistics; embedding and
     position tables N(0, 0.02) (GPT-2's); constants as the identity (mul_const 1, add_const 0)."""
     rng = np.random.default_rng(seed)
-    out: Weights = {}
-    for node_id, params in graph.all_param_shapes().items():
-        node = graph[node_id]
-        w: dict[str, np.ndarray] = {}
-        for pname, shape in params.items():
-            if pname == "kernel":
-                fan_in = math.prod(shape[:-1])
-                w[pname] = (rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)).astype(dtype)
-            elif pname == "table":
-                w[pname] = (rng.standard_normal(shape) * 0.02).astype(dtype)
-            elif pname in ("gamma", "moving_variance") or (pname == "value" and node.op == "mul_const"):
-                w[pname] = np.ones(shape, dtype)
-            else:
-                w[pname] = np.zeros(shape, dtype)
-        out[node.id] = w
-    return out
+    return {node_id: init_node_weights(graph, node_id, rng, dtype) for node_id in graph.all_param_shapes()}
+
+
+def init_node_weights(graph: Graph, node_id: str, rng: np.random.Generator, dtype=np.float32) -> dict[str, np.ndarray]:
+    """One node's parameters as init_weights makes them, drawn from rng (morphs initialise new nodes so)."""
+    node = graph[node_id]
+    w: dict[str, np.ndarray] = {}
+    for pname, shape in graph.param_shapes(node_id).items():
+        if pname == "kernel":
+            fan_in = math.prod(shape[:-1])
+            w[pname] = (rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)).astype(dtype)
+        elif pname == "table":
+            w[pname] = (rng.standard_normal(shape) * 0.02).astype(dtype)
+        elif pname in ("gamma", "moving_variance") or (pname == "value" and node.op == "mul_const"):
+            w[pname] = np.ones(shape, dtype)
+        else:
+            w[pname] = np.zeros(shape, dtype)
+    return w
 
 
 def save_weights(weights: Mapping[str, Mapping[str, np.ndarray]], path) -> None:

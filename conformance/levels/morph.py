@@ -1,6 +1,7 @@
 """Level 'morph' (fp32): each morph preserves the backend's output, and the change in the native op
 count equals the change in the analytic count under the counter's convention (a native count of zero
-or below, before or after the morph, for a category with operations is a failure, never a match)."""
+or below, before or after the morph, for a category with operations is a failure, never a match).
+The CNN morphs grow the small ResNet; the transformer morphs (the LM workload's) the train level's GPT."""
 
 from __future__ import annotations
 
@@ -8,20 +9,31 @@ from functools import partial
 
 import numpy as np
 
-from aiperf_core.builders import resnet_small
+from aiperf_core import transformer_morph
+from aiperf_core.builders import gpt, resnet_small
 from aiperf_core.morph import random_morph
 from aiperf_conformance.cases import trained_looking_weights
-from aiperf_conformance.kit import Check, Context, Outcome, compare
+from aiperf_conformance.kit import Check, Context, Outcome, compare, new_ops
 from aiperf_conformance.levels.count import (BATCH, EXACT_CATEGORIES, analytic_for_counter, native_count,
                                              no_counter, non_positive)
+from aiperf_conformance.levels.train import GPT_SIZES
 
 MORPHS = ("deeper", "wider", "skip", "kernel")
+# Check names: gpt_<op>, the transformer operators on the GPT.
+GPT_MORPHS = transformer_morph.OPERATORS
 
 
 def _family(ctx: Context, op: str):
     """(parent graph, parent weights, child MorphResult). 'kernel' needs a morph-added conv first."""
     key = ("morph", op)
-    if key not in ctx.cache:
+    if key in ctx.cache:
+        return ctx.cache[key]
+    if op.startswith("gpt_"):
+        graph = gpt(**GPT_SIZES)
+        weights = trained_looking_weights(graph, ctx.seed)
+        ctx.cache[key] = (graph, weights, transformer_morph.random_morph(graph, weights, ctx.rng(33),
+                                                                        ops=(op[len("gpt_"):],)))
+    else:
         graph = resnet_small((16, 16, 3), 5)
         weights = trained_looking_weights(graph, ctx.seed)
         rng = ctx.rng(31)
@@ -32,9 +44,17 @@ def _family(ctx: Context, op: str):
     return ctx.cache[key]
 
 
+def _inputs(ctx: Context, graph):
+    """A batch of 4: images N(0, 1), or token ids."""
+    rng = ctx.rng(32)
+    if graph.takes_tokens:
+        return rng.integers(0, graph.vocab, (4,) + graph.input_shape)
+    return rng.normal(0, 1, (4,) + graph.input_shape).astype(np.float32)
+
+
 def preserves_function(ctx: Context, op: str) -> Outcome:
     graph, weights, child = _family(ctx, op)
-    x = ctx.rng(32).normal(0, 1, (4,) + graph.input_shape).astype(np.float32)
+    x = _inputs(ctx, graph)
     before = ctx.backend.predict(ctx.backend.lower(graph, weights), x)
     after = ctx.backend.predict(ctx.backend.lower(child.graph, child.weights), x)
     args = ", ".join(f"{k}={v}" for k, v in child.record["args"].items())
@@ -73,3 +93,7 @@ def checks(ctx: Context):
     for op in MORPHS:
         yield Check("morph", f"{op}/preserves_function", partial(preserves_function, op=op))
         yield Check("morph", f"{op}/count_delta", partial(count_delta, op=op), needs_counter=True)
+    lm = dict(workload="lm", ops=new_ops(gpt(**GPT_SIZES)))
+    for op in GPT_MORPHS:
+        yield Check("morph", f"gpt_{op}/preserves_function", partial(preserves_function, op=f"gpt_{op}"), **lm)
+        yield Check("morph", f"gpt_{op}/count_delta", partial(count_delta, op=f"gpt_{op}"), needs_counter=True, **lm)

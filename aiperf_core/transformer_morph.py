@@ -1,0 +1,349 @@
+"""Function-preserving morphs of a decoder-only transformer (builders.gpt): deeper, wider_mlp and more_heads.
+
+The contract is aiperf_core.morph's, whose plan machinery these operators share: the child computes
+what its parent computed (exactly in real arithmetic; no transformer op keeps batch statistics, so in
+training mode too), its history gains one JSON-plain record {"op", "args", "parent", "delta"}, `args`
+hold every choice (random ones as a seed), so `replay` rebuilds the same child from the same parent,
+and `delta` is the change in analytic ops per sequence, from the nodes the morph touches only.
+
+* deeper: a new pre-LN block x + proj(attention(LN(x))) then x + fc2(gelu(fc1(LN(x)))) after a node
+  of the residual stream. Its attention output projection and its MLP output projection start at
+  zero, so the block adds nothing; its other projections start He-normal, as the seed's do, so that
+  the first step's gradients on the two zero projections are not zero and the block learns.
+* wider_mlp: Net2Net duplication of MLP hidden units: the new units of fc1 copy randomly chosen ones,
+  and fc2's rows of each copied unit are split among its copies. The split is random (fractions
+  drawn in [0.5, 1.5] and normalised), not even: copies with equal shares would receive equal
+  gradients and stay copies forever.
+* more_heads: one more attention head of the same width (the width sets the 1/sqrt(d) scaling).
+  q, k and v gain its columns, He-normal; every layer reading the attention gains zero rows for it,
+  so whatever the new head attends to, it contributes nothing until trained.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from aiperf_core.errors import AiperfError, GraphError
+from aiperf_core.gcpause import gc_paused
+from aiperf_core.ir import Graph, Node
+from aiperf_core.morph import (MorphCaps, MorphResult, _checked_record, _delta, _distinct_children, _dtype, _Index,
+                               _insert_after, _node, _params, _Plan, _prefix, _record, _rewired)
+from aiperf_core.weights import Weights, init_node_weights
+
+OPERATORS = ("deeper", "wider_mlp", "more_heads")
+WIDER_MLP_FACTOR = 0.5  # a drawn wider_mlp adds half the MLP's units
+BLOCK_SUFFIXES = ("ln1", "q", "k", "v", "attn", "proj", "res1", "ln2", "fc1", "gelu", "fc2", "res2")
+_LN_EPSILON = 1e-5  # builders.gpt's
+_RESIDUAL = frozenset({"add", "position_embedding"})
+
+
+def _seed(value, what: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise GraphError(f"{what}: seed must be a non-negative integer, got {value!r}", where)
+    return value
+
+
+def _sequence(graph: Graph, node_id: str, what: str) -> tuple[int, int]:
+    shape = graph.shapes[node_id]
+    if len(shape) != 2:
+        raise GraphError(f"{what} needs a sequence node (S, D), this one has shape {list(shape)}", node_id)
+    return shape
+
+
+def _nearest(graph: Graph, index: _Index, anchor: str, found: Sequence[str]) -> str | None:
+    """The first of `found` after anchor in the graph's order, else the last before it."""
+    at = index.position[anchor]
+    after = [f for f in found if index.position[f] > at]
+    return min(after, key=index.position.__getitem__) if after else (max(found, key=index.position.__getitem__)
+                                                                      if found else None)
+
+
+# ---------------------------------------------------------------------------
+# blocks: what a GPT's parts look like in the IR
+# ---------------------------------------------------------------------------
+
+
+def mlp_inputs(graph: Graph, index: _Index | None = None) -> list[str]:
+    """The dense nodes that open an MLP: dense -> gelu -> dense, each read by the next alone."""
+    index = index or _Index(graph)
+    out = []
+    for n in graph.nodes:
+        if n.op != "dense" or len(graph.shapes[n.id]) != 2:
+            continue
+        readers = index.consumers[n.id]
+        if len(readers) == 1 and graph[readers[0]].op == "gelu":
+            after = index.consumers[readers[0]]
+            if len(after) == 1 and graph[after[0]].op == "dense":
+                out.append(n.id)
+    return out
+
+
+def _attention_parts(graph: Graph, index: _Index, attention: str) -> tuple[list[str], list[str]]:
+    """An attention node's q, k and v projections and the dense layers reading it; a GraphError where
+    a new head could not be added without changing another reader."""
+    node = _node(graph, attention, "attention", "more_heads: 'attention'")
+    projections = list(node.inputs)
+    if len(set(projections)) != 3:
+        raise GraphError("more_heads: q, k and v must be three separate dense nodes", attention)
+    for p in projections:
+        if graph[p].op != "dense" or index.consumers[p] != [attention]:
+            raise GraphError(f"more_heads: '{p}' must be a dense node read by the attention alone", attention)
+    readers = index.consumers[attention]
+    if not readers or any(graph[r].op != "dense" for r in readers):
+        raise GraphError("more_heads: every reader of the attention must be a dense node", attention)
+    return projections, readers
+
+
+def growable_attention(graph: Graph, index: _Index | None = None) -> list[str]:
+    """The attention nodes more_heads accepts."""
+    index = index or _Index(graph)
+    out = []
+    for n in graph.nodes:
+        if n.op == "attention":
+            try:
+                _attention_parts(graph, index, n.id)
+            except GraphError:
+                continue
+            out.append(n.id)
+    return out
+
+
+def residual_points(graph: Graph) -> list[str]:
+    """The nodes deeper may insert a block after: the residual stream's sums and the positions."""
+    return [n.id for n in graph.nodes if n.op in _RESIDUAL and len(graph.shapes[n.id]) == 2]
+
+
+# ---------------------------------------------------------------------------
+# deeper
+# ---------------------------------------------------------------------------
+
+
+def _plan_deeper(graph: Graph, after: str, seed: int = 0, prefix: str | None = None,
+                 index: _Index | None = None) -> _Plan:
+    node = _node(graph, after, None, "deeper: 'after'")
+    if node.op not in _RESIDUAL:
+        raise GraphError(f"deeper: 'after' must be an add or position_embedding node of the residual stream, "
+                         f"this is a {node.op}", after)
+    _, width = _sequence(graph, after, "deeper")
+    seed = _seed(seed, "deeper", after)
+    index = index or _Index(graph)
+    attention = _nearest(graph, index, after, [n.id for n in graph.nodes if n.op == "attention"])
+    if attention is None:
+        raise GraphError("deeper: the graph has no attention node to take the new block's heads from", after)
+    heads, head_dim = graph[attention].attrs["heads"], graph[attention].attrs["head_dim"]
+    mlp = _nearest(graph, index, after, mlp_inputs(graph, index))
+    ffn = graph[mlp].attrs["units"] if mlp is not None else 4 * width
+    p = _prefix(graph, BLOCK_SUFFIXES, prefix, after)
+    ids = {s: f"{p}_{s}" for s in BLOCK_SUFFIXES}
+    dense = {"use_bias": True}
+    new = [
+        Node(ids["ln1"], "layer_norm", (after,), {"epsilon": _LN_EPSILON}),
+        *(Node(ids[w], "dense", (ids["ln1"],), {"units": heads * head_dim, **dense}) for w in ("q", "k", "v")),
+        Node(ids["attn"], "attention", (ids["q"], ids["k"], ids["v"]),
+             {"heads": heads, "head_dim": head_dim, "causal": True}),
+        Node(ids["proj"], "dense", (ids["attn"],), {"units": width, **dense}),
+        Node(ids["res1"], "add", (after, ids["proj"]), {}),
+        Node(ids["ln2"], "layer_norm", (ids["res1"],), {"epsilon": _LN_EPSILON}),
+        Node(ids["fc1"], "dense", (ids["ln2"],), {"units": ffn, **dense}),
+        Node(ids["gelu"], "gelu", (ids["fc1"],), {}),
+        Node(ids["fc2"], "dense", (ids["gelu"],), {"units": width, **dense}),
+        Node(ids["res2"], "add", (ids["res1"], ids["fc2"]), {}),
+    ]
+    nodes = _insert_after(_rewired(graph, after, ids["res2"], set(ids.values())), after, new)
+    args = {"after": after, "seed": seed, "prefix": p}
+    child = graph.replace(nodes, None)
+    parametric = [ids[s] for s in ("ln1", "q", "k", "v", "proj", "ln2", "fc1", "fc2")]
+    record = _record("deeper", args, index, _delta(graph, child, ids.values(), parametric))
+    child = graph.replace(nodes, record)
+
+    def make_weights(weights: Mapping) -> Weights:
+        dtype = _dtype(weights)
+        rng = np.random.default_rng(seed)
+        out = dict(weights)
+        for nid in parametric:
+            out[nid] = init_node_weights(child, nid, rng, dtype)
+        for nid in (ids["proj"], ids["fc2"]):  # the block's two outputs: zero, so it adds nothing yet
+            out[nid] = {k: np.zeros_like(v) for k, v in out[nid].items()}
+        return out
+
+    return _Plan(child, record, make_weights)
+
+
+def deeper(graph: Graph, weights: Mapping | None, after: str, seed: int = 0, *, prefix: str | None = None,
+           caps: MorphCaps | None = None) -> MorphResult:
+    """Insert a pre-LN block after the residual-stream node `after`, with the heads, head width and MLP
+    width of the nearest block (the next one, else the previous)."""
+    return _plan_deeper(graph, after, seed, prefix).finish(graph, weights, caps)
+
+
+# ---------------------------------------------------------------------------
+# wider_mlp
+# ---------------------------------------------------------------------------
+
+
+def _split(seed: int, width: int, units: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sources of `units` new hidden units among `width`, and every unit's share of its source's
+    outgoing weights (the shares of a source and its copies sum to 1)."""
+    rng = np.random.default_rng(seed)
+    sources = np.concatenate([np.arange(width), rng.integers(0, width, units)])
+    raw = rng.uniform(0.5, 1.5, width + units)
+    return sources, raw / np.bincount(sources, weights=raw, minlength=width)[sources]
+
+
+def _plan_wider_mlp(graph: Graph, fc1: str, units: int | None = None, seed: int = 0,
+                    index: _Index | None = None) -> _Plan:
+    node = _node(graph, fc1, "dense", "wider_mlp: 'fc1'")
+    index = index or _Index(graph)
+    if fc1 not in mlp_inputs(graph, index):
+        raise GraphError("wider_mlp: 'fc1' must open an MLP (dense -> gelu -> dense, each read by the next alone)",
+                         fc1)
+    width = node.attrs["units"]
+    units = max(1, round(width * WIDER_MLP_FACTOR)) if units is None else units
+    if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+        raise GraphError(f"wider_mlp: units must be a positive integer, got {units!r}", fc1)
+    seed = _seed(seed, "wider_mlp", fc1)
+    gelu = index.consumers[fc1][0]
+    fc2 = index.consumers[gelu][0]
+    nodes = [Node(n.id, n.op, n.inputs, {**n.attrs, "units": width + units}) if n.id == fc1 else n
+             for n in graph.nodes]
+    args = {"fc1": fc1, "units": units, "seed": seed}
+    child = graph.replace(nodes, None)
+    record = _record("wider_mlp", args, index, _delta(graph, child, (fc1, gelu, fc2)))
+    child = graph.replace(nodes, record)
+
+    def make_weights(weights: Mapping) -> Weights:
+        sources, shares = _split(seed, width, units)
+        out = dict(weights)
+        first = _params(graph, weights, fc1)
+        out[fc1] = {k: np.take(v, sources, axis=-1) for k, v in first.items()}
+        second = _params(graph, weights, fc2)
+        kernel = np.asarray(second["kernel"])
+        out[fc2] = {**second, "kernel": (np.take(kernel, sources, axis=0) * shares[:, None]).astype(kernel.dtype)}
+        return out
+
+    return _Plan(child, record, make_weights)
+
+
+def wider_mlp(graph: Graph, weights: Mapping | None, fc1: str, units: int | None = None, seed: int = 0, *,
+              caps: MorphCaps | None = None) -> MorphResult:
+    """Add `units` hidden units (default half as many again) to the MLP that `fc1` opens, Net2Net-style."""
+    return _plan_wider_mlp(graph, fc1, units, seed).finish(graph, weights, caps)
+
+
+# ---------------------------------------------------------------------------
+# more_heads
+# ---------------------------------------------------------------------------
+
+
+def _plan_more_heads(graph: Graph, attention: str, seed: int = 0, index: _Index | None = None) -> _Plan:
+    index = index or _Index(graph)
+    projections, readers = _attention_parts(graph, index, attention)
+    seed = _seed(seed, "more_heads", attention)
+    attrs = graph[attention].attrs
+    heads, head_dim = attrs["heads"], attrs["head_dim"]
+    width = (heads + 1) * head_dim
+    changed = {p: {"units": width} for p in projections}
+    changed[attention] = {"heads": heads + 1}
+    nodes = [Node(n.id, n.op, n.inputs, {**n.attrs, **changed[n.id]}) if n.id in changed else n for n in graph.nodes]
+    args = {"attention": attention, "seed": seed}
+    child = graph.replace(nodes, None)
+    record = _record("more_heads", args, index, _delta(graph, child, (*projections, attention, *readers)))
+    child = graph.replace(nodes, record)
+
+    def make_weights(weights: Mapping) -> Weights:
+        rng = np.random.default_rng(seed)
+        out = dict(weights)
+        for p in projections:  # the new head's columns, drawn as the seed's projections are
+            params = _params(graph, weights, p)
+            fresh = init_node_weights(child, p, rng, np.asarray(params["kernel"]).dtype)
+            out[p] = {k: np.concatenate([v, fresh[k][..., heads * head_dim:]], axis=-1) for k, v in params.items()}
+        for r in readers:  # zero rows: the new head contributes nothing yet
+            params = _params(graph, weights, r)
+            kernel = np.asarray(params["kernel"])
+            out[r] = {**params, "kernel": np.concatenate([kernel, np.zeros((head_dim, kernel.shape[1]), kernel.dtype)])}
+        return out
+
+    return _Plan(child, record, make_weights)
+
+
+def more_heads(graph: Graph, weights: Mapping | None, attention: str, seed: int = 0, *,
+               caps: MorphCaps | None = None) -> MorphResult:
+    """Add one head of the same width to `attention`."""
+    return _plan_more_heads(graph, attention, seed).finish(graph, weights, caps)
+
+
+# ---------------------------------------------------------------------------
+# replay, random choice, candidates
+# ---------------------------------------------------------------------------
+
+_ARGS = {
+    "deeper": ({"after"}, {"seed", "prefix"}),
+    "wider_mlp": ({"fc1"}, {"units", "seed"}),
+    "more_heads": ({"attention"}, {"seed"}),
+}
+
+
+def _plan(graph: Graph, op: str, args: Mapping, index: _Index | None = None) -> _Plan:
+    if op == "deeper":
+        return _plan_deeper(graph, args["after"], args.get("seed", 0), args.get("prefix"), index)
+    if op == "wider_mlp":
+        return _plan_wider_mlp(graph, args["fc1"], args.get("units"), args.get("seed", 0), index)
+    return _plan_more_heads(graph, args["attention"], args.get("seed", 0), index)
+
+
+def replay(graph: Graph, weights: Mapping | None, record: Mapping, *, caps: MorphCaps | None = None) -> MorphResult:
+    """Rebuild the child a record describes from its parent: the same graph and the same weights."""
+    op, args, index = _checked_record(graph, record, _ARGS, "transformer morph")
+    return _plan(graph, op, args, index).finish(graph, weights, caps)
+
+
+def _targets(graph: Graph, index: _Index, ops: Sequence[str]) -> dict[str, list[str]]:
+    unknown = [op for op in ops if op not in OPERATORS]
+    if unknown or not ops:
+        raise AiperfError(f"unknown transformer morph op {unknown[0] if unknown else None!r} "
+                          f"(choose from {', '.join(OPERATORS)})")
+    found = {"deeper": residual_points(graph) if any(n.op == "attention" for n in graph.nodes) else [],
+             "wider_mlp": mlp_inputs(graph, index), "more_heads": growable_attention(graph, index)}
+    return {op: found[op] for op in dict.fromkeys(ops) if found[op]}
+
+
+_TARGET_ARG = {"deeper": "after", "wider_mlp": "fc1", "more_heads": "attention"}
+
+
+def _draw(targets: Mapping[str, list[str]], rng: np.random.Generator) -> tuple[str, dict]:
+    op = list(targets)[rng.integers(len(targets))]
+    target = targets[op][rng.integers(len(targets[op]))]
+    return op, {_TARGET_ARG[op]: target, "seed": int(rng.integers(2**31))}
+
+
+def random_morph(graph: Graph, weights: Mapping | None, rng=None, ops: Sequence[str] = OPERATORS, *,
+                 caps: MorphCaps | None = None) -> MorphResult:
+    """One random valid morph among ops; raises CapExceeded if the one drawn breaks a cap."""
+    rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng if rng is not None else 0)
+    index = _Index(graph)
+    targets = _targets(graph, index, ops)
+    if not targets:
+        raise GraphError(f"no node of this graph admits a {' or '.join(ops)} morph")
+    return _plan(graph, *_draw(targets, rng), index=index).finish(graph, weights, caps)
+
+
+def generate_candidates(graph: Graph, weights: Mapping | None, n: int, seed: int, caps: MorphCaps | None = None,
+                        ops: Sequence[str] = OPERATORS) -> list[MorphResult]:
+    """Up to n distinct children of graph, seeded and reproducible, as aiperf_core.morph's: children over
+    a cap or repeating an architecture are skipped, and weights are built for those kept only."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise AiperfError(f"n must be a non-negative integer, got {n!r}")
+    with gc_paused():
+        rng = np.random.default_rng(seed)
+        index = _Index(graph)
+        targets = _targets(graph, index, ops)
+        if not targets:
+            return []
+        return _distinct_children(graph, weights, n, lambda: _plan(graph, *_draw(targets, rng), index=index),
+                                  caps, index)
+
+
+__all__ = ["OPERATORS", "deeper", "wider_mlp", "more_heads", "replay", "random_morph", "generate_candidates",
+           "mlp_inputs", "growable_attention", "residual_points"]

@@ -1,0 +1,200 @@
+"""Transformer morphs (aiperf_core.transformer_morph): function preserved on the NumPy reference, the count
+change exact, replay, errors that name the node, candidates, and the symmetry a morph must not leave."""
+
+import numpy as np
+import pytest
+
+from aiperf_core import transformer_morph as T
+from aiperf_core.builders import gpt
+from aiperf_core.errors import AiperfError, GraphError
+from aiperf_core.ir import Graph, Node
+from aiperf_core.morph import CapExceeded, MorphCaps
+from aiperf_core.weights import init_weights, validate_weights
+from aiperf_opcount import count
+
+import aiperf_numpy  # noqa: E402  (installed by `make test`)
+
+SIZES = dict(layers=2, hidden=32, heads=2, seq_len=12, vocab=40)
+
+
+def trained_weights(graph, seed=0):
+    """Non-trivial biases and norms, as training leaves them: a zero bias would hide a wrong copy."""
+    rng = np.random.default_rng(seed)
+    weights = init_weights(graph, seed, dtype=np.float64)
+    for params in weights.values():
+        for name, value in params.items():
+            if name in ("bias", "beta"):
+                params[name] = rng.normal(0.0, 0.2, value.shape)
+            elif name == "gamma":
+                params[name] = rng.uniform(0.5, 1.5, value.shape)
+    return weights
+
+
+@pytest.fixture(scope="module")
+def parent():
+    graph = gpt(**SIZES)
+    return graph, trained_weights(graph)
+
+
+def tokens(graph, n=3, seed=5):
+    return np.random.default_rng(seed).integers(0, graph.vocab, (n,) + graph.input_shape)
+
+
+def logits(graph, weights, x):
+    trace = aiperf_numpy.run(graph, weights, x, training=False, dtype=np.float64)
+    return trace.outputs[graph[graph.output_id].inputs[0]]
+
+
+def assert_same_function(parent_graph, parent_weights, child):
+    validate_weights(child.graph, child.weights)
+    x = tokens(parent_graph)
+    want = logits(parent_graph, parent_weights, x)
+    np.testing.assert_allclose(logits(child.graph, child.weights, x), want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+
+
+def assert_delta(parent_graph, child):
+    before, after = count(parent_graph), count(child.graph)
+    assert (after.fp - before.fp, after.bp - before.bp) == (child.record["delta"]["fp"], child.record["delta"]["bp"])
+    assert child.record["delta"]["fp"] > 0
+
+
+CASES = [
+    ("deeper", {"after": "h0_res2", "seed": 1}),
+    ("deeper", {"after": "positions", "seed": 2}),
+    ("deeper", {"after": "h1_res1", "seed": 3}),  # between a block's attention and its MLP
+    ("wider_mlp", {"fc1": "h0_fc1", "seed": 4}),
+    ("wider_mlp", {"fc1": "h1_fc1", "units": 3, "seed": 5}),
+    ("more_heads", {"attention": "h1_attn", "seed": 6}),
+]
+
+
+@pytest.mark.parametrize("op,args", CASES)
+def test_each_morph_preserves_function_and_counts_its_change_exactly(parent, op, args):
+    graph, weights = parent
+    child = T.replay(graph, weights, {"op": op, "args": args, "parent": T._Index(graph).signature_hash})
+    assert_same_function(graph, weights, child)
+    assert_delta(graph, child)
+    assert child.graph.history[-1] == child.record and child.record["op"] == op
+    again = T.replay(graph, weights, child.record)
+    assert again.graph.signature() == child.graph.signature()
+    for node, params in child.weights.items():
+        for name, value in params.items():
+            np.testing.assert_array_equal(again.weights[node][name], value)
+
+
+def test_the_shapes_each_morph_makes(parent):
+    graph, weights = parent
+    deeper = T.deeper(graph, weights, "h0_res2", seed=1)
+    assert len(deeper.graph) == len(graph) + len(T.BLOCK_SUFFIXES)
+    new = deeper.record["args"]["prefix"]
+    assert deeper.graph[f"{new}_attn"].attrs == {"heads": 2, "head_dim": 16, "causal": True}
+    assert deeper.graph[f"{new}_fc1"].attrs["units"] == 128
+    assert deeper.graph["h1_ln1"].inputs == (f"{new}_res2",)  # the next block reads the new one
+    for zero in ("proj", "fc2"):
+        assert not any(np.any(v) for v in deeper.weights[f"{new}_{zero}"].values())
+    assert np.any(deeper.weights[f"{new}_fc1"]["kernel"])
+
+    wider = T.wider_mlp(graph, weights, "h0_fc1", seed=2)
+    assert wider.graph["h0_fc1"].attrs["units"] == 128 + 64 and wider.record["args"]["units"] == 64
+    heads = T.more_heads(graph, weights, "h0_attn", seed=3)
+    assert heads.graph["h0_attn"].attrs["heads"] == 3 and heads.graph["h0_attn"].attrs["head_dim"] == 16
+    assert {heads.graph[p].attrs["units"] for p in ("h0_q", "h0_k", "h0_v")} == {48}
+    assert not np.any(heads.weights["h0_proj"]["kernel"][32:])
+    for name, value in weights.items():  # the parent's weights are never modified
+        for p, array in value.items():
+            np.testing.assert_array_equal(array, parent[1][name][p])
+
+
+def test_a_chain_of_random_morphs_still_computes_the_seed(parent):
+    graph, weights = parent
+    grown, grown_weights = graph, weights
+    ops = []
+    for step in range(9):
+        op = T.OPERATORS[step % len(T.OPERATORS)]
+        child = T.random_morph(grown, grown_weights, np.random.default_rng(step), ops=(op,))
+        assert_delta(grown, child)
+        grown, grown_weights = child.graph, child.weights
+        ops.append(child.record["op"])
+    assert [h["op"] for h in grown.history] == ops
+    x = tokens(graph)
+    want = logits(graph, weights, x)
+    np.testing.assert_allclose(logits(grown, grown_weights, x), want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+    assert Graph.from_json(grown.to_json()).signature() == grown.signature()
+
+
+def test_wider_mlp_copies_do_not_stay_copies_under_training(parent):
+    """An even split would give a unit and its copy equal gradients forever; the random split does not."""
+    graph, weights = parent
+    child = T.wider_mlp(graph, weights, "h0_fc1", units=4, seed=7)
+    x = tokens(graph, n=4)
+    y = np.roll(x, -1, axis=1)
+    _, grads, _ = aiperf_numpy.loss_and_grads(child.graph, child.weights, x, y)
+    kernel = child.weights["h0_fc1"]["kernel"]
+    width = graph["h0_fc1"].attrs["units"]
+    for new in range(width, width + 4):
+        source = next(j for j in range(width) if np.array_equal(kernel[:, j], kernel[:, new]))
+        g_new, g_source = grads["h0_fc1"]["kernel"][:, new], grads["h0_fc1"]["kernel"][:, source]
+        assert np.abs(g_new).max() > 0 and not np.allclose(g_new, g_source, rtol=1e-3)
+
+
+def test_the_new_block_learns_from_its_first_step(parent):
+    """Its zero output projections get gradients at once, so the block does not stay dead."""
+    graph, weights = parent
+    child = T.deeper(graph, weights, "h0_res2", seed=1)
+    x = tokens(graph, n=4)
+    _, grads, _ = aiperf_numpy.loss_and_grads(child.graph, child.weights, x, np.roll(x, -1, axis=1))
+    prefix = child.record["args"]["prefix"]
+    for node in (f"{prefix}_proj", f"{prefix}_fc2"):
+        assert np.abs(grads[node]["kernel"]).max() > 0, node
+
+
+def test_candidates_are_reproducible_distinct_and_capped(parent):
+    graph, _ = parent
+    first = T.generate_candidates(graph, None, 6, seed=11)
+    again = T.generate_candidates(graph, None, 6, seed=11)
+    assert [c.record for c in first] == [c.record for c in again]
+    assert len({c.graph.signature() for c in first}) == len(first) == 6
+    assert all(c.weights is None for c in first)
+    parent_ops = count(graph).total
+    caps = MorphCaps(max_ops_per_image=parent_ops + min(c.record["delta"]["fp"] + c.record["delta"]["bp"]
+                                                          for c in first))
+    capped = T.generate_candidates(graph, None, 6, seed=11, caps=caps)
+    assert capped and all(parent_ops + c.record["delta"]["fp"] + c.record["delta"]["bp"]
+                          <= caps.max_ops_per_image for c in capped)
+    with pytest.raises(CapExceeded, match="max_nodes"):
+        T.deeper(graph, None, "h0_res2", caps=MorphCaps(max_nodes=len(graph)))
+
+
+def test_errors_name_the_node(parent):
+    graph, weights = parent
+    hash_ = T._Index(graph).signature_hash
+    with pytest.raises(GraphError, match="'after' must be an add or position_embedding") as info:
+        T.deeper(graph, weights, "h0_fc1")
+    assert info.value.node == "h0_fc1"
+    with pytest.raises(GraphError, match="must open an MLP"):
+        T.wider_mlp(graph, weights, "h0_q")
+    with pytest.raises(GraphError, match="units must be a positive integer"):
+        T.wider_mlp(graph, weights, "h0_fc1", units=0)
+    with pytest.raises(GraphError, match="must be a attention node|must be an attention node"):
+        T.more_heads(graph, weights, "h0_q")
+    with pytest.raises(GraphError, match="seed must be a non-negative integer"):
+        T.more_heads(graph, weights, "h0_attn", seed=-1)
+    with pytest.raises(GraphError, match="made from another parent"):
+        T.replay(gpt(**{**SIZES, "layers": 1}), None, {"op": "deeper", "args": {"after": "h0_res2"}, "parent": hash_})
+    with pytest.raises(GraphError, match="unknown argument 'kernel'"):
+        T.replay(graph, None, {"op": "deeper", "args": {"after": "h0_res2", "kernel": 3}, "parent": hash_})
+    with pytest.raises(GraphError, match="unknown op 'wider'"):
+        T.replay(graph, None, {"op": "wider", "args": {}, "parent": hash_})
+    with pytest.raises(AiperfError, match="unknown transformer morph op 'skip'"):
+        T.generate_candidates(graph, None, 2, seed=0, ops=("skip",))
+
+
+def test_more_heads_refuses_a_projection_another_node_reads():
+    graph = gpt(layers=1, hidden=8, heads=2, seq_len=4, vocab=10)
+    nodes = list(graph.nodes)
+    at = next(i for i, n in enumerate(nodes) if n.id == "h0_res1")
+    nodes[at] = Node("h0_res1", "add", ("h0_v", "h0_proj"), {})  # v's output read twice
+    shared = Graph(nodes, name="shared")
+    with pytest.raises(GraphError, match="'h0_v' must be a dense node read by the attention alone"):
+        T.more_heads(shared, None, "h0_attn")
+    assert "h0_attn" not in T.growable_attention(shared)
