@@ -1,4 +1,5 @@
-"""Function-preserving morphs of a decoder-only transformer (builders.gpt): deeper, wider_mlp and more_heads.
+"""Function-preserving morphs of a decoder-only transformer (builders.gpt): deeper, wider_mlp, more_heads
+and double_width.
 
 The contract is aiperf_core.morph's, whose plan machinery these operators share: the child computes
 what its parent computed (exactly in real arithmetic; no transformer op keeps batch statistics, so in
@@ -17,6 +18,13 @@ and `delta` is the change in analytic ops per sequence, from the nodes the morph
 * more_heads: one more attention head of the same width (the width sets the 1/sqrt(d) scaling).
   q, k and v gain its columns, He-normal; every layer reading the attention gains zero rows for it,
   so whatever the new head attends to, it contributes nothing until trained.
+* double_width: every feature of the residual stream, of q, k and v (so twice the heads, each as
+  wide as before) and of the MLPs duplicated, the width operator of Shen et al., "Staged Training
+  for Transformer Language Models" (2022): a duplicated vector has its original's mean and variance,
+  so every layer norm computes what it did, on both copies. The embeddings, positions and norms are
+  copied; each dense layer reads two copies of each input, and its two shares of each weight
+  (random, a + b = 1, for the reason wider_mlp's are) sum to the original, for both copies of each
+  output; the LM head keeps its vocabulary-wide output, so the logits do not change.
 """
 
 from __future__ import annotations
@@ -32,11 +40,14 @@ from aiperf_core.morph import (MorphCaps, MorphResult, _checked_record, _delta, 
                                _insert_after, _node, _params, _Plan, _prefix, _record, _rewired)
 from aiperf_core.weights import Weights, init_node_weights
 
-OPERATORS = ("deeper", "wider_mlp", "more_heads")
+OPERATORS = ("deeper", "wider_mlp", "more_heads", "double_width")
 WIDER_MLP_FACTOR = 0.5  # a drawn wider_mlp adds half the MLP's units
 BLOCK_SUFFIXES = ("ln1", "q", "k", "v", "attn", "proj", "res1", "ln2", "fc1", "gelu", "fc2", "res2")
 _LN_EPSILON = 1e-5  # builders.gpt's
 _RESIDUAL = frozenset({"add", "position_embedding"})
+# The ops double_width has a rule for: a graph holding another is refused.
+_DOUBLING_OPS = frozenset({"token_input", "embedding", "position_embedding", "layer_norm", "dense", "attention",
+                           "gelu", "add", "softmax"})
 
 
 def _seed(value, what: str, where: str) -> int:
@@ -275,6 +286,67 @@ def more_heads(graph: Graph, weights: Mapping | None, attention: str, seed: int 
 
 
 # ---------------------------------------------------------------------------
+# double_width
+# ---------------------------------------------------------------------------
+
+
+def _lm_head(graph: Graph) -> str:
+    """The dense layer the output softmax reads (its output is the vocabulary, which stays); a GraphError
+    naming the node where double_width has no rule."""
+    for n in graph.nodes:
+        if n.op not in _DOUBLING_OPS:
+            raise GraphError(f"double_width: a {n.op} node has no width rule", n.id)
+    out = graph[graph.output_id]
+    head = graph[out.inputs[0]] if out.op == "softmax" else None
+    if head is None or head.op != "dense":
+        raise GraphError("double_width: the output must be a softmax over a dense LM head", graph.output_id)
+    return head.id
+
+
+def _plan_double_width(graph: Graph, seed: int = 0, index: _Index | None = None) -> _Plan:
+    head = _lm_head(graph)
+    seed = _seed(seed, "double_width", head)
+    index = index or _Index(graph)
+    doubled = {"embedding": "units", "dense": "units", "attention": "heads"}
+
+    def grown(n: Node) -> Node:
+        key = doubled.get(n.op)
+        return n if key is None or n.id == head else Node(n.id, n.op, n.inputs, {**n.attrs, key: 2 * n.attrs[key]})
+
+    nodes = [grown(n) for n in graph.nodes]
+    args = {"seed": seed}
+    child = graph.replace(nodes, None)
+    record = _record("double_width", args, index, _delta(graph, child, [n.id for n in graph.nodes]))
+    child = graph.replace(nodes, record)
+
+    def make_weights(weights: Mapping) -> Weights:
+        rng = np.random.default_rng(seed)
+        out = dict(weights)
+        for n in graph.nodes:
+            if n.op in ("embedding", "position_embedding", "layer_norm"):
+                out[n.id] = {k: np.concatenate([v, v], axis=-1) for k, v in _params(graph, weights, n.id).items()}
+            elif n.op == "dense":
+                params = _params(graph, weights, n.id)
+                kernel = np.asarray(params["kernel"])
+                share = rng.uniform(0.25, 0.75, (kernel.shape[0], kernel.shape[1] * (1 if n.id == head else 2)))
+                copies = kernel if n.id == head else np.concatenate([kernel, kernel], axis=1)
+                top = (share * copies).astype(kernel.dtype)
+                out[n.id] = {"kernel": np.concatenate([top, copies - top])}  # the two copies of each input row
+                if "bias" in params:
+                    bias = np.asarray(params["bias"])
+                    out[n.id]["bias"] = bias if n.id == head else np.concatenate([bias, bias])
+        return out
+
+    return _Plan(child, record, make_weights)
+
+
+def double_width(graph: Graph, weights: Mapping | None, seed: int = 0, *,
+                 caps: MorphCaps | None = None) -> MorphResult:
+    """Double the width of everything but the vocabulary: the residual stream, the heads and the MLPs."""
+    return _plan_double_width(graph, seed).finish(graph, weights, caps)
+
+
+# ---------------------------------------------------------------------------
 # replay, random choice, candidates
 # ---------------------------------------------------------------------------
 
@@ -282,6 +354,7 @@ _ARGS = {
     "deeper": ({"after"}, {"seed", "prefix"}),
     "wider_mlp": ({"fc1"}, {"units", "seed"}),
     "more_heads": ({"attention"}, {"seed"}),
+    "double_width": (set(), {"seed"}),
 }
 
 
@@ -290,6 +363,8 @@ def _plan(graph: Graph, op: str, args: Mapping, index: _Index | None = None) -> 
         return _plan_deeper(graph, args["after"], args.get("seed", 0), args.get("prefix"), index)
     if op == "wider_mlp":
         return _plan_wider_mlp(graph, args["fc1"], args.get("units"), args.get("seed", 0), index)
+    if op == "double_width":
+        return _plan_double_width(graph, args.get("seed", 0), index)
     return _plan_more_heads(graph, args["attention"], args.get("seed", 0), index)
 
 
@@ -305,17 +380,28 @@ def _targets(graph: Graph, index: _Index, ops: Sequence[str]) -> dict[str, list[
         raise AiperfError(f"unknown transformer morph op {unknown[0] if unknown else None!r} "
                           f"(choose from {', '.join(OPERATORS)})")
     found = {"deeper": residual_points(graph) if any(n.op == "attention" for n in graph.nodes) else [],
-             "wider_mlp": mlp_inputs(graph, index), "more_heads": growable_attention(graph, index)}
+             "wider_mlp": mlp_inputs(graph, index), "more_heads": growable_attention(graph, index),
+             "double_width": [None] if doublable(graph) else []}
     return {op: found[op] for op in dict.fromkeys(ops) if found[op]}
 
 
-_TARGET_ARG = {"deeper": "after", "wider_mlp": "fc1", "more_heads": "attention"}
+_TARGET_ARG = {"deeper": "after", "wider_mlp": "fc1", "more_heads": "attention", "double_width": None}
 
 
-def _draw(targets: Mapping[str, list[str]], rng: np.random.Generator) -> tuple[str, dict]:
+def doublable(graph: Graph) -> bool:
+    """Whether double_width accepts the graph."""
+    try:
+        _lm_head(graph)
+    except GraphError:
+        return False
+    return True
+
+
+def _draw(targets: Mapping[str, list], rng: np.random.Generator) -> tuple[str, dict]:
     op = list(targets)[rng.integers(len(targets))]
     target = targets[op][rng.integers(len(targets[op]))]
-    return op, {_TARGET_ARG[op]: target, "seed": int(rng.integers(2**31))}
+    args = {} if _TARGET_ARG[op] is None else {_TARGET_ARG[op]: target}
+    return op, {**args, "seed": int(rng.integers(2**31))}
 
 
 def random_morph(graph: Graph, weights: Mapping | None, rng=None, ops: Sequence[str] = OPERATORS, *,
@@ -345,5 +431,5 @@ def generate_candidates(graph: Graph, weights: Mapping | None, n: int, seed: int
                                   caps, index)
 
 
-__all__ = ["OPERATORS", "deeper", "wider_mlp", "more_heads", "replay", "random_morph", "generate_candidates",
-           "mlp_inputs", "growable_attention", "residual_points"]
+__all__ = ["OPERATORS", "deeper", "wider_mlp", "more_heads", "double_width", "replay", "random_morph",
+           "generate_candidates", "mlp_inputs", "growable_attention", "residual_points", "doublable"]

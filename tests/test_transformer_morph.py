@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from aiperf_core import transformer_morph as T
-from aiperf_core.builders import gpt
+from aiperf_core.builders import gpt, resnet_small
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.ir import Graph, Node
 from aiperf_core.morph import CapExceeded, MorphCaps
@@ -65,6 +65,7 @@ CASES = [
     ("wider_mlp", {"fc1": "h0_fc1", "seed": 4}),
     ("wider_mlp", {"fc1": "h1_fc1", "units": 3, "seed": 5}),
     ("more_heads", {"attention": "h1_attn", "seed": 6}),
+    ("double_width", {"seed": 7}),
 ]
 
 
@@ -100,6 +101,14 @@ def test_the_shapes_each_morph_makes(parent):
     assert heads.graph["h0_attn"].attrs["heads"] == 3 and heads.graph["h0_attn"].attrs["head_dim"] == 16
     assert {heads.graph[p].attrs["units"] for p in ("h0_q", "h0_k", "h0_v")} == {48}
     assert not np.any(heads.weights["h0_proj"]["kernel"][32:])
+    double = T.double_width(graph, weights, seed=4)
+    assert double.graph.shapes["h1_res2"] == (12, 64) and double.graph.shapes["lm_head"] == (12, 40)
+    assert double.graph["h0_attn"].attrs == {"heads": 4, "head_dim": 16, "causal": True}
+    assert double.graph["h0_fc1"].attrs["units"] == 256
+    np.testing.assert_array_equal(double.weights["embed"]["table"][:, 32:], weights["embed"]["table"])
+    kernel = double.weights["h0_q"]["kernel"]  # two copies of each input row, shares summing to the original
+    np.testing.assert_allclose(kernel[:32, :32] + kernel[32:, :32], weights["h0_q"]["kernel"], rtol=1e-12)
+    assert not np.allclose(kernel[:32, :32], kernel[32:, :32])
     for name, value in weights.items():  # the parent's weights are never modified
         for p, array in value.items():
             np.testing.assert_array_equal(array, parent[1][name][p])
@@ -109,7 +118,7 @@ def test_a_chain_of_random_morphs_still_computes_the_seed(parent):
     graph, weights = parent
     grown, grown_weights = graph, weights
     ops = []
-    for step in range(9):
+    for step in range(8):
         op = T.OPERATORS[step % len(T.OPERATORS)]
         child = T.random_morph(grown, grown_weights, np.random.default_rng(step), ops=(op,))
         assert_delta(grown, child)
@@ -185,6 +194,9 @@ def test_errors_name_the_node(parent):
         T.replay(graph, None, {"op": "deeper", "args": {"after": "h0_res2", "kernel": 3}, "parent": hash_})
     with pytest.raises(GraphError, match="unknown op 'wider'"):
         T.replay(graph, None, {"op": "wider", "args": {}, "parent": hash_})
+    with pytest.raises(GraphError, match="double_width: a input node has no width rule"):
+        T.double_width(resnet_small(), None)
+    assert not T.doublable(resnet_small())
     with pytest.raises(AiperfError, match="unknown transformer morph op 'skip'"):
         T.generate_candidates(graph, None, 2, seed=0, ops=("skip",))
 
