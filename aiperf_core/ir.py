@@ -12,8 +12,14 @@ sequences: a `token_input` node of shape (S,) holding integer ids below its `voc
 can map it to its fused kernel. GELU is the tanh form, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),
 everywhere (GPT-2's, and the one every framework offers under one flag).
 
+A mixture of experts is one `moe` node over (S, D): a router (D -> experts), the top_k experts of each
+token by router probability with their probabilities renormalised to sum to 1 (the gates), and per
+expert a GELU MLP (D -> units -> D) with biases; the output is the gate-weighted sum of the chosen
+experts' outputs. Ties in the router's order go to the lower expert index.
+
 Schema history: version 1 held the CNN ops; version 2 adds the sequence ops, grouped convolution,
-lrn, avg_pool, mul_const, add_const and channel_shuffle. A version 1 graph loads unchanged.
+lrn, avg_pool, mul_const, add_const and channel_shuffle; version 3 adds moe. A graph is written at the
+oldest version that holds it, so a version 1 or 2 graph loads unchanged in an older aiperf.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ from typing import Any, Iterable, Mapping
 
 from aiperf_core.errors import GraphError
 
-SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (1, 2, 3)
 
 Shape = tuple[int, ...]
 
@@ -363,6 +369,20 @@ def _attention_shape(node, attrs, shapes):
     return shapes[0]
 
 
+def _moe_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("experts", "top_k", "units"))
+    experts = _int(node, attrs, "experts", minimum=2)
+    top_k = _int(node, attrs, "top_k", minimum=1)
+    if top_k > experts:
+        raise GraphError(f"attribute 'top_k' ({top_k}) must not exceed 'experts' ({experts})", node)
+    return {"experts": experts, "top_k": top_k, "units": _int(node, attrs, "units", minimum=1)}
+
+
+def _moe_params(attrs, shapes):
+    d, e, f = shapes[0][-1], attrs["experts"], attrs["units"]
+    return {"router": (d, e), "w_in": (e, d, f), "b_in": (e, f), "w_out": (e, f, d), "b_out": (e, d)}
+
+
 OPS: dict[str, OpSpec] = {
     spec.name: spec
     for spec in (
@@ -390,12 +410,14 @@ OPS: dict[str, OpSpec] = {
         OpSpec("layer_norm", 1, 1, _layer_norm_attrs, lambda n, a, s: s[0], _layer_norm_params),
         OpSpec("attention", 3, 3, _attention_attrs, _attention_shape),
         OpSpec("gelu", 1, 1, _no_attrs, lambda n, a, s: s[0]),
+        OpSpec("moe", 1, 1, _moe_attrs, lambda n, a, s: _sequence(n, s[0]), _moe_params),
     )
 }
 
 PARAMETRIC_OPS = frozenset(name for name, spec in OPS.items() if spec.params is not None)
 VERSION_1_OPS = frozenset({"input", "conv2d", "batch_norm", "relu", "add", "concat", "max_pool", "global_avg_pool",
                            "flatten", "dense", "softmax", "dropout"})
+VERSION_3_OPS = frozenset({"moe"})
 # What a backend declares it lowers (Backend.supported_ops): the ops, and two of schema 2's extensions of
 # schema 1's ops apart, since a backend written for schema 1 knows neither: conv2d's `groups`, and an
 # `input` of real-valued (S, D) sequences, which dense and softmax then take over their last axis.
@@ -542,8 +564,9 @@ class Graph:
     def schema_version(self) -> int:
         """The oldest schema that holds this graph: a CNN of version 1's ops is written as version 1, so
         that an older aiperf still reads what this one writes."""
-        newer = any(n.op not in VERSION_1_OPS or "groups" in n.attrs for n in self.nodes)
-        return SCHEMA_VERSION if newer else 1
+        if any(n.op in VERSION_3_OPS for n in self.nodes):
+            return 3
+        return 2 if any(n.op not in VERSION_1_OPS or "groups" in n.attrs for n in self.nodes) else 1
 
     def to_dict(self) -> dict:
         return {

@@ -222,9 +222,10 @@ def _delta(parent: Graph, child: Graph, touched: Iterable[str], new_parametric: 
                     touched.add(c)
                     stack.append(c)
     fp = bp = 0
-    for nid in touched:
-        ops = node_ops(child, child[nid], "paper", not _has_params_upstream(child, nid))
-        fp, bp = fp + ops.fp, bp + ops.bp
+    for nid in touched:  # a touched node may be new (child only) or replaced (parent only)
+        if nid in child:
+            ops = node_ops(child, child[nid], "paper", not _has_params_upstream(child, nid))
+            fp, bp = fp + ops.fp, bp + ops.bp
         if nid in parent:
             ops = node_ops(parent, parent[nid], "paper", not _has_params_upstream(parent, nid))
             fp, bp = fp - ops.fp, bp - ops.bp

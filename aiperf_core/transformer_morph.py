@@ -1,5 +1,5 @@
-"""Function-preserving morphs of a decoder-only transformer (builders.gpt): deeper, wider_mlp, more_heads
-and double_width.
+"""Function-preserving morphs of a decoder-only transformer (builders.gpt): deeper, wider_mlp, more_heads,
+double_width and upcycle_moe.
 
 The contract is aiperf_core.morph's, whose plan machinery these operators share: the child computes
 what its parent computed (exactly in real arithmetic; no transformer op keeps batch statistics, so in
@@ -25,6 +25,10 @@ and `delta` is the change in analytic ops per sequence, from the nodes the morph
   copied; each dense layer reads two copies of each input, and its two shares of each weight
   (random, a + b = 1, for the reason wider_mlp's are) sum to the original, for both copies of each
   output; the LM head keeps its vocabulary-wide output, so the logits do not change.
+* upcycle_moe: an MLP becomes a mixture of experts (one `moe` node, aiperf_core.ir) whose experts are
+  all copies of it, behind a He-normal router (Komatsuzaki et al., "Sparse Upcycling", 2022). The
+  gates of a token's top_k experts are renormalised to sum to 1, so the output is the MLP's whatever
+  the routing; the experts part as the router sends them different tokens with different gates.
 """
 
 from __future__ import annotations
@@ -40,8 +44,11 @@ from aiperf_core.morph import (MorphCaps, MorphResult, _checked_record, _delta, 
                                _insert_after, _node, _params, _Plan, _prefix, _record, _rewired)
 from aiperf_core.weights import Weights, init_node_weights
 
-OPERATORS = ("deeper", "wider_mlp", "more_heads", "double_width")
+OPERATORS = ("deeper", "wider_mlp", "more_heads", "double_width", "upcycle_moe")
 WIDER_MLP_FACTOR = 0.5  # a drawn wider_mlp adds half the MLP's units
+# upcycle_moe's defaults: Switch/GShard-style top-2 routing over a few experts, so that a drawn upcycle
+# costs about twice its MLP per token (plus the router), not E times.
+MOE_EXPERTS, MOE_TOP_K = 4, 2
 BLOCK_SUFFIXES = ("ln1", "q", "k", "v", "attn", "proj", "res1", "ln2", "fc1", "gelu", "fc2", "res2")
 _LN_EPSILON = 1e-5  # builders.gpt's
 _RESIDUAL = frozenset({"add", "position_embedding"})
@@ -347,6 +354,68 @@ def double_width(graph: Graph, weights: Mapping | None, seed: int = 0, *,
 
 
 # ---------------------------------------------------------------------------
+# upcycle_moe
+# ---------------------------------------------------------------------------
+
+
+def _plan_upcycle_moe(graph: Graph, fc1: str, experts: int = MOE_EXPERTS, top_k: int = MOE_TOP_K, seed: int = 0,
+                      prefix: str | None = None, index: _Index | None = None) -> _Plan:
+    node = _node(graph, fc1, "dense", "upcycle_moe: 'fc1'")
+    index = index or _Index(graph)
+    if fc1 not in mlp_inputs(graph, index):
+        raise GraphError("upcycle_moe: 'fc1' must open an MLP (dense -> gelu -> dense, each read by the next "
+                         "alone)", fc1)
+    gelu = index.consumers[fc1][0]
+    fc2 = index.consumers[gelu][0]
+    if not node.attrs["use_bias"] or not graph[fc2].attrs["use_bias"]:
+        raise GraphError("upcycle_moe: the MLP's two layers must have biases, as an expert's do", fc1)
+    width = graph.shapes[node.inputs[0]][-1]
+    if graph[fc2].attrs["units"] != width or len(graph.shapes[fc2]) != 2:
+        raise GraphError("upcycle_moe: the MLP must map a sequence (S, D) back to (S, D)", fc2)
+    for name, value, low in (("experts", experts, 2), ("top_k", top_k, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise GraphError(f"upcycle_moe: {name} must be an integer >= {low}, got {value!r}", fc1)
+    if top_k > experts:
+        raise GraphError(f"upcycle_moe: top_k ({top_k}) must not exceed experts ({experts})", fc1)
+    seed = _seed(seed, "upcycle_moe", fc1)
+    p = _prefix(graph, ("moe",), prefix, fc1)
+    moe = f"{p}_moe"
+    attrs = {"experts": experts, "top_k": top_k, "units": node.attrs["units"]}
+    replaced = {fc1, gelu, fc2}
+    nodes = []
+    for n in _rewired(graph, fc2, moe, replaced):
+        if n.id == fc1:
+            nodes.append(Node(moe, "moe", node.inputs, attrs))
+        elif n.id not in replaced:
+            nodes.append(n)
+    args = {"fc1": fc1, "experts": experts, "top_k": top_k, "seed": seed, "prefix": p}
+    child = graph.replace(nodes, None)
+    record = _record("upcycle_moe", args, index, _delta(graph, child, (moe, fc1, gelu, fc2)))
+    child = graph.replace(nodes, record)
+
+    def make_weights(weights: Mapping) -> Weights:
+        first, second = _params(graph, weights, fc1), _params(graph, weights, fc2)
+        dtype = np.asarray(first["kernel"]).dtype
+        out = {k: v for k, v in weights.items() if k not in replaced}
+
+        def stack(array) -> np.ndarray:
+            return np.repeat(np.asarray(array)[None], experts, axis=0)
+
+        router = init_node_weights(child, moe, np.random.default_rng(seed), dtype)["router"]
+        out[moe] = {"router": router, "w_in": stack(first["kernel"]), "b_in": stack(first["bias"]),
+                    "w_out": stack(second["kernel"]), "b_out": stack(second["bias"])}
+        return out
+
+    return _Plan(child, record, make_weights)
+
+
+def upcycle_moe(graph: Graph, weights: Mapping | None, fc1: str, experts: int = MOE_EXPERTS, top_k: int = MOE_TOP_K,
+                seed: int = 0, *, prefix: str | None = None, caps: MorphCaps | None = None) -> MorphResult:
+    """Turn the MLP that `fc1` opens into a mixture of `experts` copies of it, `top_k` of them per token."""
+    return _plan_upcycle_moe(graph, fc1, experts, top_k, seed, prefix).finish(graph, weights, caps)
+
+
+# ---------------------------------------------------------------------------
 # replay, random choice, candidates
 # ---------------------------------------------------------------------------
 
@@ -355,6 +424,7 @@ _ARGS = {
     "wider_mlp": ({"fc1"}, {"units", "seed"}),
     "more_heads": ({"attention"}, {"seed"}),
     "double_width": (set(), {"seed"}),
+    "upcycle_moe": ({"fc1"}, {"experts", "top_k", "seed", "prefix"}),
 }
 
 
@@ -365,6 +435,9 @@ def _plan(graph: Graph, op: str, args: Mapping, index: _Index | None = None) -> 
         return _plan_wider_mlp(graph, args["fc1"], args.get("units"), args.get("seed", 0), index)
     if op == "double_width":
         return _plan_double_width(graph, args.get("seed", 0), index)
+    if op == "upcycle_moe":
+        return _plan_upcycle_moe(graph, args["fc1"], args.get("experts", MOE_EXPERTS), args.get("top_k", MOE_TOP_K),
+                                 args.get("seed", 0), args.get("prefix"), index)
     return _plan_more_heads(graph, args["attention"], args.get("seed", 0), index)
 
 
@@ -381,11 +454,12 @@ def _targets(graph: Graph, index: _Index, ops: Sequence[str]) -> dict[str, list[
                           f"(choose from {', '.join(OPERATORS)})")
     found = {"deeper": residual_points(graph) if any(n.op == "attention" for n in graph.nodes) else [],
              "wider_mlp": mlp_inputs(graph, index), "more_heads": growable_attention(graph, index),
-             "double_width": [None] if doublable(graph) else []}
+             "double_width": [None] if doublable(graph) else [], "upcycle_moe": mlp_inputs(graph, index)}
     return {op: found[op] for op in dict.fromkeys(ops) if found[op]}
 
 
-_TARGET_ARG = {"deeper": "after", "wider_mlp": "fc1", "more_heads": "attention", "double_width": None}
+_TARGET_ARG = {"deeper": "after", "wider_mlp": "fc1", "more_heads": "attention", "double_width": None,
+               "upcycle_moe": "fc1"}
 
 
 def doublable(graph: Graph) -> bool:
@@ -431,5 +505,5 @@ def generate_candidates(graph: Graph, weights: Mapping | None, n: int, seed: int
                                   caps, index)
 
 
-__all__ = ["OPERATORS", "deeper", "wider_mlp", "more_heads", "double_width", "replay", "random_morph",
+__all__ = ["OPERATORS", "deeper", "wider_mlp", "more_heads", "double_width", "upcycle_moe", "replay", "random_morph",
            "generate_candidates", "mlp_inputs", "growable_attention", "residual_points", "doublable"]

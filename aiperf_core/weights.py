@@ -47,8 +47,9 @@ def validate_weights(graph: Graph, weights: Mapping[str, Mapping[str, np.ndarray
 
 
 def init_weights(graph: Graph, seed: int = 0, dtype=np.float32) -> Weights:
-    """He-normal kernels (fan-in), zero biases, BN as identity over unit statistics; embedding and
-    position tables N(0, 0.02) (GPT-2's); constants as the identity (mul_const 1, add_const 0)."""
+    """He-normal kernels (fan-in; a mixture of experts' router and expert weights too), zero biases, BN as
+    identity over unit statistics; embedding and position tables N(0, 0.02) (GPT-2's); constants as the
+    identity (mul_const 1, add_const 0)."""
     rng = np.random.default_rng(seed)
     return {node_id: init_node_weights(graph, node_id, rng, dtype) for node_id in graph.all_param_shapes()}
 
@@ -58,8 +59,9 @@ def init_node_weights(graph: Graph, node_id: str, rng: np.random.Generator, dtyp
     node = graph[node_id]
     w: dict[str, np.ndarray] = {}
     for pname, shape in graph.param_shapes(node_id).items():
-        if pname == "kernel":
-            fan_in = math.prod(shape[:-1])
+        if pname in ("kernel", "router", "w_in", "w_out"):
+            # A conv's fan-in is its window times its input channels; an expert stack's (E, in, out) is `in`.
+            fan_in = math.prod(shape[:-1]) if pname == "kernel" else shape[-2]
             w[pname] = (rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)).astype(dtype)
         elif pname == "table":
             w[pname] = (rng.standard_normal(shape) * 0.02).astype(dtype)

@@ -113,6 +113,8 @@ SEQUENCE_CASES: tuple[OpCase, ...] = (
     _attention("attention_causal", True),
     _attention("attention_full", False),
     _unary("softmax_per_position", (5, 4), "softmax", workload="lm"),
+    _unary("moe_top2", (5, 4), "moe", workload="lm", experts=3, top_k=2, units=6),
+    _unary("moe_top1", (5, 4), "moe", workload="lm", experts=4, top_k=1, units=3),
 )
 
 

@@ -43,9 +43,10 @@ CATEGORY_OF_OP = {
     "layer_norm": "norm",
     "attention": "attention",
     "gelu": "activation",
+    "moe": "moe",
 }
-CATEGORIES = ("conv", "dense", "attention", "embedding", "norm", "activation", "pool", "elementwise", "softmax",
-              "update")
+CATEGORIES = ("conv", "dense", "attention", "moe", "embedding", "norm", "activation", "pool", "elementwise",
+              "softmax", "update")
 
 # Per element of GELU's tanh form, 0.5 x (1 + tanh(c (x + 0.044715 x^3))) (docs/counting.md derives both):
 # forward x^3 (2 MUL), 0.044715 x^3 + x (MAC), times c (MUL), tanh (MUL, EXP, 2 ADD, DIV), 1 + t (ADD),
@@ -168,6 +169,8 @@ def node_ops(graph: Graph, node: Node, convention: str, reads_data: bool) -> Nod
         return _attention_ops(ins[0][0], a, valid, reads_data)
     if op == "gelu":
         return NodeOps(fp=GELU_FP * size, grad=0 if reads_data else GELU_BP * size)
+    if op == "moe":
+        return _moe_ops(ins[0], a, reads_data)
     # input, token_input, concat, flatten, dropout, channel_shuffle move data but compute nothing.
     return NodeOps(fp=0)
 
@@ -186,3 +189,26 @@ def _attention_ops(seq: int, a, valid: bool, reads_data: bool) -> NodeOps:
     grads = 0 if reads_data else 1
     return NodeOps(fp=products + score_fp, grad=grads * (2 * products + score_bp),
                    split=(("softmax", score_fp, grads * score_bp),))
+
+
+def _moe_ops(in_shape, a, reads_data: bool) -> NodeOps:
+    """A mixture of experts per token (docs/counting.md, "Mixture of experts"): the router over every
+    expert, and only the top_k experts that run. Forward: the router's product (MAC D E), its softmax
+    (EXP, ADD, DIV per expert), the top-k choice (k passes of E compares), the gates' renormalisation
+    (ADD, DIV per chosen expert); per chosen expert its MLP, as dense, gelu, dense count them (MAC D F,
+    GELU_FP F, MAC F D), times its gate (MUL D), and the sum of the k outputs (ADD (k - 1) D). Backward:
+    per chosen expert the gate's gradient (MAC D) and the output's (MUL D), the output layer's weight and
+    input gradients (2 MAC F D), gelu's (GELU_BP F) and the input layer's weight gradient (MAC D F); the
+    gates' softmax over the chosen (MAC, ADD, MUL each, as attention's scores); the router's weight
+    gradient (MAC D E); and, unless only data lies upstream, the input gradients of the experts' first
+    layer (MAC D F each) and of the router (MAC D E). The update covers every expert's parameters."""
+    seq, d = in_shape
+    e, k, f = a["experts"], a["top_k"], a["units"]
+    expert_fp = MAC * d * f + GELU_FP * f + MAC * f * d + MUL * d
+    fp = MAC * d * e + (EXP + ADD + DIV) * e + CMP * k * e + (ADD + DIV) * k + k * expert_fp + ADD * (k - 1) * d
+    expert_grad = MAC * d + MUL * d + 2 * MAC * f * d + GELU_BP * f + MAC * d * f
+    grad = k * expert_grad + k * (MAC + ADD + MUL) + MAC * d * e
+    if not reads_data:
+        grad += k * MAC * d * f + MAC * d * e
+    params = d * e + e * (d * f + f + f * d + d)
+    return NodeOps(fp=seq * fp, grad=seq * grad, update=MAC * params)

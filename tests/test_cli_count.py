@@ -30,7 +30,7 @@ def test_count_json_keys(capsys):
     assert data["fp"] == 7_806_585_352 and data["bp"] == 15_246_874_820
     assert data["total"] == data["fp"] + data["bp"]
     assert isinstance(data["fp"], int)
-    assert set(data["by_category"]) == {"conv", "dense", "attention", "embedding", "norm", "activation", "pool",
+    assert set(data["by_category"]) == {"conv", "dense", "attention", "moe", "embedding", "norm", "activation", "pool",
                                         "elementwise", "softmax", "update"}
     assert all(set(v) == {"fp", "bp"} for v in data["by_category"].values())
     node = data["nodes"][1]

@@ -363,7 +363,7 @@ def test_list_prints_every_check_with_level_precision_and_counter(capsys):
     assert {r["precision"] for r in listed} == {"fp32"}
     assert "parallel/refuses_two_devices" in {r["id"] for r in listed}
     assert "parallel/matches_one_device" not in {r["id"] for r in listed}
-    assert sum(r["needs_native_counter"] for r in listed) == 14  # count: 3 graphs x 2; morph: 4 CNN, 4 GPT
+    assert sum(r["needs_native_counter"] for r in listed) == 15  # count: 3 graphs x 2; morph: 4 CNN, 5 GPT
     by_id = {r["id"]: r for r in listed}
     assert by_id["train/gpt_gradients_match_reference"]["workload"] == "lm"
     assert {"attention", "embedding", "gelu", "layer_norm"} <= set(by_id["train/gpt_gradients_match_reference"]["ops"])

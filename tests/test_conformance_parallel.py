@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from aiperf_core.backend import CPU_DEVICES_ENV, EpochReport, Parallelism, StepClock
+from aiperf_core.ir import is_trainable
 from aiperf_numpy.backend import NumpyBackend
-from aiperf_numpy.executor import TRAINABLE_PARAMS, loss_and_grads
+from aiperf_numpy.executor import loss_and_grads
 from aiperf_conformance.expectations import Expectations
 from aiperf_conformance.kit import Context, collect, run_check
 from aiperf_conformance.levels.parallel import DATA_PARALLEL_CHECKS, SINGLE_DEVICE_CHECKS
@@ -43,7 +44,7 @@ class PerDeviceBatchNorm(TwoDevices):
         from aiperf_core.data.stream import train_batches, val_batches
 
         world = len(self.train_devices(config))
-        velocity = {n: {p: np.zeros_like(a) for p, a in ps.items() if p in TRAINABLE_PARAMS}
+        velocity = {n: {p: np.zeros_like(a) for p, a in ps.items() if is_trainable(p)}
                     for n, ps in model.weights.items()}
         reports, clock = [], StepClock()
         for epoch in range(config.epochs):

@@ -66,6 +66,8 @@ CASES = [
     ("wider_mlp", {"fc1": "h1_fc1", "units": 3, "seed": 5}),
     ("more_heads", {"attention": "h1_attn", "seed": 6}),
     ("double_width", {"seed": 7}),
+    ("upcycle_moe", {"fc1": "h1_fc1", "seed": 8}),
+    ("upcycle_moe", {"fc1": "h0_fc1", "experts": 3, "top_k": 1, "seed": 9}),
 ]
 
 
@@ -101,6 +103,13 @@ def test_the_shapes_each_morph_makes(parent):
     assert heads.graph["h0_attn"].attrs["heads"] == 3 and heads.graph["h0_attn"].attrs["head_dim"] == 16
     assert {heads.graph[p].attrs["units"] for p in ("h0_q", "h0_k", "h0_v")} == {48}
     assert not np.any(heads.weights["h0_proj"]["kernel"][32:])
+    moe = T.upcycle_moe(graph, weights, "h0_fc1", seed=5)
+    new = moe.record["args"]["prefix"] + "_moe"
+    assert moe.graph[new].attrs == {"experts": 4, "top_k": 2, "units": 128}
+    assert "h0_fc1" not in moe.graph and "h0_fc2" not in moe.graph and moe.graph["h0_res2"].inputs == ("h0_res1", new)
+    for e in range(4):  # every expert a copy of the MLP
+        np.testing.assert_array_equal(moe.weights[new]["w_out"][e], weights["h0_fc2"]["kernel"])
+    assert moe.graph.schema_version() == 3
     double = T.double_width(graph, weights, seed=4)
     assert double.graph.shapes["h1_res2"] == (12, 64) and double.graph.shapes["lm_head"] == (12, 40)
     assert double.graph["h0_attn"].attrs == {"heads": 4, "head_dim": 16, "causal": True}
@@ -144,6 +153,17 @@ def test_wider_mlp_copies_do_not_stay_copies_under_training(parent):
         source = next(j for j in range(width) if np.array_equal(kernel[:, j], kernel[:, new]))
         g_new, g_source = grads["h0_fc1"]["kernel"][:, new], grads["h0_fc1"]["kernel"][:, source]
         assert np.abs(g_new).max() > 0 and not np.allclose(g_new, g_source, rtol=1e-3)
+
+
+def test_upcycled_experts_part_under_training(parent):
+    """Identical experts get different gradients: the router sends them different tokens and gates."""
+    graph, weights = parent
+    child = T.upcycle_moe(graph, weights, "h0_fc1", seed=2)
+    x = tokens(graph, n=4)
+    _, grads, _ = aiperf_numpy.loss_and_grads(child.graph, child.weights, x, np.roll(x, -1, axis=1))
+    w_in = grads[child.record["args"]["prefix"] + "_moe"]["w_in"]
+    assert np.abs(w_in).max() > 0 and not np.allclose(w_in[0], w_in[1], rtol=1e-3)
+    assert np.abs(grads[child.record["args"]["prefix"] + "_moe"]["router"]).max() > 0
 
 
 def test_the_new_block_learns_from_its_first_step(parent):
@@ -194,6 +214,10 @@ def test_errors_name_the_node(parent):
         T.replay(graph, None, {"op": "deeper", "args": {"after": "h0_res2", "kernel": 3}, "parent": hash_})
     with pytest.raises(GraphError, match="unknown op 'wider'"):
         T.replay(graph, None, {"op": "wider", "args": {}, "parent": hash_})
+    with pytest.raises(GraphError, match="top_k \\(3\\) must not exceed experts \\(2\\)"):
+        T.upcycle_moe(graph, weights, "h0_fc1", experts=2, top_k=3)
+    with pytest.raises(GraphError, match="double_width: a moe node has no width rule"):
+        T.double_width(T.upcycle_moe(graph, None, "h0_fc1").graph, None)
     with pytest.raises(GraphError, match="double_width: a input node has no width rule"):
         T.double_width(resnet_small(), None)
     assert not T.doublable(resnet_small())

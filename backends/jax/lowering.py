@@ -303,6 +303,28 @@ def layer_norm(x, gamma, beta, epsilon: float):
     return _layer_norm_float32()(x.astype(jnp.float32), gamma, beta, float(epsilon)).astype(x.dtype)
 
 
+def mixture_of_experts(x, params, attrs, precision: str = "fp32"):
+    """The IR's moe on (N, S, D): the router's top_k experts per token (lax.top_k puts the lower index
+    first among equals, as the IR does), gated by the softmax over their logits. Static shapes, so every
+    expert runs on every token and a gate of 0 drops what the token did not choose: correct, and E/k
+    times the work that is counted (docs/backends/jax.md)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    dtype = compute_dtype(precision) or x.dtype
+    logits = dense(x, params["router"], precision).astype(jnp.float32)
+    picked, chosen = lax.top_k(logits, attrs["top_k"])
+    gates = jax.nn.softmax(picked, axis=-1)
+    weight = jnp.sum(jax.nn.one_hot(chosen, attrs["experts"], dtype=jnp.float32) * gates[..., None], axis=-2)
+    hidden = jnp.einsum("nsd,edf->nsef", x.astype(dtype), params["w_in"].astype(dtype),
+                        precision=lax_precision(precision)) + params["b_in"].astype(dtype)
+    hidden = jax.nn.gelu(hidden, approximate=True)
+    out = jnp.einsum("nsef,efd->nsed", hidden, params["w_out"].astype(dtype),
+                     precision=lax_precision(precision)) + params["b_out"].astype(dtype)
+    return jnp.einsum("nse,nsed->nsd", weight.astype(out.dtype), out, precision=lax_precision(precision))
+
+
 def attention(q, k, v, attrs, precision: str = "fp32"):
     """Multi-head scaled dot-product attention, (N, S, heads * head_dim) in and out.
 
@@ -461,6 +483,8 @@ def apply(graph: Graph, params, state, x, *, training: bool = False, logits: boo
             y = attention(*ins, a, precision)
         elif op == "gelu":
             y = jax.nn.gelu(ins[0], approximate=True)
+        elif op == "moe":
+            y = mixture_of_experts(ins[0], params[node.id], a, precision)
         elif op == "dropout":
             y = ins[0]
             rate = a["rate"]

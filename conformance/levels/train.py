@@ -1,6 +1,7 @@
 """Level 'train': a step lowers the loss, gradients match the reference, weights round-trip
 exactly, and a short run of the small ResNet learns the digits dataset (and times its steps); a
-GPT step on next-token labels lowers the loss and its gradients match the reference; at every
+GPT step on next-token labels lowers the loss and its gradients match the reference, for the GPT and
+for it with its first MLP upcycled to a mixture of experts (`gpt_moe_*`); at every
 precision the backend declares on the device under test. The accuracy goal is the same at every
 precision: a mixed precision that cannot learn digits is not one a scored run may use."""
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from aiperf_core.backend import Dataset, Schedule, TrainConfig
 from aiperf_core.builders import gpt, resnet_small
+from aiperf_core.transformer_morph import upcycle_moe
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_conformance.kit import Check, Context, Outcome, new_ops, reference
 from aiperf_conformance.levels.op import compare_grads, key_biases
@@ -125,14 +127,20 @@ def digits_accuracy(ctx: Context, precision: str) -> Outcome:
 GPT_SIZES = dict(layers=2, hidden=32, heads=4, seq_len=16, vocab=64)
 
 
-def _gpt_batch(ctx: Context, salt: int, n: int):
+def _gpt(moe: bool):
+    """The GPT, or the GPT with its first block's MLP upcycled to 4 experts, 2 per token."""
     graph = gpt(**GPT_SIZES)
+    return upcycle_moe(graph, None, "h0_fc1", seed=5).graph if moe else graph
+
+
+def _gpt_batch(ctx: Context, salt: int, n: int, moe: bool = False):
+    graph = _gpt(moe)
     tokens = ctx.rng(salt).integers(0, graph.vocab, (n, graph.input_shape[0] + 1))
     return graph, trained_looking_weights(graph, ctx.seed), tokens[:, :-1], tokens[:, 1:]
 
 
-def gpt_step_lowers_loss(ctx: Context, precision: str) -> Outcome:
-    graph, weights, x, y = _gpt_batch(ctx, 21, 16)
+def gpt_step_lowers_loss(ctx: Context, precision: str, moe: bool = False) -> Outcome:
+    graph, weights, x, y = _gpt_batch(ctx, 21, 16, moe)
     model = ctx.backend.lower(graph, weights, precision=precision)
     before, _ = ctx.backend.loss_and_grads(model, x, y)
     config = TrainConfig(epochs=1, batch_size=16, schedule=Schedule(initial=0.05), seed=ctx.seed,
@@ -147,8 +155,8 @@ def gpt_step_lowers_loss(ctx: Context, precision: str) -> Outcome:
                    f"to {after:.5f}")
 
 
-def gpt_gradients(ctx: Context, precision: str) -> Outcome:
-    graph, weights, x, y = _gpt_batch(ctx, 22, 4)
+def gpt_gradients(ctx: Context, precision: str, moe: bool = False) -> Outcome:
+    graph, weights, x, y = _gpt_batch(ctx, 22, 4, moe)
     ref_loss, ref_grads, _ = reference().loss_and_grads(graph, weights, x, y, label_smoothing=0.1, dtype=np.float64)
     model = ctx.backend.lower(graph, weights, precision=precision)
     loss, grads = ctx.backend.loss_and_grads(model, x, y, label_smoothing=0.1)
@@ -157,7 +165,8 @@ def gpt_gradients(ctx: Context, precision: str) -> Outcome:
 
 
 def checks(ctx: Context):
-    lm = dict(workload="lm", ops=new_ops(gpt(**GPT_SIZES)))
+    lm = dict(workload="lm", ops=new_ops(_gpt(False)))
+    lm_moe = dict(workload="lm", ops=new_ops(_gpt(True)))
     for precision in ctx.precisions:
         for name, run in (("step_lowers_loss", step_lowers_loss), ("gradients_match_reference", gradients),
                           ("weights_round_trip", weights_round_trip), ("digits_accuracy", digits_accuracy)):
@@ -165,3 +174,5 @@ def checks(ctx: Context):
         for name, run in (("gpt_step_lowers_loss", gpt_step_lowers_loss),
                           ("gpt_gradients_match_reference", gpt_gradients)):
             yield Check("train", name, partial(run, precision=precision), precision, **lm)
+            yield Check("train", name.replace("gpt_", "gpt_moe_"), partial(run, precision=precision, moe=True),
+                        precision, **lm_moe)

@@ -15,9 +15,9 @@ import numpy as np
 
 from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, StepClock, TrainConfig,
                                  accuracy, cross_entropy)
-from aiperf_core.ir import ALL_OPS, Graph
+from aiperf_core.ir import ALL_OPS, Graph, is_trainable
 from aiperf_core.weights import Weights, validate_weights
-from aiperf_numpy.executor import TRAINABLE_PARAMS, forward, loss_and_grads
+from aiperf_numpy.executor import forward, loss_and_grads
 
 PREDICT_BATCH = 256
 
@@ -88,7 +88,7 @@ class NumpyBackend(Backend):
         from aiperf_core.data.preprocess import model_input
         from aiperf_core.data.stream import train_batches, val_batches
 
-        velocity = {n: {p: np.zeros_like(a) for p, a in ps.items() if p in TRAINABLE_PARAMS}
+        velocity = {n: {p: np.zeros_like(a) for p, a in ps.items() if is_trainable(p)}
                     for n, ps in model.weights.items()}
         reports: list[EpochReport] = []
         clock = StepClock()

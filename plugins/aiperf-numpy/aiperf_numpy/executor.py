@@ -79,12 +79,11 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from aiperf_core.errors import GraphError
-from aiperf_core.ir import INPUT_OPS, Graph, Node
+from aiperf_core.ir import INPUT_OPS, Graph, Node, is_trainable
 from aiperf_core.weights import validate_weights
 
 __all__ = ["Trace", "backward", "forward", "loss_and_grads", "run"]
 
-TRAINABLE_PARAMS = ("kernel", "bias", "gamma", "beta", "table")
 GELU_C = float(np.sqrt(2.0 / np.pi))
 PROBABILITY_CLIP = 1e-7
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -403,6 +402,34 @@ def _gelu(node: Node, inputs, params: Params, ctx: _Context):
     return 0.5 * x * (1.0 + t), {"t": t}
 
 
+def _moe_route(x: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's chosen experts (..., k), best first, ties to the lower index, and their gates: the
+    router's softmax over those experts, which is its softmax over all renormalised over the chosen."""
+    logits = x @ router
+    chosen = np.argsort(-logits, axis=-1, kind="stable")[..., :top_k]
+    picked = np.take_along_axis(logits, chosen, axis=-1)
+    gates = np.exp(picked - picked.max(axis=-1, keepdims=True))
+    return chosen, gates / gates.sum(axis=-1, keepdims=True)
+
+
+def _moe(node: Node, inputs, params: Params, ctx: _Context):
+    (x,) = inputs
+    chosen, gates = _moe_route(x, params["router"], node.attrs["top_k"])
+    y = np.zeros_like(x)
+    experts = []  # per expert: (token positions, slot, hidden pre-activation, gelu state, output)
+    flat_x, flat_chosen, flat_gates = x.reshape(-1, x.shape[-1]), chosen.reshape(-1, chosen.shape[-1]), \
+        gates.reshape(-1, gates.shape[-1])
+    flat_y = y.reshape(-1, x.shape[-1])
+    for e in range(node.attrs["experts"]):
+        tokens, slot = np.nonzero(flat_chosen == e)
+        h = flat_x[tokens] @ params["w_in"][e] + params["b_in"][e]
+        t = np.tanh(GELU_C * (h + 0.044715 * h ** 3))
+        out = (0.5 * h * (1.0 + t)) @ params["w_out"][e] + params["b_out"][e]
+        np.add.at(flat_y, tokens, flat_gates[tokens, slot][:, None] * out)
+        experts.append((tokens, slot, h, t, out))
+    return y, {"chosen": chosen, "gates": gates, "experts": experts}
+
+
 _FORWARD: dict[str, Callable] = {
     "conv2d": _conv2d,
     "batch_norm": _batch_norm,
@@ -425,6 +452,7 @@ _FORWARD: dict[str, Callable] = {
     "layer_norm": _layer_norm,
     "attention": _attention,
     "gelu": _gelu,
+    "moe": _moe,
 }
 
 
@@ -611,6 +639,35 @@ def _gelu_grad(node: Node, dy, inputs, out, params: Params, cache, training: boo
     return [dy * slope], {}
 
 
+def _moe_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    (x,) = inputs
+    d = x.shape[-1]
+    flat_x, flat_dy = x.reshape(-1, d), dy.reshape(-1, d)
+    gates = cache["gates"].reshape(-1, node.attrs["top_k"])
+    dgates = np.zeros_like(gates)
+    dx = np.zeros_like(flat_x)
+    grads = {name: np.zeros_like(params[name]) for name in ("w_in", "b_in", "w_out", "b_out")}
+    for e, (tokens, slot, h, t, expert_out) in enumerate(cache["experts"]):
+        g = gates[tokens, slot][:, None]
+        dgates[tokens, slot] = (flat_dy[tokens] * expert_out).sum(axis=-1)
+        dout = flat_dy[tokens] * g
+        act = 0.5 * h * (1.0 + t)
+        grads["w_out"][e] = act.T @ dout
+        grads["b_out"][e] = dout.sum(axis=0)
+        slope = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * h * h)
+        dh = (dout @ params["w_out"][e].T) * slope
+        grads["w_in"][e] = flat_x[tokens].T @ dh
+        grads["b_in"][e] = dh.sum(axis=0)
+        np.add.at(dx, tokens, dh @ params["w_in"][e].T)
+    # The gates are a softmax over the chosen logits; the others get no gradient.
+    dpicked = gates * (dgates - (dgates * gates).sum(axis=-1, keepdims=True))
+    dlogits = np.zeros((flat_x.shape[0], node.attrs["experts"]), dy.dtype)
+    np.put_along_axis(dlogits, cache["chosen"].reshape(gates.shape), dpicked, axis=-1)
+    grads["router"] = flat_x.T @ dlogits
+    dx += dlogits @ params["router"].T
+    return [dx.reshape(x.shape)], grads
+
+
 _BACKWARD: dict[str, Callable] = {
     "conv2d": _conv2d_grad,
     "batch_norm": _batch_norm_grad,
@@ -633,6 +690,7 @@ _BACKWARD: dict[str, Callable] = {
     "layer_norm": _layer_norm_grad,
     "attention": _attention_grad,
     "gelu": _gelu_grad,
+    "moe": _moe_grad,
 }
 
 
@@ -742,7 +800,7 @@ def _backward_from(trace: Trace, start: str, grad: np.ndarray):
             grads[i] = dx if i not in grads else grads[i] + dx  # never in place: dx may be shared
     for nid, shapes in graph.all_param_shapes().items():
         for pname, shape in shapes.items():
-            if pname in TRAINABLE_PARAMS and pname not in param_grads[nid]:
+            if is_trainable(pname) and pname not in param_grads[nid]:
                 param_grads[nid][pname] = np.zeros(shape, trace.dtype)
     if grad_input is None:
         grad_input = np.zeros(trace.outputs[graph.input_id].shape, trace.dtype)
