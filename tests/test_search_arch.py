@@ -55,3 +55,22 @@ def test_morphs_move_the_architecture_by_what_they_change():
     skipped = morph.skip(graph, None, "pool1", "conv2_block1_1_relu").graph
     assert len(encode(skipped).skips) == len(base.skips) + 1
     assert encode(skipped).to_json() == ArchCode.from_json(encode(skipped).to_json()).to_json()
+
+
+def test_transformer_codes_see_every_morph_and_rank_them_by_what_they_change():
+    from aiperf_core import transformer_morph as T
+    from aiperf_core.builders import gpt
+    from aiperf_core.search.arch import ATTENTION, DENSE, MOE
+
+    graph = gpt(layers=2, hidden=32, heads=2, seq_len=8, vocab=16)
+    code = encode(graph)
+    # Per block: q, k, v, attention, projection, fc1, fc2; then the LM head. Two residual adds a block.
+    assert code.layers[:7, 0].tolist() == [DENSE] * 3 + [ATTENTION] + [DENSE] * 3
+    assert code.layers[3].tolist() == [ATTENTION, 32, 2] and len(code.layers) == 15 and len(code.skips) == 4
+    children = {op: T.random_morph(graph, None, np.random.default_rng(1), ops=(op,)).graph for op in T.OPERATORS}
+    moved = {op: float(distance_matrix([code], [encode(child)])[0, 0]) for op, child in children.items()}
+    assert all(value > 0 for value in moved.values()), moved
+    assert MOE in encode(children["upcycle_moe"]).layers[:, 0]
+    # A new block (7 layers, 2 skips) moves it most; one more head or wider MLP units, least.
+    assert moved["deeper"] > moved["double_width"] > max(moved["more_heads"], moved["wider_mlp"]), moved
+    assert moved["more_heads"] < 2 and moved["wider_mlp"] < 1, moved

@@ -1,8 +1,13 @@
 """Architecture codes and the edit distance between them (Auto-Keras style, Jin et al. 2019).
 
 An architecture is reduced to two sequences:
-  layers: one row per weighted layer (conv2d or dense) in topological order:
-          (kind, width, kernel), kind 0 for conv2d and 1 for dense, width its filters or units;
+  layers: one row per weighted layer in topological order: (kind, width, kernel), with
+          kind 0 conv2d: its filters and kernel size;
+          kind 1 dense: its units, kernel 1;
+          kind 2 attention: its width heads * head_dim, and its heads in the kernel's place (so that
+                 more heads of the same width move it in both);
+          kind 3 moe: its experts' hidden units, and its experts in the kernel's place;
+          a transformer's attention and mixture of experts count as layers, as its dense ones do;
   skips:  one row per `add` node: (u, d), u the rank of the layer the connection leaves from
           and d the number of weighted layers it skips.
 
@@ -28,7 +33,7 @@ import numpy as np
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph
 
-CONV, DENSE = 0, 1
+CONV, DENSE, ATTENTION, MOE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,12 @@ def encode(graph: Graph) -> ArchCode:
             rank[node.id] = len(layers) - 1
         elif node.op == "dense":
             layers.append((DENSE, node.attrs["units"], 1))
+            rank[node.id] = len(layers) - 1
+        elif node.op == "attention":
+            layers.append((ATTENTION, node.attrs["heads"] * node.attrs["head_dim"], node.attrs["heads"]))
+            rank[node.id] = len(layers) - 1
+        elif node.op == "moe":
+            layers.append((MOE, node.attrs["units"], node.attrs["experts"]))
             rank[node.id] = len(layers) - 1
         else:
             rank[node.id] = below
