@@ -278,7 +278,8 @@ def _node(graph: Graph, node_id: Any, op: str | None, what: str) -> Node:
         raise GraphError(f"{what} must be a node id, got {node_id!r}")
     node = graph[node_id]
     if op is not None and node.op != op:
-        raise GraphError(f"{what} must be a {op} node, this is a {node.op}", node_id)
+        article = "an" if op[0] in "aeiou" else "a"
+        raise GraphError(f"{what} must be {article} {op} node, this is a {node.op}", node_id)
     return node
 
 

@@ -6,6 +6,9 @@ import pytest
 
 from aiperf_core import transformer_morph as T
 from aiperf_core.builders import gpt, resnet_small
+from aiperf_core.cli import main
+from aiperf_core.ir import load_graph
+from aiperf_core.weights import load_weights
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.ir import Graph, Node
 from aiperf_core.morph import CapExceeded, MorphCaps
@@ -204,7 +207,7 @@ def test_errors_name_the_node(parent):
         T.wider_mlp(graph, weights, "h0_q")
     with pytest.raises(GraphError, match="units must be a positive integer"):
         T.wider_mlp(graph, weights, "h0_fc1", units=0)
-    with pytest.raises(GraphError, match="must be a attention node|must be an attention node"):
+    with pytest.raises(GraphError, match="must be an attention node, this is a dense"):
         T.more_heads(graph, weights, "h0_q")
     with pytest.raises(GraphError, match="seed must be a non-negative integer"):
         T.more_heads(graph, weights, "h0_attn", seed=-1)
@@ -234,3 +237,38 @@ def test_more_heads_refuses_a_projection_another_node_reads():
     with pytest.raises(GraphError, match="'h0_v' must be a dense node read by the attention alone"):
         T.more_heads(shared, None, "h0_attn")
     assert "h0_attn" not in T.growable_attention(shared)
+
+
+GPT_ARGS = ["gpt", "--layers", "2", "--hidden", "32", "--heads", "2", "--seq-len", "12", "--vocab", "40"]
+
+
+def test_cli_grows_a_gpt_and_the_child_computes_what_its_parent_did(tmp_path, capsys):
+    assert main(["morph", *GPT_ARGS, "--steps", "5", "--seed", "4", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("gpt: ") and out[0].endswith("per sequence")
+    assert sum(line.startswith("step ") for line in out) == 5 and out[-1].startswith("wrote ")
+    graph = load_graph(tmp_path / "out" / "graph.json")
+    weights = load_weights(tmp_path / "out" / "weights.npz", graph)
+    assert len(graph.history) == 5 and all(h["op"] in T.OPERATORS for h in graph.history)
+    parent = gpt(**SIZES)
+    x = tokens(parent)
+    want = logits(parent, init_weights(parent, 4), x)
+    np.testing.assert_allclose(logits(graph, weights, x), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    assert main(["morph", *GPT_ARGS, "--op", "upcycle_moe", "--node", "h1_fc1", "--out", str(tmp_path / "moe")]) == 0
+    assert "upcycle_moe fc1=h1_fc1 experts=4 top_k=2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--op", "wider"], "--op wider is not a morph of a transformer (its morphs: deeper, wider_mlp, more_heads, "
+                        "double_width, upcycle_moe)"),
+    (["--op", "double_width", "--node", "h0_fc1"], "--op double_width takes no --node"),
+    (["--op", "more_heads", "--node", "h0_fc1"], "node 'h0_fc1': more_heads: 'attention' must be an attention node"),
+    (["--op", "deeper", "--node", "h0_q"], "node 'h0_q': deeper: 'after' must be an add or position_embedding"),
+])
+def test_cli_errors_are_one_line_with_status_2(tmp_path, capsys, argv, message):
+    assert main(["morph", *GPT_ARGS, *argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("aiperf: error: ") and message in err
+    assert not (tmp_path / "out").exists()
+    assert main(["morph", "resnet_small", "--op", "upcycle_moe", "--out", str(tmp_path / "out")]) == 2
+    assert "--op upcycle_moe is not a morph of a CNN" in capsys.readouterr().err

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from aiperf_core.commands.options import add_model_arguments, non_negative_int, positive_int
+from aiperf_core.commands.options import add_gpt_size_arguments, add_model_arguments, gpt_sizes, non_negative_int
 from aiperf_core.models import load_model
 
 HELP = ("count the analytic operations of a model (builder name, IR .json or .onnx), per image (per sequence "
@@ -25,11 +25,7 @@ _TABLE3_ROWS = (
 
 def add_arguments(p) -> None:
     add_model_arguments(p, "builder name (resnet50, resnet_small, gpt), IR .json or .onnx file")
-    gpt = p.add_argument_group("gpt builder sizes (defaults: 2 layers, hidden 128, 4 heads, seq-len 128, vocab 256)")
-    for flag, what in (("--layers", "transformer blocks"), ("--hidden", "model width H"),
-                       ("--heads", "attention heads (they divide H)"), ("--seq-len", "tokens per sequence S"),
-                       ("--vocab", "vocabulary size V"), ("--ffn", "MLP width (default 4H)")):
-        gpt.add_argument(flag, type=positive_int, default=None, metavar="N", help=what)
+    add_gpt_size_arguments(p)
     p.add_argument("--train-images", type=non_negative_int, default=None, metavar="N",
                    help="training images per epoch, for the per-epoch figure")
     p.add_argument("--val-images", type=non_negative_int, default=None, metavar="M",
@@ -42,8 +38,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     from aiperf_opcount import count
 
-    graph, _ = load_model(args.model, args.input, args.classes, layers=args.layers, hidden=args.hidden,
-                          heads=args.heads, seq_len=args.seq_len, vocab=args.vocab, ffn=args.ffn)
+    graph, _ = load_model(args.model, args.input, args.classes, **gpt_sizes(args))
     result = count(graph, args.convention)
     epoch = args.train_images is not None or args.val_images is not None
     if args.json:

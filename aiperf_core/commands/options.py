@@ -53,6 +53,23 @@ def add_model_arguments(p, what: str = "builder name (resnet50, resnet_small), I
                    help="number of classes for builder models (default: the builder's, 1000 for resnet50)")
 
 
+GPT_SIZE_FLAGS = (("--layers", "transformer blocks"), ("--hidden", "model width H"),
+                  ("--heads", "attention heads (they divide H)"), ("--seq-len", "tokens per sequence S"),
+                  ("--vocab", "vocabulary size V"), ("--ffn", "MLP width (default 4H)"))
+
+
+def add_gpt_size_arguments(p) -> None:
+    """The gpt builder's size options (docs: builders.GPT_DEFAULTS)."""
+    group = p.add_argument_group("gpt builder sizes (defaults: 2 layers, hidden 128, 4 heads, seq-len 128, vocab 256)")
+    for flag, what in GPT_SIZE_FLAGS:
+        group.add_argument(flag, type=positive_int, default=None, metavar="N", help=what)
+
+
+def gpt_sizes(args) -> dict:
+    """The gpt size options as load_model's keyword arguments (None: the builder's default)."""
+    return {flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_")) for flag, _ in GPT_SIZE_FLAGS}
+
+
 def path_problem(what: str, path: str | os.PathLike, exc: OSError) -> AiperfError:
     """One line for a filesystem error: `what` (an option and `path`, or `path`), the reason, and
     the path that failed where it is another one (a parent folder, a file inside)."""
