@@ -24,7 +24,8 @@ and `delta` is the change in analytic ops per sequence, from the nodes the morph
   so every layer norm computes what it did, on both copies. The embeddings, positions and norms are
   copied; each dense layer reads two copies of each input, and its two shares of each weight
   (random, a + b = 1, for the reason wider_mlp's are) sum to the original, for both copies of each
-  output; the LM head keeps its vocabulary-wide output, so the logits do not change.
+  output; the LM head keeps its vocabulary-wide output, so the logits do not change. A moe node doubles
+  as a dense pair does, expert by expert, and its router as the LM head: the routing does not change.
 * upcycle_moe: an MLP becomes a mixture of experts (one `moe` node, aiperf_core.ir) whose experts are
   all copies of it, behind a He-normal router (Komatsuzaki et al., "Sparse Upcycling", 2022). The
   gates of a token's top_k experts are renormalised to sum to 1, so the output is the MLP's whatever
@@ -54,7 +55,7 @@ _LN_EPSILON = 1e-5  # builders.gpt's
 _RESIDUAL = frozenset({"add", "position_embedding"})
 # The ops double_width has a rule for: a graph holding another is refused.
 _DOUBLING_OPS = frozenset({"token_input", "embedding", "position_embedding", "layer_norm", "dense", "attention",
-                           "gelu", "add", "softmax"})
+                           "gelu", "add", "softmax", "moe"})
 
 
 def _seed(value, what: str, where: str) -> int:
@@ -314,7 +315,7 @@ def _plan_double_width(graph: Graph, seed: int = 0, index: _Index | None = None)
     head = _lm_head(graph)
     seed = _seed(seed, "double_width", head)
     index = index or _Index(graph)
-    doubled = {"embedding": "units", "dense": "units", "attention": "heads"}
+    doubled = {"embedding": "units", "dense": "units", "attention": "heads", "moe": "units"}
 
     def grown(n: Node) -> Node:
         key = doubled.get(n.op)
@@ -334,17 +335,28 @@ def _plan_double_width(graph: Graph, seed: int = 0, index: _Index | None = None)
                 out[n.id] = {k: np.concatenate([v, v], axis=-1) for k, v in _params(graph, weights, n.id).items()}
             elif n.op == "dense":
                 params = _params(graph, weights, n.id)
-                kernel = np.asarray(params["kernel"])
-                share = rng.uniform(0.25, 0.75, (kernel.shape[0], kernel.shape[1] * (1 if n.id == head else 2)))
-                copies = kernel if n.id == head else np.concatenate([kernel, kernel], axis=1)
-                top = (share * copies).astype(kernel.dtype)
-                out[n.id] = {"kernel": np.concatenate([top, copies - top])}  # the two copies of each input row
+                out[n.id] = {"kernel": _doubled_kernel(params["kernel"], rng, outputs=n.id != head)}
                 if "bias" in params:
                     bias = np.asarray(params["bias"])
                     out[n.id]["bias"] = bias if n.id == head else np.concatenate([bias, bias])
+            elif n.op == "moe":  # the router's logits stay (so does the routing); each expert as a dense pair
+                params = _params(graph, weights, n.id)
+                out[n.id] = {"router": _doubled_kernel(params["router"], rng, outputs=False),
+                             **{k: np.stack([_doubled_kernel(w, rng, outputs=True) for w in params[k]])
+                                for k in ("w_in", "w_out")},
+                             **{k: np.concatenate([params[k], params[k]], axis=-1) for k in ("b_in", "b_out")}}
         return out
 
     return _Plan(child, record, make_weights)
+
+
+def _doubled_kernel(kernel, rng: np.random.Generator, outputs: bool) -> np.ndarray:
+    """An (in, out) kernel reading two copies of each input row: each weight split between them with
+    random shares; with `outputs`, every output column copied too (both copies compute the original)."""
+    kernel = np.asarray(kernel)
+    copies = np.concatenate([kernel, kernel], axis=1) if outputs else kernel
+    top = (rng.uniform(0.25, 0.75, copies.shape) * copies).astype(kernel.dtype)
+    return np.concatenate([top, copies - top])
 
 
 def double_width(graph: Graph, weights: Mapping | None, seed: int = 0, *,

@@ -126,6 +126,16 @@ def test_the_shapes_each_morph_makes(parent):
             np.testing.assert_array_equal(array, parent[1][name][p])
 
 
+def test_double_width_doubles_a_mixture_of_experts_too(parent):
+    graph, weights = parent
+    moe = T.upcycle_moe(graph, weights, "h0_fc1", seed=3)
+    wide = T.double_width(moe.graph, moe.weights, seed=4)
+    node = moe.record["args"]["prefix"] + "_moe"
+    assert wide.graph[node].attrs == {"experts": 4, "top_k": 2, "units": 256}
+    assert_same_function(graph, weights, wide)
+    assert_delta(moe.graph, wide)
+
+
 def test_a_chain_of_random_morphs_still_computes_the_seed(parent):
     graph, weights = parent
     grown, grown_weights = graph, weights
@@ -219,8 +229,6 @@ def test_errors_name_the_node(parent):
         T.replay(graph, None, {"op": "wider", "args": {}, "parent": hash_})
     with pytest.raises(GraphError, match="top_k \\(3\\) must not exceed experts \\(2\\)"):
         T.upcycle_moe(graph, weights, "h0_fc1", experts=2, top_k=3)
-    with pytest.raises(GraphError, match="double_width: a moe node has no width rule"):
-        T.double_width(T.upcycle_moe(graph, None, "h0_fc1").graph, None)
     with pytest.raises(GraphError, match="double_width: a input node has no width rule"):
         T.double_width(resnet_small(), None)
     assert not T.doublable(resnet_small())
