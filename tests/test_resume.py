@@ -22,9 +22,9 @@ from test_workflow import TINY_POLICY
 
 SEED = 20261122
 KILL_POINTS = 22
-# The longest pause before a kill. The seeded draws are the same at any scale; 3.5 s still spans a
+# The longest pause before a kill. The seeded draws are the same at any scale; 2.5 s still spans a
 # primary's start-up and a replica's, and a trial's epoch takes about 2 s here.
-MAX_PAUSE_S = 3.5
+MAX_PAUSE_S = 2.5
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from aiperf_core.backend import CounterConvention, NativeCounter
+from aiperf_core.gcpause import gc_frozen
 
 CONVENTION = CounterConvention(
     mac_ops=2,
@@ -61,7 +62,7 @@ _MODE_LOCK = threading.Lock()
 def _graph_mode():
     import mindspore as ms
 
-    with _MODE_LOCK:
+    with _MODE_LOCK, gc_frozen():  # MindSpore collects before each compile: only what the count makes
         saved = ms.get_context("mode")
         ms.set_context(mode=ms.GRAPH_MODE)
         try:
