@@ -69,7 +69,7 @@ def test_every_transformer_check_of_every_level_is_unsupported_on_a_cnn_only_bac
     backend = CnnOnly()
     ctx = Context(backend, Expectations(), device=backend.devices()[0], precisions=("fp32",))
     lm = [c for c in collect(ctx, LEVELS) if c.workload == "lm"]
-    assert {c.level for c in lm} == {"op", "graph", "train", "count"}
+    assert {c.level for c in lm} == {"op", "graph", "train", "count", "morph"}
     for check in lm:
         result = run_check(ctx, check)
         assert result.status == "unsupported" and result.workload == "lm", check.id

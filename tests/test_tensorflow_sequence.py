@@ -101,6 +101,8 @@ OP_CASES = {
     "layer_norm": (SEQUENCE, [PRE_DENSE, {"id": "op", "op": "layer_norm", "inputs": ["pre"],
                                           "attrs": {"epsilon": 1e-3}}]),
     "gelu": (SEQUENCE, [PRE_DENSE, {"id": "op", "op": "gelu", "inputs": ["pre"]}]),
+    "moe": (SEQUENCE, [PRE_DENSE, {"id": "op", "op": "moe", "inputs": ["pre"], "attrs": {
+        "experts": 3, "top_k": 2, "units": 5}}]),
     "causal_attention": (SEQUENCE, [
         *({"id": w, "op": "dense", "inputs": ["x"], "attrs": {"units": 8}} for w in "qkv"),
         {"id": "op", "op": "attention", "inputs": ["q", "k", "v"], "attrs": {"heads": 2, "head_dim": 4}}]),
