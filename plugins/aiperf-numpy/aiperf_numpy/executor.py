@@ -402,11 +402,11 @@ def _gelu(node: Node, inputs, params: Params, ctx: _Context):
     return 0.5 * x * (1.0 + t), {"t": t}
 
 
-def _moe_route(x: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each token's chosen experts (..., k), best first, ties to the lower index, and their gates: the
-    router's softmax over those experts, which is its softmax over all renormalised over the chosen."""
-    logits = x @ router
-    chosen = np.argsort(-logits, axis=-1, kind="stable")[..., :top_k]
+def _moe_route(tokens: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's (T, D) chosen experts (T, k), best first, ties to the lower index, and their gates:
+    the router's softmax over those experts, which is its softmax over all renormalised over the chosen."""
+    logits = tokens @ router
+    chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]
     picked = np.take_along_axis(logits, chosen, axis=-1)
     gates = np.exp(picked - picked.max(axis=-1, keepdims=True))
     return chosen, gates / gates.sum(axis=-1, keepdims=True)
@@ -414,20 +414,18 @@ def _moe_route(x: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarra
 
 def _moe(node: Node, inputs, params: Params, ctx: _Context):
     (x,) = inputs
-    chosen, gates = _moe_route(x, params["router"], node.attrs["top_k"])
-    y = np.zeros_like(x)
-    experts = []  # per expert: (token positions, slot, hidden pre-activation, gelu state, output)
-    flat_x, flat_chosen, flat_gates = x.reshape(-1, x.shape[-1]), chosen.reshape(-1, chosen.shape[-1]), \
-        gates.reshape(-1, gates.shape[-1])
-    flat_y = y.reshape(-1, x.shape[-1])
+    flat = x.reshape(-1, x.shape[-1])  # every token of every sequence
+    chosen, gates = _moe_route(flat, params["router"], node.attrs["top_k"])
+    y = np.zeros_like(flat)
+    experts = []  # per expert: (its tokens, their slot in `chosen`, hidden pre-activation, gelu state, output)
     for e in range(node.attrs["experts"]):
-        tokens, slot = np.nonzero(flat_chosen == e)
-        h = flat_x[tokens] @ params["w_in"][e] + params["b_in"][e]
+        tokens, slot = np.nonzero(chosen == e)  # a token chooses an expert once: `tokens` has no repeats
+        h = flat[tokens] @ params["w_in"][e] + params["b_in"][e]
         t = np.tanh(GELU_C * (h + 0.044715 * h ** 3))
         out = (0.5 * h * (1.0 + t)) @ params["w_out"][e] + params["b_out"][e]
-        np.add.at(flat_y, tokens, flat_gates[tokens, slot][:, None] * out)
+        y[tokens] += gates[tokens, slot][:, None] * out
         experts.append((tokens, slot, h, t, out))
-    return y, {"chosen": chosen, "gates": gates, "experts": experts}
+    return y.reshape(x.shape), {"chosen": chosen, "gates": gates, "experts": experts}
 
 
 _FORWARD: dict[str, Callable] = {
@@ -641,29 +639,26 @@ def _gelu_grad(node: Node, dy, inputs, out, params: Params, cache, training: boo
 
 def _moe_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
     (x,) = inputs
-    d = x.shape[-1]
-    flat_x, flat_dy = x.reshape(-1, d), dy.reshape(-1, d)
-    gates = cache["gates"].reshape(-1, node.attrs["top_k"])
+    flat, flat_dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
+    gates = cache["gates"]
     dgates = np.zeros_like(gates)
-    dx = np.zeros_like(flat_x)
+    dx = np.zeros_like(flat)
     grads = {name: np.zeros_like(params[name]) for name in ("w_in", "b_in", "w_out", "b_out")}
     for e, (tokens, slot, h, t, expert_out) in enumerate(cache["experts"]):
-        g = gates[tokens, slot][:, None]
         dgates[tokens, slot] = (flat_dy[tokens] * expert_out).sum(axis=-1)
-        dout = flat_dy[tokens] * g
-        act = 0.5 * h * (1.0 + t)
-        grads["w_out"][e] = act.T @ dout
+        dout = flat_dy[tokens] * gates[tokens, slot][:, None]
+        grads["w_out"][e] = (0.5 * h * (1.0 + t)).T @ dout
         grads["b_out"][e] = dout.sum(axis=0)
         slope = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * h * h)
         dh = (dout @ params["w_out"][e].T) * slope
-        grads["w_in"][e] = flat_x[tokens].T @ dh
+        grads["w_in"][e] = flat[tokens].T @ dh
         grads["b_in"][e] = dh.sum(axis=0)
-        np.add.at(dx, tokens, dh @ params["w_in"][e].T)
+        dx[tokens] += dh @ params["w_in"][e].T  # no repeats in `tokens` (the forward's rule)
     # The gates are a softmax over the chosen logits; the others get no gradient.
     dpicked = gates * (dgates - (dgates * gates).sum(axis=-1, keepdims=True))
-    dlogits = np.zeros((flat_x.shape[0], node.attrs["experts"]), dy.dtype)
-    np.put_along_axis(dlogits, cache["chosen"].reshape(gates.shape), dpicked, axis=-1)
-    grads["router"] = flat_x.T @ dlogits
+    dlogits = np.zeros((flat.shape[0], node.attrs["experts"]), dy.dtype)
+    np.put_along_axis(dlogits, cache["chosen"], dpicked, axis=-1)
+    grads["router"] = flat.T @ dlogits
     dx += dlogits @ params["router"].T
     return [dx.reshape(x.shape)], grads
 
