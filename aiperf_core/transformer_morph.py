@@ -43,7 +43,7 @@ from aiperf_core.gcpause import gc_paused
 from aiperf_core.ir import Graph, Node
 from aiperf_core.morph import (MorphCaps, MorphResult, _checked_record, _delta, _distinct_children, _dtype, _Index,
                                _insert_after, _node, _params, _Plan, _prefix, _record, _rewired)
-from aiperf_core.weights import Weights, init_node_weights
+from aiperf_core.weights import Weights, he_normal, init_node_weights
 
 OPERATORS = ("deeper", "wider_mlp", "more_heads", "double_width", "upcycle_moe")
 WIDER_MLP_FACTOR = 0.5  # a drawn wider_mlp adds half the MLP's units
@@ -413,7 +413,7 @@ def _plan_upcycle_moe(graph: Graph, fc1: str, experts: int = MOE_EXPERTS, top_k:
         def stack(array) -> np.ndarray:
             return np.repeat(np.asarray(array)[None], experts, axis=0)
 
-        router = init_node_weights(child, moe, np.random.default_rng(seed), dtype)["router"]
+        router = he_normal((width, experts), width, np.random.default_rng(seed), dtype)  # as init_weights draws it
         out[moe] = {"router": router, "w_in": stack(first["kernel"]), "b_in": stack(first["bias"]),
                     "w_out": stack(second["kernel"]), "b_out": stack(second["bias"])}
         return out

@@ -61,8 +61,7 @@ def init_node_weights(graph: Graph, node_id: str, rng: np.random.Generator, dtyp
     for pname, shape in graph.param_shapes(node_id).items():
         if pname in ("kernel", "router", "w_in", "w_out"):
             # A conv's fan-in is its window times its input channels; an expert stack's (E, in, out) is `in`.
-            fan_in = math.prod(shape[:-1]) if pname == "kernel" else shape[-2]
-            w[pname] = (rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)).astype(dtype)
+            w[pname] = he_normal(shape, math.prod(shape[:-1]) if pname == "kernel" else shape[-2], rng, dtype)
         elif pname == "table":
             w[pname] = (rng.standard_normal(shape) * 0.02).astype(dtype)
         elif pname in ("gamma", "moving_variance") or (pname == "value" and node.op == "mul_const"):
@@ -70,6 +69,11 @@ def init_node_weights(graph: Graph, node_id: str, rng: np.random.Generator, dtyp
         else:
             w[pname] = np.zeros(shape, dtype)
     return w
+
+
+def he_normal(shape, fan_in: int, rng: np.random.Generator, dtype=np.float32) -> np.ndarray:
+    """He et al.'s normal initialisation: standard deviation sqrt(2 / fan_in)."""
+    return (rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)).astype(dtype)
 
 
 def save_weights(weights: Mapping[str, Mapping[str, np.ndarray]], path) -> None:
