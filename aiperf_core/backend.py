@@ -18,6 +18,7 @@ every one of its checks ran.
 from __future__ import annotations
 
 import abc
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -81,20 +82,37 @@ class Availability:
     reason: str | None = None  # why not, when unavailable
 
 
+SCHEDULE_SHAPES = ("linear", "cosine")
+
+
 @dataclass(frozen=True)
 class Schedule:
-    """Learning rate per epoch: `initial` decayed linearly to `final_fraction * initial` over `epochs`."""
+    """Learning rate per epoch: a linear warm-up over `warmup_epochs`, then `initial` decayed to
+    `final_fraction * initial` over the remaining epochs, linearly or along a half cosine."""
 
     initial: float = 0.1
     final_fraction: float = 0.0
     warmup_epochs: int = 0
+    shape: str = "linear"
 
     def rate(self, epoch: int, epochs: int) -> float:
         if epoch < self.warmup_epochs:
             return self.initial * (epoch + 1) / (self.warmup_epochs + 1)
         span = max(epochs - self.warmup_epochs, 1)
         progress = (epoch - self.warmup_epochs) / span
+        if self.shape == "cosine":
+            progress = 0.5 * (1.0 - math.cos(math.pi * progress))
         return self.initial * (1.0 - (1.0 - self.final_fraction) * progress)
+
+
+# sgd-momentum: torch.optim.SGD's v = momentum * v + g; w -= lr * v.
+# adamw: torch.optim.AdamW's (Loshchilov and Hutter), bias-corrected, epsilon added to the root:
+#   w *= 1 - lr * weight_decay   (matrices only: optim.is_decayed)
+#   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+#   w -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + epsilon)
+# grad_clip (either optimizer): every gradient scaled by min(1, grad_clip / (norm + 1e-6)), norm the
+# 2-norm of all gradients together (torch.nn.utils.clip_grad_norm_), before the update.
+OPTIMIZERS = ("sgd-momentum", "adamw")
 
 
 @dataclass(frozen=True)
@@ -106,6 +124,11 @@ class TrainConfig:
     label_smoothing: float = 0.0
     precision: str = "fp32"
     seed: int = 0
+    optimizer: str = "sgd-momentum"  # one of OPTIMIZERS; its update rule is written out above
+    betas: tuple[float, float] = (0.9, 0.95)  # adamw's b1, b2
+    weight_decay: float = 0.0  # adamw's decoupled decay
+    adam_epsilon: float = 1e-8
+    grad_clip: float | None = None  # the global gradient 2-norm's ceiling; None: no clipping
     # The devices to train on, a subset of Backend.devices() in its order; None: all of them. More
     # than one needs a backend whose parallelism() declares data parallelism.
     devices: tuple[str, ...] | None = None
@@ -570,8 +593,10 @@ def batches(n: int, batch_size: int, rng: np.random.Generator | None = None) -> 
 
 
 def one_hot(labels: np.ndarray, classes: int, label_smoothing: float = 0.0, dtype=np.float32) -> np.ndarray:
-    y = np.zeros((len(labels), classes), dtype)
-    y[np.arange(len(labels)), labels] = 1
+    """Labels of any shape, (N,) per image or (N, S) per token, as one-hot rows on a last axis."""
+    labels = np.asarray(labels)
+    y = np.zeros(labels.shape + (classes,), dtype)
+    np.put_along_axis(y, labels[..., None], 1, axis=-1)
     if label_smoothing:
         y = y * (1 - label_smoothing) + label_smoothing / classes
     return y
@@ -643,6 +668,17 @@ def check_train_config(config: TrainConfig) -> None:
         raise BackendError(f"batch_size must be >= 1, got {config.batch_size}")
     if not 0.0 <= config.label_smoothing <= 1.0:
         raise BackendError(f"label_smoothing must be in [0, 1], got {config.label_smoothing}")
+    if config.optimizer not in OPTIMIZERS:
+        raise BackendError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {config.optimizer!r}")
+    if config.schedule.shape not in SCHEDULE_SHAPES:
+        raise BackendError(f"schedule.shape must be one of {', '.join(SCHEDULE_SHAPES)}, got {config.schedule.shape!r}")
+    if len(config.betas) != 2 or not all(0.0 <= b < 1.0 for b in config.betas):
+        raise BackendError(f"betas must be two numbers in [0, 1), got {config.betas!r}")
+    if config.weight_decay < 0.0 or not config.adam_epsilon > 0.0:
+        raise BackendError(f"weight_decay must be >= 0 and adam_epsilon > 0, got {config.weight_decay} and "
+                           f"{config.adam_epsilon}")
+    if config.grad_clip is not None and not config.grad_clip > 0.0:
+        raise BackendError(f"grad_clip must be > 0 or None, got {config.grad_clip}")
 
 
 def is_streaming(data) -> bool:

@@ -42,7 +42,7 @@ DEFAULTS_FILE = Path(__file__).parent / "defaults.json"
 
 # Tolerance keys per precision. The op, graph and train levels run at every declared precision; the
 # morph, count and parallel levels at fp32 only, so their keys exist only there.
-PER_PRECISION_KEYS = ("op", "op_grad", "op_grad_lm", "graph", "graph_lm", "graph_zoo", "train_grad")
+PER_PRECISION_KEYS = ("op", "op_grad", "op_grad_lm", "graph", "graph_lm", "graph_zoo", "train_grad", "optimizer")
 FP32_ONLY_KEYS = ("morph", "count", "count_other", "parallel")
 TOLERANCE_KEYS = PER_PRECISION_KEYS + FP32_ONLY_KEYS
 TOP_LEVEL_KEYS = ("about", "tolerances", "xfail")

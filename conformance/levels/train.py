@@ -16,7 +16,9 @@ from aiperf_core.backend import Dataset, Schedule, TrainConfig
 from aiperf_core.builders import gpt, resnet_small
 from aiperf_core.transformer_morph import upcycle_moe
 from aiperf_conformance.cases import trained_looking_weights
-from aiperf_conformance.kit import Check, Context, Outcome, new_ops, reference
+from aiperf_core.ir import is_trainable
+from aiperf_core.optim import HostOptimizer, grad_norm
+from aiperf_conformance.kit import Check, Context, Outcome, new_ops, normwise_error, reference
 from aiperf_conformance.levels.op import compare_grads, key_biases
 
 # The digits run: enough for the small ResNet to pass 90% with plain SGD on every backend.
@@ -164,6 +166,65 @@ def gpt_gradients(ctx: Context, precision: str, moe: bool = False) -> Outcome:
                          zero_in_exact=key_biases(graph))
 
 
+# The optimizer checks: a few steps on one fixed batch (the whole batch in one step, so that no
+# shuffle order matters), weights compared with the float64 reference applying aiperf_core.optim.
+OPTIMIZER_STEPS = 3
+
+
+def _optimizer_config(ctx: Context, precision: str, optimizer: str, batch: int, grad_clip: float | None):
+    if optimizer == "adamw":  # warm-up, cosine decay and decay: every part of the LM policy's rule moves the weights
+        schedule = Schedule(initial=0.01, final_fraction=0.1, warmup_epochs=1, shape="cosine")
+        return TrainConfig(epochs=OPTIMIZER_STEPS, batch_size=batch, schedule=schedule, optimizer="adamw",
+                           betas=(0.9, 0.95), weight_decay=0.1, seed=ctx.seed, precision=precision)
+    return TrainConfig(epochs=OPTIMIZER_STEPS, batch_size=batch, schedule=Schedule(initial=0.05), momentum=0.9,
+                       grad_clip=grad_clip, seed=ctx.seed, precision=precision)
+
+
+def optimizer_matches_reference(ctx: Context, precision: str, optimizer: str) -> Outcome:
+    """train() over OPTIMIZER_STEPS epochs of one batch against the reference's steps. The error is
+    normwise per tensor on the weights' change (the update, not the weights it is added to). The
+    attention key biases are left out: their exact gradient is zero (compare_grads), so that AdamW,
+    which divides a gradient by its own size, turns the backend's rounding into steps of up to lr.
+    `sgd-clip` is SGD with momentum under a gradient clip at half the first step's gradient norm:
+    AdamW is nearly blind to a clip that scales every step alike."""
+    graph, weights, x, y = _gpt_batch(ctx, 23, 8)
+    ref = reference()
+    exact = {n: {p: np.asarray(a, np.float64) for p, a in ps.items()} for n, ps in weights.items()}
+    grad_clip = None
+    if optimizer == "sgd-clip":
+        _, first, _ = ref.loss_and_grads(graph, exact, x, y, dtype=np.float64)
+        grad_clip = 0.5 * grad_norm(first)
+    config = _optimizer_config(ctx, precision, "adamw" if optimizer == "adamw" else "sgd-momentum", len(x),
+                               grad_clip)
+    stepper = HostOptimizer(config, exact, is_trainable)
+    for epoch in range(OPTIMIZER_STEPS):
+        _, grads, _ = ref.loss_and_grads(graph, exact, x, y, dtype=np.float64)
+        stepper.step(exact, grads, config.schedule.rate(epoch, config.epochs))
+    model = ctx.backend.lower(graph, weights, precision=precision)
+    reports = ctx.backend.train(model, Dataset(x, y, x, y, graph.vocab), config)
+    if len(reports) != OPTIMIZER_STEPS:
+        return Outcome(False, len(reports), OPTIMIZER_STEPS, 0, f"{len(reports)} epoch reports for "
+                       f"{OPTIMIZER_STEPS} epochs of one step each")
+    trained = ctx.backend.export_weights(model)
+    tol = ctx.tolerance("optimizer", precision)
+    skipped = key_biases(graph)
+    worst = Outcome(True, 0.0, tol, tol, "")
+    for node_id, params in exact.items():
+        for name, value in params.items():
+            if not is_trainable(name) or (node_id, name) in skipped:
+                continue
+            start = np.asarray(weights[node_id][name], np.float64)
+            error = normwise_error(np.asarray(trained[node_id][name], np.float64) - start, value - start)
+            if error > tol or not np.isfinite(error):
+                return Outcome(False, error, tol, tol, f"node '{node_id}' parameter '{name}': its change after "
+                               f"{OPTIMIZER_STEPS} {optimizer} steps differs from the reference's by {error:.3g} "
+                               f"(normwise)")
+            if error > worst.measured:
+                worst = Outcome(True, error, tol, tol, f"worst tensor {node_id}.{name}: {error:.3g} normwise on the "
+                                f"change of {OPTIMIZER_STEPS} {optimizer} steps")
+    return worst
+
+
 def checks(ctx: Context):
     lm = dict(workload="lm", ops=new_ops(_gpt(False)))
     lm_moe = dict(workload="lm", ops=new_ops(_gpt(True)))
@@ -176,3 +237,6 @@ def checks(ctx: Context):
             yield Check("train", name, partial(run, precision=precision), precision, **lm)
             yield Check("train", name.replace("gpt_", "gpt_moe_"), partial(run, precision=precision, moe=True),
                         precision, **lm_moe)
+        for optimizer in ("adamw", "sgd-clip"):
+            yield Check("train", f"gpt_{optimizer.replace('-', '_')}_matches_reference",
+                        partial(optimizer_matches_reference, precision=precision, optimizer=optimizer), precision, **lm)

@@ -16,6 +16,7 @@ import numpy as np
 from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, StepClock, TrainConfig,
                                  accuracy, cross_entropy)
 from aiperf_core.ir import ALL_OPS, Graph, is_trainable
+from aiperf_core.optim import HostOptimizer
 from aiperf_core.weights import Weights, validate_weights
 from aiperf_numpy.executor import forward, loss_and_grads
 
@@ -88,8 +89,7 @@ class NumpyBackend(Backend):
         from aiperf_core.data.preprocess import model_input
         from aiperf_core.data.stream import train_batches, val_batches
 
-        velocity = {n: {p: np.zeros_like(a) for p, a in ps.items() if is_trainable(p)}
-                    for n, ps in model.weights.items()}
+        optimizer = HostOptimizer(config, model.weights, is_trainable)
         reports: list[EpochReport] = []
         clock = StepClock()
         for epoch in range(config.epochs):
@@ -103,12 +103,7 @@ class NumpyBackend(Backend):
                     loss, grads, moving = loss_and_grads(
                         model.graph, model.weights, model_input(batch.x), batch.y,
                         label_smoothing=config.label_smoothing, dtype=np.float32, seed=config.seed + seen)
-                    for node_id, params in grads.items():
-                        for name, g in params.items():
-                            v = velocity[node_id][name]
-                            v *= config.momentum
-                            v += g
-                            model.weights[node_id][name] -= lr * v
+                    optimizer.step(model.weights, grads, lr)
                     for node_id, stats in moving.items():
                         for name, value in stats.items():
                             model.weights[node_id][name] = value.astype(np.float32)
