@@ -20,7 +20,8 @@ where torch is not installed.
 * ops: every op of the IR (lowering.py says how each is lowered), image and sequence graphs alike.
 * train: TrainConfig.devices (default: every local device). One device trains in this process
   (the model moves there); several train data parallel, one spawned process per device
-  (distributed.py).
+  (distributed.py). The step is TrainConfig.optimizer's (SGD with momentum or AdamW), after the
+  optional global-norm clip of TrainConfig.grad_clip (training.py).
 """
 
 from __future__ import annotations

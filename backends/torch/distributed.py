@@ -3,7 +3,10 @@
 `train_data_parallel` spawns one process per device. Every process lowers the same graph with the
 same weights, wraps it in DistributedDataParallel and runs training.run_epochs with its rank: each
 global batch of `config.batch_size` images is cut into contiguous shards, one per rank, and the
-gradients are all-reduced synchronously after every step.
+gradients are all-reduced synchronously after every step. Every rank then takes the same training
+step (training.Stepper: SGD with momentum or AdamW) on the all-reduced gradients, after clipping
+them to config.grad_clip where that is set: the clip sees the global batch's gradient norm, not a
+shard's, so k ranks update the weights as one device does on the combined batch.
 
 Batch norm is synchronised across the ranks (the statistics of a training step are those of the
 whole global batch, and the moving averages are updated from them identically on every rank). That
@@ -242,7 +245,7 @@ def shard(global_indices: np.ndarray, rank: int, world: int) -> np.ndarray:
 
 
 def ddp_step(stepper, x_global: torch.Tensor, y_global: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """One synchronous data-parallel SGD step on a global batch: this rank takes its shard.
+    """One synchronous data-parallel training step on a global batch: this rank takes its shard.
 
     `stepper` is a training.Stepper around the DDP-wrapped model. Returns the shard's summed loss.
     """
@@ -320,14 +323,14 @@ def _step_rank(rank: int, job: dict) -> None:
 
 
 def run_rank_steps(rank: int, job: dict) -> None:
-    """One rank of a fixed sequence of data-parallel SGD steps, for tests and self-checks.
+    """One rank of a fixed sequence of data-parallel training steps, for tests and self-checks.
 
     `job` holds what train_data_parallel's jobs hold (world, devices, master_addr, master_port,
     graph, weights, config) plus `batches`, a list of global batches (NHWC float32 tensor, int64
     labels), and `results`, a queue. Each step runs ddp_step at epoch 0's learning rate; the rank
     then puts (rank, per-step summed shard losses, per-step canonical gradients, final canonical
-    weights) on the queue. The gradients are those after DDP's all-reduce: those of the global
-    batch's mean loss. With `job["threads_after"]` (a queue) set, the rank then puts (rank, the
+    weights) on the queue. The gradients are those the update took: DDP's all-reduced ones (the
+    global batch's mean loss), clipped where config.grad_clip is set. With `job["threads_after"]` (a queue) set, the rank then puts (rank, the
     names of its process-group threads still running after end_rank) there.
     """
     outcome = None

@@ -1,11 +1,19 @@
-"""One SGD step, evaluation and the epoch loop, shared by the single-process and the data-parallel path.
+"""One training step, evaluation and the epoch loop, shared by the single-process and the data-parallel path.
+
+The step is config.optimizer's update, the arithmetic written out beside aiperf_core.backend.OPTIMIZERS:
+SGD with momentum (torch.optim.SGD) or AdamW (torch.optim.AdamW, whose decoupled decay, bias
+correction and epsilon placement are that arithmetic; weight decay only on the parameters that
+aiperf_core.optim.is_decayed names). With config.grad_clip set, every gradient is first scaled by
+torch.nn.utils.clip_grad_norm_ to that ceiling on their global 2-norm (fp16: after unscaling).
 
 The data-parallel path (distributed.py) runs the same loop in every rank with `rank`/`world` set:
 every rank draws the same shuffled order (np.random.default_rng(seed + epoch)), cuts the same
 global batches of `config.batch_size`, and takes its own contiguous shard of each. Each rank's
 loss is its shard's summed cross-entropy scaled by world / global batch size, so that after
 DistributedDataParallel averages the gradients over the ranks they are exactly the gradients of
-the global batch's mean loss, even when the last batch does not split evenly.
+the global batch's mean loss, even when the last batch does not split evenly. The clip and the
+update then run on those averaged gradients, identically in every rank: k ranks take the step that
+one device takes on the global batch.
 
 Batches reach the device through a feed (feeds.py); streamed images arrive as uint8 pixels and
 the model normalises them on the device, inside the step.
@@ -28,6 +36,7 @@ from aiperf_backends.torch.feeds import open_feeds, stream_loader  # noqa: F401 
 from aiperf_backends.torch.loss import summed_eval, summed_loss
 from aiperf_backends.torch.precision import autocast, float32_math, math_scope
 from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, is_streaming
+from aiperf_core.optim import is_decayed
 
 PREDICT_BATCH = 256
 
@@ -97,9 +106,24 @@ class preserved:
         return False
 
 
+def make_optimizer(params: list, config: TrainConfig) -> torch.optim.Optimizer:
+    """config.optimizer over `params` at the schedule's first rate (set_lr sets each epoch's)."""
+    # foreach: the multi-tensor update on every device (torch's default only on CUDA). On a CPU the
+    # per-tensor loop is three small multithreaded ops a tensor, and a GPT lowered from the IR has
+    # more (separate Q, K, V) tensors than a hand-written one (docs/performance.md).
+    if config.optimizer == "sgd-momentum":
+        return torch.optim.SGD(params, lr=config.schedule.initial, momentum=config.momentum, foreach=True)
+    # Two groups, because torch's weight_decay is per group and the contract decays matrices only.
+    groups = [{"params": [p for p in params if is_decayed(p)], "weight_decay": config.weight_decay},
+              {"params": [p for p in params if not is_decayed(p)], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.schedule.initial,
+                             betas=tuple(config.betas), eps=config.adam_epsilon, foreach=True)
+
+
 class Stepper:
-    """SGD with momentum (torch.optim.SGD), the precision's scope, loss scaling for fp16, and the
-    loss compiled with torch.compile when `compile` is set (a single-device LoweredModel only)."""
+    """config.optimizer (make_optimizer) after an optional global-norm gradient clip, the precision's
+    scope, loss scaling for fp16, and the loss compiled with torch.compile when `compile` is set (a
+    single-device LoweredModel only; the update itself runs eager)."""
 
     def __init__(self, model, device, config: TrainConfig, compile: bool = False):
         params = [p for p in model.parameters() if p.requires_grad]
@@ -111,10 +135,12 @@ class Stepper:
             raise BackendError(f"the model is on {device_of(model)}, the step was asked to run on {device}")
         self.precision = config.precision
         self.label_smoothing = config.label_smoothing
-        # foreach: the multi-tensor update on every device (torch's default only on CUDA). On a CPU the
-        # per-tensor loop is three small multithreaded ops a tensor, and a GPT lowered from the IR has
-        # more (separate Q, K, V) tensors than a hand-written one (docs/performance.md).
-        self.optimizer = torch.optim.SGD(params, lr=config.schedule.initial, momentum=config.momentum, foreach=True)
+        self.params = params
+        self.grad_clip = config.grad_clip
+        # torch's AdamW skips a parameter without a gradient (no decay, no moment decay, its own step
+        # count held back); the contract's rule gives it a zero gradient and updates it.
+        self.zero_missing_grads = config.optimizer == "adamw"
+        self.optimizer = make_optimizer(params, config)
         self.scaler = torch.amp.GradScaler(self.device.type) if config.precision == "fp16" else None
         self.compiled = None
         self.compiled_batch: int | None = None  # the shard size the compiled loss runs at
@@ -145,9 +171,19 @@ class Stepper:
                 return self.compiled(self.model, x, y, self.label_smoothing)
         return summed_loss(self.model, x, y, self.label_smoothing)
 
+    def _prepare_grads(self) -> None:
+        """The gradients as the update takes them: present for every parameter, then clipped."""
+        if self.zero_missing_grads:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        if self.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+
     def step(self, x: torch.Tensor, y: torch.Tensor, global_batch: int, world: int = 1) -> torch.Tensor:
-        """One synchronous SGD step on this rank's shard (x: uint8 pixels or float32, moved to the
-        step's device if it is not there); returns the shard's summed loss (detached, on the device)."""
+        """One synchronous training step on this rank's shard (x: uint8 pixels or float32, moved to
+        the step's device if it is not there); returns the shard's summed loss (detached, on the
+        device)."""
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
@@ -157,10 +193,16 @@ class Stepper:
             loss = total * (world / global_batch)
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
+                if self.grad_clip is not None:
+                    # The ceiling is on the true gradients' norm, not the scaled ones'; scaler.step
+                    # does not unscale twice, and still skips the step if they overflowed.
+                    self.scaler.unscale_(self.optimizer)
+                self._prepare_grads()
                 self.scaler.step(self.optimizer)
                 self.scaler.update()
             else:
                 loss.backward()
+                self._prepare_grads()
                 self.optimizer.step()
         if self._used_compiled and self._compile_timing != "done":
             self._time_compile(start)
