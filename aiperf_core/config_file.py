@@ -88,6 +88,7 @@ TOP_LEVEL: dict[str, Callable[[Any], str | None]] = {
     "replicas": _integer(1),
     "devices_per_replica": _integer(1),
     "time_budget": _duration,
+    "workload": _one_of("cnn", "lm"),
     "data": _non_empty_string,
     "run_dir": _non_empty_string,
     "seed": _integer(0),
@@ -149,8 +150,12 @@ def check_config(data: Mapping[str, Any]) -> str | None:
     if "policy" in data:
         from aiperf_core.policy import Policy
 
+        values = dict(data["policy"])
+        if "workload" in data:  # the top-level key picks the track the items are checked against
+            if values.setdefault("workload", data["workload"]) != data["workload"]:
+                return f"policy.workload: {values['workload']!r} differs from workload {data['workload']!r}"
         try:
-            Policy(data["policy"], source="policy")
+            Policy(values, source="policy")
         except AiperfError as exc:
             return str(exc)
     return None

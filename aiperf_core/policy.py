@@ -1,15 +1,19 @@
 """The benchmark's rules and training policy: paper Table 4, each item fixed or customizable.
 
-One place holds every default. A run may change any item through the `[policy]` table of its
-config file; changing a *fixed* item is allowed for experiments, but the run is then unofficial
-and its summary names every fixed item that was changed (aiperf_core.scoring reads
+One place holds every default, for both workloads (aiperf_core.workloads): the item `workload`
+(cnn, the default, or lm) picks the track, and with it each item's default and which items exist:
+an item of the other track is an unknown setting. A run may change any item through the `[policy]`
+table of its config file; changing a *fixed* item is allowed for experiments, but the run is then
+unofficial and its summary names every fixed item that was changed (aiperf_core.scoring reads
 `Policy.overridden_fixed()`). Values are never clamped or "fixed up": a bad value is an error
 that names the item.
 
 Learning-rate scaling with batch size (the "linear scaling rule", Goyal et al. 2017):
     lr = learning_rate * batch_size / reference_batch_size
-so the default 0.1 holds at the paper's default batch of 448 and scales in proportion; the rate
-then decays linearly to `final_lr_fraction` of itself over the trial's epochs.
+so the CNN's default 0.1 holds at the paper's default batch of 448 and scales in proportion; the
+rate then decays to `final_lr_fraction` of itself over the trial's epochs (linearly for the CNN,
+along a half cosine after `lr_warmup_epochs` of linear warm-up for the LM). The LM's tuner also
+scales the rate by a factor of its own (hpo_lr_scale_bounds).
 
 Early-stopping patience grows with the round, because later rounds start from better-trained
 parents whose validation loss moves more slowly:
@@ -91,6 +95,28 @@ def _odd_kernels(value: Any) -> str | None:
     return problem
 
 
+def _int_pair_range(low: float) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if (not isinstance(value, (list, tuple)) or len(value) != 2
+                or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+            return "must be a pair of numbers [low, high]"
+        if not low < value[0] <= value[1]:
+            return f"must satisfy {low} < low <= high"
+        return None
+    return check
+
+
+def _betas(value: Any) -> str | None:
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0.0 <= v < 1.0 for v in value)):
+        return "must be two numbers in [0, 1)"
+    return None
+
+
+WORKLOADS = ("cnn", "lm")
+_SAME = object()  # an item whose LM default is its CNN default
+
+
 @dataclass(frozen=True)
 class PolicyItem:
     name: str
@@ -98,9 +124,22 @@ class PolicyItem:
     fixed: bool
     doc: str
     check: Callable[[Any], str | None]
+    workloads: tuple[str, ...] = WORKLOADS  # the tracks the item exists in
+    lm: Any = _SAME  # the LM track's default, where it differs
+    lm_check: Callable[[Any], str | None] | None = None  # the LM track's check, where it differs
 
+    def default_for(self, workload: str) -> Any:
+        return self.default if workload == "cnn" or self.lm is _SAME else self.lm
+
+    def check_for(self, workload: str) -> Callable[[Any], str | None]:
+        return self.lm_check if workload == "lm" and self.lm_check is not None else self.check
+
+
+CNN, LM = ("cnn",), ("lm",)
 
 ITEMS: tuple[PolicyItem, ...] = (
+    PolicyItem("workload", "cnn", False, "the track: cnn (ResNet-50 on ImageNet, the paper's) or lm (a GPT on "
+               "byte-level text); each is ranked in its own list", _choice(*WORKLOADS)),
     # Paper Table 4, fixed rows.
     PolicyItem("server_arrangement", "primary-replica", True, "a primary dispatches, replicas train",
                _choice("primary-replica")),
@@ -108,27 +147,47 @@ ITEMS: tuple[PolicyItem, ...] = (
                _choice("network-morphism")),
     PolicyItem("hpo_method", "bayesian", True, "HPO by Bayesian optimisation (scikit-optimize)",
                _choice("bayesian")),
-    PolicyItem("dataset", "imagenet", True, "the scored dataset", _choice("imagenet", "digits", "synthetic")),
-    PolicyItem("initial_architecture", "resnet50", True, "the search starts from ResNet-50",
-               _choice("resnet50", "resnet_small")),
+    PolicyItem("dataset", "imagenet", True, "the scored dataset (lm: enwik8, or the embedded corpus)",
+               _choice("imagenet", "digits", "synthetic"), lm="enwik8", lm_check=_choice("enwik8", "embedded")),
+    PolicyItem("initial_architecture", "resnet50", True, "the search starts from ResNet-50 (lm: from a GPT, "
+               "aiperf_core.workloads.lm.SEEDS)", _choice("resnet50", "resnet_small"), lm="gpt_small",
+               lm_check=_choice("gpt_small", "gpt_tiny")),
     PolicyItem("min_precision", "fp16", True, "no training precision below this", _choice("fp16")),
     PolicyItem("max_error", 0.30, True, "a valid run reaches at most this validation error",
-               _number_range(0.0, 1.0, low_open=True)),
+               _number_range(0.0, 1.0, low_open=True), CNN),
+    PolicyItem("max_bits_per_byte", 3.0, True, "a valid run reaches at most this many validation bits per byte "
+               "(docs/scoring.md)", _number_range(0.0, 8.0, low_open=True), LM),
+    PolicyItem("seq_len", 128, True, "tokens (bytes) per training and validation sequence", _int_range(2, 4096),
+               LM),
+    PolicyItem("epoch_tokens", 65536, True, "training tokens in one epoch: an epoch is this many tokens of the "
+               "training split, whatever the sequence length", _int_range(2), LM),
+    PolicyItem("val_tokens", 131072, True, "validation tokens each epoch is scored on: the first this many of the "
+               "validation split, or all of it where it is shorter", _int_range(2), LM),
     PolicyItem("hpo_start_round", 4, True, "HPO proposes from this round on; earlier rounds are warm-up",
                _int_range(1)),
     PolicyItem("max_epochs", 60, True, "no trial trains more epochs than this", _int_range(1, 60)),
     # Paper Table 4, default (customizable) rows.
     PolicyItem("initial_weights", "he", False, "initialisation of the initial network (He et al.)",
                _choice("he")),
-    PolicyItem("batch_size", 448, False, "batch size of rounds before HPO starts", _int_range(1)),
-    PolicyItem("optimizer", "sgd-momentum", False, "gradient descent with momentum", _choice("sgd-momentum")),
+    PolicyItem("batch_size", 448, False, "batch size (images or sequences) of rounds before HPO starts",
+               _int_range(1), lm=32),
+    PolicyItem("optimizer", "sgd-momentum", False, "sgd-momentum, or adamw (decoupled weight decay on matrices)",
+               _choice("sgd-momentum", "adamw"), lm="adamw"),
     PolicyItem("momentum", 0.9, False, "SGD momentum", _number_range(0.0, 1.0)),
+    PolicyItem("adam_betas", [0.9, 0.95], False, "AdamW's moment decay rates (b1, b2)", _betas, LM),
+    PolicyItem("weight_decay", 0.1, False, "AdamW's decoupled weight decay", _number_range(0.0, 1.0), LM),
+    PolicyItem("grad_clip", 1.0, False, "the gradients' global 2-norm is clipped to this (0: no clipping)",
+               _number_range(0.0, 1e6), LM),
     PolicyItem("learning_rate", 0.1, False, "learning rate at the reference batch size",
-               _number_range(0.0, 10.0, low_open=True)),
+               _number_range(0.0, 10.0, low_open=True), lm=0.002),
     PolicyItem("reference_batch_size", 448, False, "batch size at which learning_rate applies unscaled",
-               _int_range(1)),
-    PolicyItem("final_lr_fraction", 0.0, False, "linear decay ends at this fraction of the rate",
-               _number_range(0.0, 1.0)),
+               _int_range(1), lm=32),
+    PolicyItem("lr_schedule", "linear", False, "the rate's decay after warm-up: linear or cosine",
+               _choice("linear", "cosine"), lm="cosine"),
+    PolicyItem("lr_warmup_epochs", 0, False, "epochs of linear learning-rate warm-up at the start of each trial",
+               _int_range(0), lm=1),
+    PolicyItem("final_lr_fraction", 0.0, False, "the decay ends at this fraction of the rate",
+               _number_range(0.0, 1.0), lm=0.1),
     PolicyItem("loss", "categorical-cross-entropy", False, "training loss", _choice("categorical-cross-entropy")),
     PolicyItem("label_smoothing", 0.0, False, "label smoothing of the cross-entropy", _number_range(0.0, 0.5)),
     PolicyItem("parallelism", "synchronous-all-reduce", False, "data parallelism inside a replica",
@@ -136,19 +195,22 @@ ITEMS: tuple[PolicyItem, ...] = (
     PolicyItem("data_workers", 48, False, "parallel data transformation workers per replica", _int_range(1)),
     PolicyItem("data_loader", "native", False, "who decodes streamed images: native (the backend's pipeline or "
                "aiperf's host workers) or dali (NVIDIA DALI, aiperf[dali]; on the GPU where CUDA is present)",
-               check_loader),
+               check_loader, CNN),
     PolicyItem("precision", AUTO_PRECISION, False, "training precision: auto (the fastest the backend declares "
                "on the run's device), fp32, tf32, bf16 or fp16", _choice(AUTO_PRECISION, *PRECISIONS)),
     PolicyItem("compile", "auto", False, "compile the training step: auto (the backend's rule, "
                "docs/backends/<backend>.md), always or never", _choice(*COMPILE_MODES)),
     # Search settings the paper leaves open.
     PolicyItem("warmup_epochs", [15, 30, 45], False, "epochs of each warm-up round (rounds before HPO)",
-               _int_list(1)),
+               _int_list(1), lm=[1, 2, 3]),
     PolicyItem("patience_min", 3, False, "early-stopping patience in round 1", _int_range(1)),
     PolicyItem("patience_max", 10, False, "early-stopping patience ceiling", _int_range(1)),
-    PolicyItem("hpo_batch_size_bounds", [16, 512], False, "HPO search range of the batch size", _int_pair(1)),
+    PolicyItem("hpo_batch_size_bounds", [16, 512], False, "HPO search range of the batch size", _int_pair(1),
+               lm=[8, 128]),
     PolicyItem("hpo_kernel_sizes", [3, 5, 7], False, "HPO choices of a morph-added conv's kernel size",
-               _odd_kernels),
+               _odd_kernels, CNN),
+    PolicyItem("hpo_lr_scale_bounds", [0.25, 4.0], False, "HPO search range of the factor on the learning rate",
+               _int_pair_range(0.0), LM),
     PolicyItem("nas_candidates", 8, False, "morph candidates generated and scored per round", _int_range(1)),
     PolicyItem("nas_acquisition", "ucb", False, "acquisition function of the architecture GP",
                _choice("ucb", "ei")),
@@ -157,24 +219,39 @@ ITEMS: tuple[PolicyItem, ...] = (
                _int_range(1)),
     PolicyItem("nas_active_set", 64, False, "most history trials the architecture GP is fitted on",
                _int_range(2)),
-    PolicyItem("image_size", 224, False, "training and validation resolution (square)", _int_range(32)),
+    PolicyItem("image_size", 224, False, "training and validation resolution (square)", _int_range(32), CNN),
 )
 BY_NAME: dict[str, PolicyItem] = {item.name: item for item in ITEMS}
 
 
+def items_of(workload: str) -> tuple[PolicyItem, ...]:
+    return tuple(item for item in ITEMS if workload in item.workloads)
+
+
 class Policy(Mapping[str, Any]):
-    """Every item's value, defaults filled in; read-only."""
+    """Every item's value for the track its `workload` item names, defaults filled in; read-only."""
 
     def __init__(self, values: Mapping[str, Any] | None = None, source: str = "policy"):
         values = dict(values or {})
+        workload = values.get("workload", "cnn")
+        problem = BY_NAME["workload"].check(workload)
+        if problem:
+            raise PolicyError(f"{source}.workload: {workload!r} {problem}")
+        items = items_of(workload)
+        known = {item.name for item in items}
         for name, value in values.items():
             item = BY_NAME.get(name)
             if item is None:
-                raise PolicyError(f"{source}.{name}: unknown setting (known: {', '.join(sorted(BY_NAME))})")
-            problem = item.check(value)
+                raise PolicyError(f"{source}.{name}: unknown setting (known: {', '.join(sorted(known))})")
+            if name not in known:
+                raise PolicyError(f"{source}.{name}: a setting of the {'/'.join(item.workloads)} workload, not of "
+                                  f"{workload}")
+            problem = item.check_for(workload)(value)
             if problem:
                 raise PolicyError(f"{source}.{name}: {value!r} {problem}")
-        self._values = {item.name: values.get(item.name, item.default) for item in ITEMS}
+        self.workload = workload
+        self._items = items
+        self._values = {item.name: values.get(item.name, item.default_for(workload)) for item in items}
         self._values = {k: list(v) if isinstance(v, tuple) else v for k, v in self._values.items()}
         if self._values["patience_min"] > self._values["patience_max"]:
             raise PolicyError(f"{source}.patience_min: {self._values['patience_min']} is above "
@@ -194,7 +271,8 @@ class Policy(Mapping[str, Any]):
 
     def overridden_fixed(self) -> list[str]:
         """Fixed items whose value differs from the paper's: each one makes a run unofficial."""
-        return [item.name for item in ITEMS if item.fixed and self._values[item.name] != _plain(item.default)]
+        return [item.name for item in self._items
+                if item.fixed and self._values[item.name] != _plain(item.default_for(self.workload))]
 
     def to_json(self) -> dict[str, Any]:
         return dict(self._values)
@@ -224,6 +302,7 @@ def precision_allowed(precision: str, minimum: str = "fp16") -> bool:
     return PRECISION_RANK.get(precision, -1) >= PRECISION_RANK[minimum]
 
 
-def describe() -> list[dict[str, Any]]:
-    """The table documented in docs/rules.md and shown by the report."""
-    return [{"name": i.name, "default": i.default, "fixed": i.fixed, "doc": i.doc} for i in ITEMS]
+def describe(workload: str = "cnn") -> list[dict[str, Any]]:
+    """The table of a track, documented in docs/rules.md and shown by the report."""
+    return [{"name": i.name, "default": i.default_for(workload), "fixed": i.fixed, "doc": i.doc}
+            for i in items_of(workload)]

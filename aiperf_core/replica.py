@@ -35,7 +35,7 @@ import numpy as np
 
 from aiperf_core.atomic import write_bytes_atomic, write_text_atomic
 from aiperf_core.backend import (AUTO_PRECISION, PRECISIONS, Backend, Dataset, EpochReport, Schedule, StepClock,
-                                 TrainConfig, is_streaming)
+                                 TrainConfig)
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph
 from aiperf_core.monitor import DEFAULT_INTERVAL_S, Sampler
@@ -43,9 +43,9 @@ from aiperf_core.policy import Policy
 from aiperf_core.rundir import (EventLog, Lease, RunDir, replica_cadence, read_events, sha256_bytes, sha256_file,
                                 trial_id)
 from aiperf_core.search import curve, hpo, nas
-from aiperf_core.search.arch import encode
 from aiperf_core.search.history import SharedHistory, TrialRecord
 from aiperf_core.weights import Weights
+from aiperf_core import workloads
 
 LEASE_LOST_EXIT = 75  # the replica's exit status when another process took its replica id over
 MAX_CONSECUTIVE_FAILURES = 3  # failed trials in a row before the replica gives up (stop reason "failures")
@@ -163,6 +163,7 @@ class Replica:
         self.id = replica_id
         self.spec = RunSpec.from_run(self.run_dir.read_run())
         self.policy = self.spec.policy
+        self.workload = workloads.get(self.policy["workload"])
         self._backend = backend
         self._dataset = dataset
         self.history = SharedHistory(self.run_dir, replica=replica_id)  # its own trials join as they end
@@ -214,12 +215,8 @@ class Replica:
             backend = load_backend(self.spec.backend)
         self.backend = backend
         if self._dataset is None:
-            from aiperf_core.data import load_dataset
-            self._dataset = load_dataset(self.spec.dataset, workers=self.policy["data_workers"],
-                                         loader=self.policy.get("data_loader"))
-        from aiperf_core.data.manifest import recorded_digest
-
-        dataset_digest = recorded_digest(self.spec.dataset.get("path"))  # this node's copy, as its manifest says
+            self._dataset = self.workload.data.open(self.spec.dataset, self.policy)
+        dataset_digest = self.workload.data.digest(self._dataset, self.spec.dataset)  # this node's copy
         past = read_events(self.run_dir.replica_log(self.id))
         self._log = EventLog(self.run_dir.replica_log(self.id), lease=self._lease).open()
         stopping = threading.Event()
@@ -313,8 +310,9 @@ class Replica:
     def _plan(self, round_number: int, latest: bool) -> Plan:
         seed = self.spec.seed
         usable = self._usable(round_number, latest) if round_number > 1 else []
-        observations = [hpo.Observation(r.batch_size, r.kernel_size, r.target) for r in usable if r.replica == self.id]
-        proposal = hpo.propose(self.policy, round_number, observations, [seed, self.id])
+        observations = [hpo.Observation(r.hpo_point, r.target) for r in usable if r.replica == self.id]
+        proposal = hpo.propose(self.policy, round_number, observations, [seed, self.id],
+                               self.workload.hpo.dimensions(self.policy))
         while usable:
             try:
                 return self._morph_plan(round_number, usable, proposal)
@@ -329,15 +327,12 @@ class Replica:
                     proposal, None)
 
     def initial_graph(self) -> Graph:
-        from aiperf_core.builders import build
-
-        data = self._dataset
-        shape = data.image_shape if is_streaming(data) else data.x_train.shape[1:]
-        return build(self.spec.model, tuple(shape), data.classes)
+        return self.workload.seed.build(self.policy, self._dataset)
 
     def _morph_plan(self, round_number: int, usable: list[TrialRecord], proposal: hpo.Proposal) -> Plan:
-        from aiperf_core import morph
+        from aiperf_core.morph import signature_hash
 
+        morphs = self.workload.morphs
         parents = nas.best_trials(usable, self.policy["nas_parents"])
         for trial in set(self._parent_graphs) - {p.trial for p in parents}:
             del self._parent_graphs[trial]  # keep only the graphs of current parents in memory
@@ -346,22 +341,20 @@ class Replica:
         for k, parent in enumerate(parents):
             graph = self._parent_graph(parent)
             share = wanted // len(parents) + (1 if k < wanted % len(parents) else 0)
-            for result in morph.generate_candidates(graph, None, max(share, 1),
-                                                    _seed(self.spec.seed, self.id, round_number, k)):
+            for result in morphs.generate_candidates(graph, None, max(share, 1),
+                                                     _seed(self.spec.seed, self.id, round_number, k)):
                 candidates.append((parent, graph, result))
         known = {r.signature for r in self.history.records}
-        fresh = [c for c in candidates if morph.signature_hash(c[2].graph) not in known] or candidates
+        fresh = [c for c in candidates if signature_hash(c[2].graph) not in known] or candidates
         if not fresh:
             raise ReplicaError(f"round {round_number}: no morph of parents {[p.trial for p in parents]} is possible")
-        codes = [encode(c[2].graph) for c in fresh]
+        codes = [self.workload.distance_code(c[2].graph) for c in fresh]
         position = {id(r): k for k, r in enumerate(self.history.records)}
         summaries = self.history.summaries()[[position[id(r)] for r in usable]]
         selection = nas.select(usable, summaries, codes, self.policy, self._distances)
         parent, parent_graph, chosen = fresh[selection.index]
-        record = dict(chosen.record)
-        if record["op"] == "deeper" and record["args"].get("kernel", 3) != proposal.kernel_size:
-            record["args"] = {**record["args"], "kernel": proposal.kernel_size}
-        child = morph.replay(parent_graph, self._parent_weights(parent, parent_graph), record)
+        record = morphs.tune_morph(dict(chosen.record), proposal)
+        child = morphs.replay(parent_graph, self._parent_weights(parent, parent_graph), record)
         return Plan(round_number, parent.trial, child.record, child.graph, child.weights, proposal,
                     selection.describe())
 
@@ -398,8 +391,8 @@ class Replica:
         write_bytes_atomic(folder / "graph.json", graph_bytes)
         files = {"graph.json": sha256_bytes(graph_bytes)}
         batch = plan.proposal.batch_size
-        hyper = {"batch_size": batch, "kernel_size": plan.proposal.kernel_size,
-                 "epochs": policy.epochs_for(plan.round), "learning_rate": policy.learning_rate_for(batch),
+        hyper = {**plan.proposal.point, "epochs": policy.epochs_for(plan.round),
+                 "learning_rate": self.workload.hpo.learning_rate(policy, plan.proposal),
                  "patience": policy.patience_for(plan.round), "label_smoothing": policy["label_smoothing"],
                  "precision": self.precision}
         self._append("trial_start", trial=trial, round=plan.round, parent=plan.parent, morph=plan.morph,
@@ -407,17 +400,15 @@ class Replica:
         self._state.update(state="training", trial=trial, round=plan.round, epoch=None)
         on_start()
         watch = _EpochWatch(self, trial, hyper["patience"])
-        config = TrainConfig(epochs=hyper["epochs"], batch_size=batch,
-                             schedule=Schedule(hyper["learning_rate"], policy["final_lr_fraction"]),
-                             momentum=policy["momentum"], label_smoothing=hyper["label_smoothing"],
-                             precision=hyper["precision"], seed=_seed(self.spec.seed, self.id, plan.round, 1 << 20),
-                             compile=policy["compile"])
+        trial_seed = _seed(self.spec.seed, self.id, plan.round, 1 << 20)
+        config = train_config(policy, hyper, trial_seed)
         weights = None
         try:
+            data = self.workload.data.trial_data(self._dataset, policy, trial_seed)
             model = self.backend.lower(plan.graph, plan.weights, hyper["precision"])
             plan.weights = None  # the backend holds them now; free the copy during training
             watch.started = time.time()
-            self.backend.train(model, self._dataset, config, watch)
+            self.backend.train(model, data, config, watch)
             if watch.stop_reason == "diverged":
                 raise ReplicaError("training diverged: a loss is not finite")
             weights = self.backend.export_weights(model)
@@ -429,21 +420,23 @@ class Replica:
         self._state.update(state="recording", epoch=None)
         accuracies = watch.accuracies
         best = max((a for a in accuracies if a is not None), default=None)
+        qualities = [None if e is None else 1.0 - e for e in watch.errors]
+        best_quality = max((q for q in qualities if q is not None), default=None)
         predicted = None
         if status != "failed" and policy.is_warmup(plan.round):
-            predicted = curve.predict_final_accuracy(accuracies, policy["max_epochs"])
-        target = None if status == "failed" else (predicted if predicted is not None else best)
+            predicted = curve.predict_final_accuracy(qualities, policy["max_epochs"])
+        target = None if status == "failed" else (predicted if predicted is not None else best_quality)
         if weights is not None:
             from aiperf_core.weights import save_weights
             save_weights(weights, folder / "weights.npz")
             files["weights.npz"] = sha256_file(folder / "weights.npz")
         from aiperf_core.morph import signature_hash
         info = {"trial": trial, "replica": self.id, "round": plan.round, "parent": plan.parent, "morph": plan.morph,
-                "hyper": hyper, "hpo": plan.proposal.source, "nas": plan.nas, "status": status, "reason": reason,
-                "epochs": len(accuracies), "val_accuracy": accuracies, "val_loss": watch.losses,
-                "best_val_accuracy": best, "predicted_accuracy": predicted, "target": target,
-                "compile_seconds": watch.compile_seconds,
-                "arch": encode(plan.graph).to_json(), "signature": signature_hash(plan.graph)}
+                "hyper": hyper, "hpo": plan.proposal.source, "hpo_point": dict(plan.proposal.point), "nas": plan.nas,
+                "status": status, "reason": reason, "epochs": len(accuracies), "val_accuracy": accuracies,
+                "val_loss": watch.losses, "best_val_accuracy": best, "predicted_accuracy": predicted,
+                "target": target, "compile_seconds": watch.compile_seconds,
+                "arch": self.workload.distance_code(plan.graph).to_json(), "signature": signature_hash(plan.graph)}
         files["trial.json"] = self._write_trial_json(folder, info)
         self._append("trial_end", trial=trial, status=status, reason=reason, epochs=len(accuracies),
                      best_val_accuracy=best, predicted_accuracy=predicted, compile_seconds=watch.compile_seconds,
@@ -505,6 +498,19 @@ class Replica:
                 print(f"replica {self.id}: heartbeat not written: {exc}", file=sys.stderr, flush=True)
             if stopping.wait(self._cadence.heartbeat_s):
                 return
+
+
+def train_config(policy: Policy, hyper: Mapping[str, Any], seed: int) -> TrainConfig:
+    """A trial's TrainConfig: the policy's optimizer and schedule at the trial's hyperparameters."""
+    adamw = policy["optimizer"] == "adamw"
+    return TrainConfig(epochs=hyper["epochs"], batch_size=hyper["batch_size"],
+                       schedule=Schedule(hyper["learning_rate"], policy["final_lr_fraction"],
+                                         policy["lr_warmup_epochs"], policy["lr_schedule"]),
+                       momentum=policy["momentum"], label_smoothing=hyper["label_smoothing"],
+                       precision=hyper["precision"], seed=seed, compile=policy["compile"],
+                       optimizer=policy["optimizer"], betas=tuple(policy.get("adam_betas", (0.9, 0.95))),
+                       weight_decay=policy.get("weight_decay", 0.0) if adamw else 0.0,
+                       grad_clip=policy.get("grad_clip") or None)
 
 
 PROGRESS_DIR_PREFIX = "aiperf-progress-"
@@ -584,6 +590,7 @@ class _EpochWatch:
         self.started = time.time()
         self.accuracies: list[float | None] = []
         self.losses: list[float | None] = []
+        self.errors: list[float | None] = []  # the workload's error of each epoch
         self.best_loss = float("inf")
         self.since_best = 0
         self.stop_reason: str | None = None
@@ -601,6 +608,7 @@ class _EpochWatch:
         self.started = event["time"]
         self.accuracies.append(accuracy)
         self.losses.append(val_loss)
+        self.errors.append(self.replica.workload.validity.error(accuracy, val_loss, int(report.val_images)))
         self.replica._state.update(epoch=report.epoch)
         if loss is None or val_loss is None:
             self.stop_reason = "diverged"
@@ -633,12 +641,16 @@ def write_run_json(run_dir: str | os.PathLike, *, backend: str = "numpy", datase
     benchmarks that run replicas without a primary. The model is policy["initial_architecture"];
     the dataset defaults to digits at 32x32. `precision` is the resolved precision to record
     (default: the policy's, and fp32, what `auto` gives on a CPU without AMX, for `auto`).
-    Returns what was written."""
+    An lm policy's dataset defaults to the embedded corpus. Returns what was written."""
     from aiperf_core.workflow.plan import RunRequest, run_record, watch_settings
 
+    policy = Policy(policy or {}, "policy").to_json()
+    if dataset is None and policy["workload"] == "lm":
+        from aiperf_core.data.text_corpus import embedded_corpus
+
+        dataset = embedded_corpus().describe()
     dataset = dict(dataset or {"name": "digits", "path": None, "layout": "embedded", "classes": 10,
                                "train_images": 1438, "val_images": 359, "image_size": 32})
-    policy = Policy(policy or {}, "policy").to_json()
     if precision is None:
         precision = "fp32" if policy["precision"] == AUTO_PRECISION else policy["precision"]
     run = run_record(backend=backend, executor=executor, replicas=replicas, devices_per_replica=devices_per_replica,

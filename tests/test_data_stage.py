@@ -26,6 +26,7 @@ from aiperf_core.data import stage as stage_module
 from aiperf_core.data.manifest import Manifest, file_entry, read_manifest, verify_files, write_manifest
 from aiperf_core.data.samples import digits_tree
 from aiperf_core.data.stage import LEASE, PARTIAL, stage, verify_folder
+from aiperf_core.policy import Policy
 from aiperf_core.registry import load_backend
 from aiperf_core.replica import run_replica, write_run_json
 from aiperf_core.rundir import RunDir, _boot_id, read_events
@@ -224,12 +225,13 @@ def test_bad_input_is_one_line(prepared, tmp_path, capsys, monkeypatch):
 # --- the dataset's identity: run.json, the replicas, the score --------------------------------
 def test_run_json_records_the_digest_of_a_dataset_with_a_manifest(prepared, tmp_path):
     src, manifest = prepared
-    entry = plan.describe_dataset("imagenet", str(src), 32)
+    policy = Policy({"image_size": 32}).to_json()
+    entry = plan.describe_dataset("imagenet", str(src), policy)
     assert entry["digest"] == manifest.digest and entry["train_images"] == 80
     bare = tmp_path / "bare"
     digits_tree(bare, 2, 1, 16, 2)
-    assert plan.describe_dataset("imagenet", str(bare), 32)["digest"] is None
-    assert plan.describe_dataset("digits", None, 32)["digest"] is None
+    assert plan.describe_dataset("imagenet", str(bare), policy)["digest"] is None
+    assert plan.describe_dataset("digits", None, policy)["digest"] is None
 
 
 def test_a_replica_that_read_other_data_makes_the_run_unofficial(prepared, tmp_path, capsys):

@@ -26,7 +26,8 @@ def finish(run_dir: RunDir, log: EventLog, replica: int, seq: int, target: float
     """What a replica writes when a trial ends: trial.json, then trial_end with its hash."""
     trial = f"r{replica:04d}-t{seq:05d}"
     info = {"round": seq + 1, "target": target, "best_val_accuracy": target,
-            "hyper": {"batch_size": 32, "kernel_size": 3}, "arch": ARCH, "signature": f"sig-{trial}"}
+            "hyper": {"batch_size": 32, "kernel_size": 3}, "hpo_point": {"batch_size": 32, "kernel_size": 3},
+            "arch": ARCH, "signature": f"sig-{trial}"}
     text = json.dumps(info).encode()
     run_dir.trial_dir(trial).mkdir(parents=True, exist_ok=True)
     (run_dir.trial_dir(trial) / "trial.json").write_bytes(text)

@@ -9,7 +9,8 @@ from aiperf_core.search.history import SharedHistory
 def finish(run_dir: RunDir, log: EventLog, replica: int, seq: int, target: float, status: str = "ok") -> None:
     trial = f"r{replica:04d}-t{seq:05d}"
     info = {"round": seq + 1, "target": target, "best_val_accuracy": target,
-            "hyper": {"batch_size": 32, "kernel_size": 3}, "arch": encode(resnet_small()).to_json(),
+            "hyper": {"batch_size": 32, "kernel_size": 3}, "hpo_point": {"batch_size": 32, "kernel_size": 3},
+            "arch": encode(resnet_small()).to_json(),
             "signature": f"sig-{trial}"}
     text = json.dumps(info).encode()
     (run_dir.trial_dir(trial)).mkdir(parents=True, exist_ok=True)

@@ -26,9 +26,13 @@ def add_arguments(p) -> None:
                    help="accelerators per replica (local default: all of them divided by --replicas)")
     p.add_argument("--time-budget", default=None, metavar="DURATION", help="the run's length, e.g. 90m, 12h "
                    "(default 1h)")
-    p.add_argument("--data", default=None, metavar="digits|synthetic|PATH",
-                   help="the dataset: an ImageNet folder (ImageFolder or TFRecord layout), or digits/synthetic "
-                   "for an unofficial run")
+    p.add_argument("--workload", choices=("cnn", "lm"), default=None,
+                   help="what the replicas grow and train: cnn (ResNet-50 on images, the default) or lm (a GPT on "
+                   "byte-level text); each workload is ranked in its own list")
+    p.add_argument("--data", default=None, metavar="digits|synthetic|embedded|PATH",
+                   help="the dataset: cnn: an ImageNet folder (ImageFolder or TFRecord layout), or digits/synthetic "
+                   "for an unofficial run; lm: a folder `aiperf data prepare enwik8.zip` wrote, or embedded "
+                   "(the default, unofficial)")
     p.add_argument("--data-workers", type=positive_int, default=None, metavar="N",
                    help="data transformation workers per replica (policy item data_workers)")
     p.add_argument("--config", default=None, metavar="FILE",
@@ -126,7 +130,7 @@ def _prepare_fresh(args, config, request):
     # not in the time budget (docs/scoring.md, "The precision of a run").
     local = executor_kind == "local"
     with plan.BackendProbe(backend_name, precisions=local) as probe:
-        dataset = plan.describe_dataset(name, path, policy["image_size"], policy["data_loader"])
+        dataset = plan.describe_dataset(name, path, policy)
         facts = probe.facts(auto=plan.auto_request(policy, dataset) if local else None)
     replicas, devices_per_replica, environments = _layout(executor_kind, facts.devices, request.replicas,
                                                           request.devices_per_replica, watch)

@@ -46,8 +46,9 @@ def score_and_record(run_dir, verify: bool = False):
 def render(result, problems: list[str] | None = None) -> str:
     from aiperf_core.scoring import format_ops
 
-    accuracy = ("no validation accuracy yet" if result.best_accuracy is None else
-                f"best validation accuracy {result.best_accuracy:.2%} (error {result.best_error:.2%})")
+    from aiperf_core import workloads
+
+    accuracy = workloads.get(result.workload).validity.best(result.best_error, result.best_accuracy)
     statuses = ", ".join(f"{status} {n}" for status, n in result.trials_by_status.items())
     lines = [f"FAILED: the run produced nothing: {result.failure.describe()}"] if result.failure else []
     lines += [

@@ -8,7 +8,8 @@ from typing import Any
 
 from aiperf_core.report.svg import Bar, Series, line_chart, timeline_chart
 from aiperf_core.scoring.ledger import RunLedger
-from aiperf_core.scoring.rules import MAX_ERROR
+from aiperf_core import workloads
+from aiperf_core.scoring.rules import official
 from aiperf_core.scoring.score import ScoreResult
 from aiperf_core.scoring.units import format_ops, ops_prefix
 from aiperf_core.workflow.auto_precision import describe as describe_precision_probe
@@ -53,7 +54,7 @@ def render_page(summary: dict[str, Any], result: ScoreResult, ledger: RunLedger,
         _facts_table(summary, result),
         _validity(result),
         "<h2>Score over time</h2>",
-        _score_charts(result),
+        _score_charts(result, ledger.info.run),
         "<h2>Trials per replica</h2>",
         _timeline(result, ledger),
         "<h2>Utilisation</h2>",
@@ -132,8 +133,7 @@ def _energy_rows(summary: dict[str, Any]) -> list[str]:
 
 
 def _facts_table(summary: dict[str, Any], result: ScoreResult) -> str:
-    accuracy = ("none recorded" if result.best_accuracy is None else
-                f"{result.best_accuracy:.2%} (error {result.best_error:.2%})")
+    accuracy = workloads.get(result.workload).validity.best(result.best_error, result.best_accuracy)
     statuses = ", ".join(f"{escape(k)} {v}" for k, v in result.trials_by_status.items()) or "none"
     software = summary.get("software", {})
     versions = "; ".join(f"{escape(backend)} {escape(', '.join(found))}"
@@ -141,7 +141,7 @@ def _facts_table(summary: dict[str, Any], result: ScoreResult) -> str:
     rows = [
         _row("score (OPS at the end)", f"{escape(format_ops(result.score_ops))} ({result.score_ops:.6g} OPS)"),
         _row("regulated score", f"{escape(format_ops(result.regulated_ops))} ({result.regulated_ops:.6g} OPS)"),
-        _row("best validation accuracy", accuracy),
+        _row("best validation result", accuracy),
         _row("time scored", f"{result.elapsed_s / 3600:.3f} h of {(result.deadline - result.start_time) / 3600:.3f} h "
                             f"budget{'' if result.ended else ' (run not ended)'}"),
         _row("operations counted", f"{result.total_ops:.4g} over {result.epochs_counted} epochs "
@@ -169,7 +169,9 @@ def _validity(result: ScoreResult) -> str:
     return out
 
 
-def _score_charts(result: ScoreResult) -> str:
+def _score_charts(result: ScoreResult, run: dict[str, Any]) -> str:
+    workload = workloads.of_run(run)
+    validity, rules = workload.validity, official(workload.name)
     hours = [t / 3600 for t, _, _, _ in result.samples]
     top = max([s[1] for s in result.samples + result.curve] + [s[2] for s in result.samples + result.curve] + [0.0])
     divisor, prefix = ops_prefix(top)
@@ -183,17 +185,19 @@ def _score_charts(result: ScoreResult) -> str:
     reg = Series("0.1 h samples", [(h, s[2] / divisor) for h, s in zip(hours, result.samples)],
                  color="#9467bd")
     # The best error only changes at epoch ends, so the epoch curve draws it exactly.
-    error_points = [(point[0] / 3600, 100 * point[3]) for point in sorted(result.curve + result.samples)
+    error_points = [(point[0] / 3600, validity.display(point[3])) for point in sorted(result.curve + result.samples)
                     if point[3] is not None]
-    limit = [(0.0, 100 * MAX_ERROR), (hours[-1], 100 * MAX_ERROR)] if hours else []
+    limit_value = validity.display(validity.limit(rules))
+    limit = [(0.0, limit_value), (hours[-1], limit_value)] if hours else []
     return "".join([
         line_chart("Score: OPS(t), sampled every 0.1 h (grey: at each epoch's end)",
                    [at_epochs(1, "each epoch"), score], "hours since start", unit),
         line_chart("Regulated score: -ln(error) x OPS(t)",
                    [at_epochs(2, "each epoch"), reg], "hours since start", unit),
-        line_chart("Best validation error so far", [Series("best error", error_points, step=True),
-                                                    Series(f"limit {MAX_ERROR:.0%}", limit, color="#999999")],
-                   "hours since start", "error (%)", y_max=100.0),
+        line_chart(f"Best validation {validity.quality} so far, as its error",
+                   [Series("best error", error_points, step=True),
+                    Series(f"limit {limit_value:g}", limit, color="#999999")],
+                   "hours since start", validity.unit, y_max=validity.display(1.0)),
     ])
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aiperf_core import workloads
 from aiperf_core.errors import AiperfError
 from aiperf_core.gcpause import gc_paused
 from aiperf_core.rundir import LogRewritten, LogTail, RunDir, RunDirError, sha256_bytes
@@ -238,7 +239,8 @@ class ReplicaState:
         return self.last_time - self.starts[0]["time"]
 
 
-# An epoch as scoring needs it: (time, trial, train_images, val_images, val_accuracy or None).
+# An epoch as scoring needs it: (time, trial, train_images, val_images, val_accuracy or None, error or
+# None), the error the run's workload makes of the epoch's validation figures (workloads.base.Validity).
 Epoch = tuple
 
 
@@ -248,6 +250,8 @@ class RunLedger:
     def __init__(self, run_dir: str | os.PathLike | RunDir):
         self.run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
         self.info = read_run_info(self.run_dir)
+        workload = workloads.of_run(self.info.run)
+        self.workload, self.validity = workload.name, workload.validity
         self.generation = -1
         self._reset()
 
@@ -397,6 +401,10 @@ class RunLedger:
                 raise RunDirError(f"{_where(log, line)}: val_accuracy must be in [0, 1], got {accuracy!r}")
             if trial.best_accuracy is None or accuracy > trial.best_accuracy:
                 trial.best_accuracy = accuracy
+        val_loss = event.get("val_loss")
+        if val_loss is not None and type(val_loss) not in (float, int):
+            raise RunDirError(f"{_where(log, line)}: val_loss must be a number or null, got {val_loss!r}")
+        error = self.validity.error(accuracy, val_loss, val_images)
         trial.last_epoch = epoch
         trial.epochs += 1
         trial.last_epoch_time = time
@@ -407,7 +415,7 @@ class RunLedger:
         if type(compiling) in (float, int) and compiling >= 0:  # 0.0: nothing compiled; null: not measured
             trial.compile_seconds = (trial.compile_seconds or 0.0) + compiling
             state.compile_seconds = (state.compile_seconds or 0.0) + compiling
-        self.epochs.append((time, trial, train_images, val_images, accuracy))
+        self.epochs.append((time, trial, train_images, val_images, accuracy, error))
 
     def _resolve_new_trials(self) -> None:
         """Find the per-image ops of the trials read in this refresh, one graph hash at a time.

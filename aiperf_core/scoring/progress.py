@@ -30,7 +30,7 @@ from aiperf_core.atomic import write_bytes_atomic
 from aiperf_core.gcpause import gc_paused
 from aiperf_core.rundir import RunDir
 from aiperf_core.scoring.ledger import RunLedger
-from aiperf_core.scoring.score import epoch_ops, regulated, scored_error
+from aiperf_core.scoring.score import epoch_ops, regulated
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,7 @@ class Progress:
     best_accuracy: float | None
     best_error: float | None
     replicas: tuple[ReplicaProgress, ...]
+    workload: str = "cnn"
     operations: int = 0  # analytic operations of the epochs counted
 
     @property
@@ -107,12 +108,11 @@ class _LiveRun:
                 self.ledger.refresh()
             self._restart()
         deadline = self.ledger.info.deadline
-        for time, trial, train_images, val_images, accuracy in self.ledger.epochs[self.epochs_seen:]:
+        for time, trial, train_images, val_images, accuracy, error in self.ledger.epochs[self.epochs_seen:]:
             # An epoch of a trial whose graph has not resolved is left out here; score_run counts it
             # if another trial resolves the same graph later.
             if time > deadline or trial.per_image is None:
                 continue
-            error = None if accuracy is None else scored_error(accuracy, val_images)
             self.pending.append((time, epoch_ops(trial.per_image, train_images, val_images), error, accuracy))
         self.epochs_seen = len(self.ledger.epochs)
         limit = min(now, deadline)
@@ -212,7 +212,7 @@ def _progress(live: _LiveRun, now: float) -> Progress:
         trials_running=sum(r.running is not None for r in replicas), epochs_counted=live.epochs_done,
         ops_per_s=ops_per_s, regulated_ops=regulated(ops_per_s, live.best_error),
         best_accuracy=live.best_accuracy, best_error=live.best_error, replicas=tuple(replicas),
-        operations=live.ops_done)
+        operations=live.ops_done, workload=ledger.workload)
 
 
 def write_checkpoint(run_dir: str | os.PathLike, now: float | None = None) -> None:

@@ -1,10 +1,11 @@
 """The rules of a scored run (paper section 4.5, Table 4): what makes a run official.
 
-A run is valid only if it trained on ImageNet, every replica reading the copy of it that the run
-recorded (the dataset digest), started from ResNet-50, searched by network morphism and Bayesian
-optimisation, trained every trial at FP16 or above, reached a validation error of at most 30%,
-and changed no fixed setting. Anything else is labelled unofficial, with
-every reason listed. The limits are Table 4's own values (the fixed items' defaults), never the
+A CNN run is valid only if it trained on ImageNet, every replica reading the copy of it that the
+run recorded (the dataset digest), started from ResNet-50, searched by network morphism and
+Bayesian optimisation, trained every trial at FP16 or above, reached a validation error of at most
+30%, and changed no fixed setting. An LM run: the same, on enwik8 from the small GPT, reaching at
+most 3 validation bits per byte. Anything else is labelled unofficial, with every reason listed.
+The limits are the fixed items' defaults of the run's workload (Table 4's for the CNN), never the
 run's configuration: a run cannot pass by loosening its own rules.
 """
 
@@ -12,13 +13,16 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-from aiperf_core.policy import BY_NAME, ITEMS, Policy, PolicyError, precision_allowed
+from aiperf_core import workloads
+from aiperf_core.policy import BY_NAME, Policy, PolicyError, items_of, precision_allowed
 from aiperf_core.rundir import RunDirError
 
-OFFICIAL_DATASET = BY_NAME["dataset"].default
-OFFICIAL_MODEL = BY_NAME["initial_architecture"].default
 MIN_PRECISION = BY_NAME["min_precision"].default
-MAX_ERROR = BY_NAME["max_error"].default
+
+
+def official(workload: str) -> dict[str, Any]:
+    """The fixed items' values an official run of `workload` keeps: its rules."""
+    return {item.name: item.default_for(workload) for item in items_of(workload) if item.fixed}
 
 
 def run_policy(run: dict[str, Any]) -> Policy:
@@ -68,18 +72,22 @@ def validity_reasons(run: dict[str, Any], trials: Iterable[Any], best_error: flo
     `replicas` (the ledger's, each with its .starts) are checked for the dataset digest."""
     reasons: list[str] = []
     covered: set[str] = set()  # fixed items a fact-based reason already names
+    policy = run_policy(run)
+    workload = workloads.get(policy["workload"])
+    rules = official(workload.name)
 
     dataset = run.get("dataset")
     name = dataset.get("name") if isinstance(dataset, dict) else None
-    if name != OFFICIAL_DATASET:
-        reasons.append("run.json records no dataset name (ImageNet required)" if name is None else
-                       f"dataset is {name!r}, not ImageNet ({OFFICIAL_DATASET!r})")
+    if name != rules["dataset"]:
+        reasons.append(f"run.json records no dataset name ({rules['dataset']!r} required)" if name is None else
+                       f"dataset is {name!r}, not {rules['dataset']!r}")
         covered.add("dataset")
     reasons += dataset_digest_reasons(run, replicas or {})
     model = run.get("model")
-    if model != OFFICIAL_MODEL:
-        reasons.append("run.json records no initial model (ResNet-50 required)" if model is None else
-                       f"initial architecture is {model!r}, not ResNet-50 ({OFFICIAL_MODEL!r})")
+    if model != rules["initial_architecture"]:
+        reasons.append(f"run.json records no initial model ({rules['initial_architecture']!r} required)"
+                       if model is None else
+                       f"initial architecture is {model!r}, not {rules['initial_architecture']!r}")
         covered.add("initial_architecture")
 
     low: dict[str, list[str]] = {}
@@ -91,21 +99,18 @@ def validity_reasons(run: dict[str, Any], trials: Iterable[Any], best_error: flo
         reasons.append(f"{what} ({MIN_PRECISION} or above required): {len(ids)} trial(s), "
                        f"e.g. {', '.join(sorted(ids)[:3])}")
 
-    if best_error is None:
-        reasons.append("no validation accuracy was recorded by the end of the run")
-    elif best_error > MAX_ERROR:
-        reasons.append(f"best validation error {best_error:.2%} is above the maximum {MAX_ERROR:.0%}")
+    reasons += workload.validity.reasons(rules, best_error)
 
-    policy = run_policy(run)
     overridden = set(policy.overridden_fixed())
     recorded = run.get("policy_overridden_fixed") or []
     if not isinstance(recorded, list):
         raise RunDirError("run.json: policy_overridden_fixed must be a list")
     overridden.update(str(item) for item in recorded)
-    for item in ITEMS:  # Table 4's order
+    for item in items_of(workload.name):  # Table 4's order
         if item.name in overridden and item.name not in covered:
             reasons.append(f"fixed setting {item.name} changed to {policy[item.name]!r} "
-                           f"(Table 4: {item.default!r})")
+                           f"({'Table 4' if workload.name == 'cnn' else 'the lm rules'}: "
+                           f"{item.default_for(workload.name)!r})")
     for name in sorted(overridden - set(BY_NAME)):
         reasons.append(f"fixed setting {name} changed (recorded in run.json)")
     return reasons

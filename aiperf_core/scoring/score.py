@@ -83,6 +83,7 @@ class ScoreResult:
     # between the 0.1 h samples. Same tuples as `samples`; it never changes the score.
     curve: list[tuple[float, float, float, float | None]] = field(default_factory=list)
     failure: RunFailure | None = None  # the run produced nothing (see the module's docstring)
+    workload: str = "cnn"  # what the error measures (aiperf_core.workloads)
 
     @property
     def elapsed_s(self) -> float:
@@ -91,6 +92,7 @@ class ScoreResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "run_id": self.run_id,
+            "workload": self.workload,
             "score_ops": self.score_ops,
             "score": format_ops(self.score_ops),
             "regulated_ops": self.regulated_ops,
@@ -122,12 +124,6 @@ def epoch_ops(per_image: tuple[int, int], train_images: int, val_images: int) ->
     """Training FP+BP over the training images plus validation FP over the validation images."""
     fp, bp = per_image
     return train_images * (fp + bp) + val_images * fp
-
-
-def scored_error(accuracy: float, val_images: int) -> float:
-    """1 - accuracy, except that a perfect score is taken as half an image wrong: -ln(0) is infinite,
-    and an M-image validation set cannot tell an error below 1/M from zero."""
-    return 1.0 - accuracy if accuracy < 1.0 else 0.5 / max(val_images, 1)
 
 
 def regulated(ops_per_s: float, error: float | None) -> float:
@@ -169,7 +165,7 @@ def score_ledger(ledger: RunLedger, now: float | None = None) -> ScoreResult:
     counted: list[tuple[float, int, float | None, float | None]] = []  # (time, ops, error, accuracy)
     after_deadline = uncountable = 0
     deadline = info.deadline
-    for time, trial, train_images, val_images, accuracy in ledger.epochs:
+    for time, trial, train_images, val_images, accuracy, error in ledger.epochs:
         if time > end:
             if time > deadline:
                 after_deadline += 1
@@ -177,7 +173,6 @@ def score_ledger(ledger: RunLedger, now: float | None = None) -> ScoreResult:
         if trial.per_image is None:
             uncountable += 1
             continue
-        error = None if accuracy is None else scored_error(accuracy, val_images)
         counted.append((time, epoch_ops(trial.per_image, train_images, val_images), error, accuracy))
     counted.sort(key=lambda e: e[0])
 
@@ -231,7 +226,8 @@ def score_ledger(ledger: RunLedger, now: float | None = None) -> ScoreResult:
         best_accuracy=best_accuracy, best_error=best, samples=samples, total_ops=total,
         epochs_counted=len(counted), epochs_after_deadline=after_deadline, epochs_uncountable=uncountable,
         trials=len(trials), trials_by_status=dict(sorted(by_status.items())), valid=not reasons,
-        reasons=reasons, notes=list(ledger.problems), curve=curve, failure=run_failure(ledger, trials))
+        reasons=reasons, notes=list(ledger.problems), curve=curve, failure=run_failure(ledger, trials),
+        workload=ledger.workload)
 
 
 def run_failure(ledger: RunLedger, trials: list[Trial]) -> RunFailure | None:

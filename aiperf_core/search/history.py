@@ -35,8 +35,8 @@ USABLE = ("ok", "early_stopped")
 HISTORY_NAME = "primary/history.jsonl"  # how messages name RunDir.history_file
 PUBLISHED = "trial"  # the event of every line of the published history
 # The fields of a published line besides event, time, seq and prev: what a replica reads of a trial.
-PUBLISHED_FIELDS = ("trial", "replica", "round", "target", "best_val_accuracy", "batch_size", "kernel_size", "arch",
-                    "signature", "files")
+PUBLISHED_FIELDS = ("trial", "replica", "round", "target", "best_val_accuracy", "hpo_point", "arch", "signature",
+                    "files")
 # The primary reads a replica's log again after this fraction of the time since its current trial
 # was seen to start, and at least every PUBLISH_DELAY_MAX_S: about 12 reads in a trial's first
 # 10 minutes, then one every 5, so some 17 for a 36-minute trial and 26 for a 78-minute one (each
@@ -52,10 +52,9 @@ class TrialRecord:
     trial: str
     replica: int
     round: int
-    target: float          # what the search maximises: predicted accuracy in warm-up rounds, else the best
+    target: float          # what the search maximises: predicted quality (1 - error) in warm-up rounds, else the best
     best_val_accuracy: float
-    batch_size: int
-    kernel_size: int
+    hpo_point: dict[str, float]  # the trial's value of each HPO dimension of its workload
     arch: ArchCode
     signature: str
     files: dict[str, str] = field(default_factory=dict)  # file name -> sha256, from trial_end
@@ -107,13 +106,23 @@ def published_fields(trial: str, replica: int, raw: bytes, files: dict[str, str]
         info = json.loads(raw)
         fields = {"trial": trial, "replica": replica, "round": int(info["round"]), "target": float(info["target"]),
                   "best_val_accuracy": float(info["best_val_accuracy"]),
-                  "batch_size": int(info["hyper"]["batch_size"]), "kernel_size": int(info["hyper"]["kernel_size"]),
+                  "hpo_point": _point(info["hpo_point"]),
                   "arch": encode_arch(info["arch"]), "signature": str(info["signature"]), "files": dict(files)}
     except (ValueError, KeyError, TypeError, AiperfError):
         return None
     if not all(np.isfinite([fields["target"], fields["best_val_accuracy"]])):
         return None  # not JSON: a trial with weights always has both
     return fields
+
+
+def _point(value: Any) -> dict[str, float]:
+    """An HPO point as published: names to finite numbers (ValueError if it is not one)."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError("not an HPO point")
+    point = {k: float(v) if isinstance(v, float) else int(v) for k, v in value.items()}
+    if not all(np.isfinite(v) for v in point.values()):
+        raise ValueError("not an HPO point")
+    return point
 
 
 def records_of(lines: list[dict[str, Any]]) -> list[tuple[TrialRecord, np.ndarray]]:
@@ -126,8 +135,7 @@ def records_of(lines: list[dict[str, Any]]) -> list[tuple[TrialRecord, np.ndarra
             if not isinstance(fields["trial"], str) or not isinstance(files, dict):
                 continue
             values = (int(fields["replica"]), int(fields["round"]), float(fields["target"]),
-                      float(fields["best_val_accuracy"]), int(fields["batch_size"]), int(fields["kernel_size"]),
-                      str(fields["signature"]))
+                      float(fields["best_val_accuracy"]), _point(fields["hpo_point"]), str(fields["signature"]))
             layers, skips = _arch_bytes(fields["arch"])
         except (ValueError, KeyError, TypeError):
             continue
@@ -149,8 +157,8 @@ def records_of(lines: list[dict[str, Any]]) -> list[tuple[TrialRecord, np.ndarra
     out = []
     for k, (trial, values, files) in enumerate(kept):
         arch = ArchCode(all_layers[layer_starts[k]:layer_ends[k]], all_skips[skip_starts[k]:skip_ends[k]])
-        replica, round_number, target, best, batch, kernel, signature = values
-        out.append((TrialRecord(trial, replica, round_number, target, best, batch, kernel, arch, signature, files),
+        replica, round_number, target, best, point, signature = values
+        out.append((TrialRecord(trial, replica, round_number, target, best, point, arch, signature, files),
                     summaries[k]))
     return out
 

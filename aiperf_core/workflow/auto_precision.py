@@ -45,7 +45,10 @@ def measure_seed_model(backend, device: str, precisions, seed: dict[str, Any]) -
     input_shape, classes, batch_size): the primary's backend probe, before the run starts."""
     from aiperf_core.builders import build
 
-    graph = build(seed["model"], tuple(seed["input_shape"]), seed["classes"])
+    if "sizes" in seed:  # a GPT: its sizes, no image shape
+        graph = build(seed["model"], **seed["sizes"])
+    else:
+        graph = build(seed["model"], tuple(seed["input_shape"]), seed["classes"])
     return measure(backend, device, graph, precisions, batch_size_for(device, seed["batch_size"]))
 
 

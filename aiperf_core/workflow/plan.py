@@ -57,6 +57,7 @@ class RunRequest:
     replicas: int | None = None
     devices_per_replica: int | None = None
     time_budget: str | None = None
+    workload: str | None = None
     data: str | None = None
     data_workers: int | None = None
     run_dir: str | None = None
@@ -73,7 +74,8 @@ class RunRequest:
 def merge_request(flags: Mapping[str, Any], config: Mapping[str, Any]) -> RunRequest:
     """Flags (None when not given) over the config file's values."""
     request = RunRequest(policy=dict(config.get("policy", {})), slurm=dict(config.get("slurm", {})))
-    for name in ("backend", "executor", "replicas", "devices_per_replica", "time_budget", "data", "run_dir", "seed",
+    for name in ("backend", "executor", "replicas", "devices_per_replica", "time_budget", "workload", "data", "run_dir",
+                 "seed",
                  "max_restarts", "heartbeat_timeout", "stall_timeout", "stop_after_trials"):
         value = flags.get(name)
         setattr(request, name, value if value is not None else config.get(name))
@@ -119,9 +121,31 @@ def watch_settings(request: RunRequest, recorded: Mapping[str, Any] | None = Non
     return WatchSettings(max_restarts, float(timeout), float(grace), slurm, stall_timeout_s=float(stall))
 
 
+def workload_of(request: RunRequest) -> str:
+    """--workload (or the config's `workload`), else the policy's `workload`, else cnn."""
+    from aiperf_core import workloads
+
+    name = request.workload or request.policy.get("workload") or workloads.DEFAULT
+    if request.workload and request.policy.get("workload") not in (None, request.workload):
+        raise AiperfError(f"--workload {request.workload}: the config's policy.workload says "
+                          f"{request.policy['workload']!r}")
+    return workloads.get(name).name
+
+
 def data_choice(request: RunRequest) -> tuple[str, str | None]:
-    """(dataset name, absolute path or None) from --data: digits, synthetic, or a folder (ImageNet)."""
+    """(dataset name, absolute path or None) from --data. The CNN's: digits, synthetic, or a folder
+    (ImageNet); the LM's: embedded (the default), or a folder `aiperf data prepare` wrote (enwik8)."""
     data = request.data
+    if workload_of(request) == "lm":
+        from aiperf_core.data.text_corpus import EMBEDDED
+
+        if data is None or data == EMBEDDED:
+            return EMBEDDED, None
+        path = Path(data).expanduser()
+        if not path.is_dir():
+            raise AiperfError(f"--data {data}: not a folder (the lm workload reads embedded, or the folder "
+                              f"`aiperf data prepare enwik8.zip OUT` wrote)")
+        return "enwik8", str(path.resolve())
     if data is None:
         named = request.policy.get("dataset")
         if named in ("digits", "synthetic"):
@@ -144,20 +168,33 @@ def build_policy(request: RunRequest, dataset: str, base: Mapping[str, Any] | No
 
     values = dict(base or {})
     values.update(request.policy)
+    values["workload"] = values.get("workload") if base else workload_of(request)
     values["dataset"] = dataset
     if request.data_workers is not None:
         values["data_workers"] = request.data_workers
-    if "image_size" not in values:
+    if values["workload"] == "cnn" and "image_size" not in values:
         values["image_size"] = data.DEFAULT_IMAGE_SIZE.get(dataset, 224)
     return Policy(values, source="policy").to_json()
 
 
-def describe_dataset(name: str, path: str | None, image_size: int, data_loader: str = "native") -> dict[str, Any]:
+def describe_dataset(name: str, path: str | None, policy: Mapping[str, Any]) -> dict[str, Any]:
     """run.json's `dataset`: the data is opened and checked now, with the loader the policy names,
     so a bad one (or DALI asked for where it has nothing to decode) fails before the start. `digest`
-    is the one identity of the data: its manifest's (docs/data.md), None for a folder without one."""
+    is the one identity of the data: its manifest's (docs/data.md), None for a folder without one;
+    for text, the digest of its three splits (the embedded corpus's made as a manifest would)."""
     from aiperf_core import data
     from aiperf_core.data.manifest import recorded_digest
+
+    if policy["workload"] == "lm":
+        from aiperf_core import workloads
+        from aiperf_core.policy import Policy
+
+        try:
+            corpus = workloads.get("lm").data.open({"name": name, "path": path}, Policy(policy))
+        except AiperfError as exc:
+            raise AiperfError(f"--data {path or name}: {exc}") from None
+        return corpus.describe()
+    image_size, data_loader = policy["image_size"], policy["data_loader"]
 
     spec = {"name": name, "path": path, "image_size": image_size, "data_loader": data_loader}
     try:
@@ -261,6 +298,11 @@ def auto_request(policy: Mapping[str, Any], dataset: Mapping[str, Any]) -> dict[
 
     if policy["precision"] != AUTO_PRECISION:
         return None
+    if policy["workload"] == "lm":
+        from aiperf_core.workloads.lm import SEEDS
+
+        return {"model": "gpt", "sizes": {**SEEDS[policy["initial_architecture"]], "seq_len": policy["seq_len"],
+                                          "vocab": dataset["vocab"]}, "batch_size": policy["batch_size"]}
     size = policy["image_size"]
     return {"model": policy["initial_architecture"], "input_shape": [size, size, 3],
             "classes": dataset["classes"], "batch_size": policy["batch_size"]}
@@ -410,6 +452,7 @@ def run_record(*, backend: str, executor: str, replicas: int, devices_per_replic
         "replicas": replicas,
         "devices_per_replica": devices_per_replica,
         "seed": seed,
+        "workload": policy.get("workload", "cnn"),
         "model": policy["initial_architecture"],
         "dataset": dataset,
         "policy": policy,

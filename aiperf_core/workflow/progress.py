@@ -128,12 +128,14 @@ def render(progress: Any, live: Live | None = None) -> list[str]:
     lines first, then one indented line per replica."""
     from aiperf_core.scoring import format_ops
 
-    accuracy = "-" if progress.best_accuracy is None else f"{progress.best_accuracy:.2%}"
+    from aiperf_core import workloads
+
+    best = workloads.get(progress.workload).validity.brief(progress.best_error, progress.best_accuracy)
     lines = [
         f"elapsed {format_duration(progress.elapsed_s)} of {format_duration(progress.budget_s)} "
         f"({progress.fraction:.0%}), {format_duration(progress.remaining_s)} left",
         f"OPS {format_ops(progress.ops_per_s)}  regulated {format_ops(progress.regulated_ops)}  "
-        f"best accuracy {accuracy}  trials done {progress.trials_done}, running {progress.trials_running}  "
+        f"{best}  trials done {progress.trials_done}, running {progress.trials_running}  "
         f"epochs {progress.epochs_counted}",
     ]
     if live is not None and live.replicas:

@@ -242,7 +242,7 @@ class NasCostModel:
             history = SharedHistory(None)
             for k in range(size):
                 history.add(TrialRecord(trial_id(k % 4096, k // 4096), k % 4096, k // 4096 + 1,
-                                        float(rng.uniform(0.3, 0.9)), 0.0, 256, 3,
+                                        float(rng.uniform(0.3, 0.9)), 0.0, {"batch_size": 256, "kernel_size": 3},
                                         codes[int(rng.integers(len(codes)))], f"trial-{k}"))
             best = float("inf")
             for _ in range(repeat):
@@ -416,6 +416,7 @@ class SimulatedReplica:
             best = max(accuracies)
             info = {"trial": trial, "replica": self.id, "round": round_number, "parent": None, "morph": None,
                     "hyper": hyper, "hpo": "warmup" if policy.is_warmup(round_number) else "hpo", "nas": None,
+                    "hpo_point": {"batch_size": batch, "kernel_size": 3},
                     "status": status, "reason": stop, "epochs": len(accuracies), "val_accuracy": accuracies,
                     "val_loss": losses, "best_val_accuracy": best, "predicted_accuracy": None, "target": best,
                     "arch": graph.arch, "signature": graph.signature}

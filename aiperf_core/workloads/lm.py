@@ -1,0 +1,145 @@
+"""The language-model workload: a small decoder-only GPT grown by the transformer morphs
+(aiperf_core.transformer_morph) on byte-level text (enwik8, or the embedded corpus), validation
+bits per byte as quality.
+
+An epoch is `epoch_tokens` training tokens, whatever the sequence length or the corpus: the
+trial's windows of `seq_len` bytes (and the byte after each), drawn at seeded random offsets of
+the training split, a new draw for every trial. Validation reads the first `val_tokens` bytes of
+the validation split as consecutive windows, the same for every trial of every run on that corpus,
+so that bits per byte compare across trials and runs.
+
+The error is bits per byte over 8, the fraction of a byte's 8 bits the model still needs:
+1 for a model that knows nothing (uniform over 256 values), 0 for a perfect one. So -ln(error) is
+0 for the uniform model and grows with quality, as -ln(error) does for the CNN's error rate.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import numpy as np
+
+from aiperf_core.backend import Dataset
+from aiperf_core.errors import AiperfError
+from aiperf_core.ir import Graph
+from aiperf_core.policy import Policy
+from aiperf_core.search.hpo import Dimension, Proposal
+from aiperf_core.workloads.base import Workload
+
+BITS_PER_BYTE = 8  # a byte-level vocabulary of 256
+# The seeds of policy item initial_architecture: gpt_small is the official one (about 0.4 M
+# parameters: one replica trains it usefully on one CPU); gpt_tiny is for smoke tests.
+SEEDS = {"gpt_small": {"layers": 2, "hidden": 128, "heads": 4},
+         "gpt_tiny": {"layers": 1, "hidden": 32, "heads": 2}}
+
+
+class Seed:
+    def build(self, policy: Policy, corpus) -> Graph:
+        from aiperf_core.builders import gpt
+
+        return gpt(**SEEDS[policy["initial_architecture"]], seq_len=policy["seq_len"], vocab=corpus.vocab)
+
+
+class Morphs:
+    def generate_candidates(self, graph: Graph, weights, n: int, seed: int) -> list:
+        from aiperf_core import transformer_morph
+
+        return transformer_morph.generate_candidates(graph, weights, n, seed)
+
+    def replay(self, graph: Graph, weights, record: Mapping):
+        from aiperf_core import transformer_morph
+
+        return transformer_morph.replay(graph, weights, record)
+
+    def tune_morph(self, record: dict, proposal: Proposal) -> dict:
+        return record
+
+
+class HpoSpace:
+    def dimensions(self, policy: Policy) -> list[Dimension]:
+        low, high = policy["hpo_batch_size_bounds"]
+        scale_low, scale_high = policy["hpo_lr_scale_bounds"]
+        return [Dimension("batch_size", policy["batch_size"], low, high),
+                Dimension("lr_scale", 1.0, float(scale_low), float(scale_high), integer=False)]
+
+    def learning_rate(self, policy: Policy, proposal: Proposal) -> float:
+        return policy.learning_rate_for(proposal.batch_size) * float(proposal.point["lr_scale"])
+
+
+class Data:
+    def open(self, spec: Mapping[str, Any], policy: Policy):
+        from aiperf_core.data import text_corpus
+
+        name = spec.get("name")
+        if name == text_corpus.EMBEDDED:
+            return text_corpus.embedded_corpus()
+        if name == "enwik8":
+            if not spec.get("path"):
+                raise AiperfError("dataset.path: enwik8 needs the folder `aiperf data prepare enwik8.zip OUT` wrote")
+            return text_corpus.open_prepared(spec["path"])
+        raise AiperfError(f"dataset.name: {name!r} is not text (the lm workload reads enwik8 or embedded)")
+
+    def trial_data(self, corpus, policy: Policy, seed: int) -> Dataset:
+        seq_len = policy["seq_len"]
+        windows = max(1, policy["epoch_tokens"] // seq_len)
+        x_train, y_train = corpus.batches("train", seq_len, windows, seed)
+        held_out = np.asarray(corpus.val[:policy["val_tokens"] + 1])
+        count = (len(held_out) - 1) // seq_len
+        if count < 1:
+            raise AiperfError(f"{corpus.name}: its validation split ({len(corpus.val):,} bytes) is shorter than one "
+                              f"window of seq_len {seq_len} and its next byte")
+        x_val = held_out[:count * seq_len].reshape(count, seq_len).astype(np.int32)
+        y_val = held_out[1:count * seq_len + 1].reshape(count, seq_len).astype(np.int32)
+        return Dataset(x_train.astype(np.int32), y_train.astype(np.int32), x_val, y_val, corpus.vocab)
+
+    def digest(self, corpus, spec: Mapping[str, Any]) -> str:
+        """The digest of the corpus this node read: its manifest's, or the embedded corpus's own."""
+        return corpus.digest
+
+
+def bits_per_byte(val_loss: float) -> float:
+    """Mean cross-entropy per byte token in nats, in bits."""
+    return val_loss / math.log(2)
+
+
+class Validity:
+    quality = "bits per byte"
+    unit = "bits per byte"
+
+    def display(self, error: float) -> float:
+        return error * BITS_PER_BYTE
+
+    def limit(self, rules: Mapping[str, Any]) -> float:
+        return rules["max_bits_per_byte"] / BITS_PER_BYTE
+
+    def error(self, val_accuracy: float | None, val_loss: float | None, val_samples: int) -> float | None:
+        if val_loss is None or not math.isfinite(val_loss) or val_loss < 0:
+            return None
+        # Below 1/8 of a bit nothing is measured on a finite validation set either; as the CNN's
+        # half an image wrong, the floor keeps -ln(error) finite. Above 8 bits a model is worse
+        # than knowing nothing: it is taken as knowing nothing, so no regulated score is negative.
+        return min(max(bits_per_byte(val_loss), 1.0 / BITS_PER_BYTE), BITS_PER_BYTE) / BITS_PER_BYTE
+
+    def describe(self, error: float) -> str:
+        return f"validation {error * BITS_PER_BYTE:.3f} bits per byte"
+
+    def best(self, error: float | None, accuracy: float | None) -> str:
+        if error is None:
+            return "no validation loss yet"
+        tokens = "" if accuracy is None else f", next-byte accuracy {accuracy:.2%}"
+        return f"best {self.describe(error)} (error {error:.2%}{tokens})"
+
+    def brief(self, error: float | None, accuracy: float | None) -> str:
+        return f"best bits/byte {'-' if error is None else f'{error * BITS_PER_BYTE:.3f}'}"
+
+    def reasons(self, rules: Mapping[str, Any], best_error: float | None) -> list[str]:
+        if best_error is None:
+            return ["no validation loss was recorded by the end of the run"]
+        limit = rules["max_bits_per_byte"]
+        if best_error * BITS_PER_BYTE > limit:
+            return [f"best validation {best_error * BITS_PER_BYTE:.3f} bits per byte is above the maximum {limit:g}"]
+        return []
+
+
+LM = Workload("lm", Seed(), Morphs(), HpoSpace(), Data(), Validity())

@@ -1,0 +1,137 @@
+"""The language-model workload: its policy, data, error rule, a replica's search over GPTs, and a
+whole `aiperf run --workload lm` scored and verified."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from aiperf_core import workloads
+from aiperf_core.cli import main
+from aiperf_core.data.text_corpus import embedded_corpus
+from aiperf_core.policy import Policy, PolicyError
+from aiperf_core.replica import run_replica, write_run_json
+from aiperf_core.rundir import RunDir, read_events, verify_chain
+from aiperf_core.scoring import score_run
+from aiperf_core.search.hpo import Proposal
+
+# The smallest search that still grows: the tiny GPT, 8 steps of 4 windows a trial.
+TINY = {"workload": "lm", "dataset": "embedded", "initial_architecture": "gpt_tiny", "seq_len": 32,
+        "epoch_tokens": 1024, "val_tokens": 2048, "batch_size": 4, "reference_batch_size": 4,
+        "warmup_epochs": [1, 1, 1], "max_epochs": 2, "nas_candidates": 3, "precision": "fp32"}
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return embedded_corpus()
+
+
+def test_the_lm_policy_has_its_own_defaults_items_and_fixed_rules():
+    lm, cnn = Policy({"workload": "lm"}), Policy()
+    assert (lm["optimizer"], lm["lr_schedule"], lm["grad_clip"], lm["weight_decay"]) == ("adamw", "cosine", 1.0, 0.1)
+    assert (lm["dataset"], lm["initial_architecture"], lm["seq_len"]) == ("enwik8", "gpt_small", 128)
+    assert (cnn["optimizer"], cnn["dataset"], cnn["workload"]) == ("sgd-momentum", "imagenet", "cnn")
+    assert "seq_len" not in cnn and "image_size" not in lm and "hpo_kernel_sizes" not in lm
+    assert lm.overridden_fixed() == [] and Policy({"workload": "lm", "seq_len": 64}).overridden_fixed() == ["seq_len"]
+    for values, field in (({"seq_len": 64}, "policy.seq_len: a setting of the lm workload, not of cnn"),
+                          ({"workload": "lm", "image_size": 64}, "policy.image_size: a setting of the cnn"),
+                          ({"workload": "lm", "dataset": "imagenet"}, "policy.dataset: 'imagenet' must be one of"),
+                          ({"workload": "rnn"}, "policy.workload: 'rnn' must be one of cnn, lm")):
+        with pytest.raises(PolicyError, match=field):
+            Policy(values)
+
+
+def test_an_epoch_is_a_fixed_number_of_tokens_and_validation_a_fixed_prefix(corpus):
+    data = workloads.get("lm").data
+    policy = Policy(TINY)
+    one, again, other = (data.trial_data(corpus, policy, seed) for seed in (1, 1, 2))
+    assert one.x_train.shape == (1024 // 32, 32) and one.x_train.dtype == np.int32
+    assert np.array_equal(one.x_train, again.x_train) and not np.array_equal(one.x_train, other.x_train)
+    assert np.array_equal(one.x_val, other.x_val) and one.x_val.shape == (2048 // 32, 32)
+    # y is x shifted by one byte: next-byte labels, from the same split.
+    assert np.array_equal(one.x_val.reshape(-1)[1:], one.y_val.reshape(-1)[:-1])
+    assert np.array_equal(one.x_val[0], np.asarray(corpus.val[:32]))
+    assert one.classes == 256 and data.digest(corpus, {}) == corpus.digest
+
+
+def test_the_error_is_bits_per_byte_over_eight_bounded_to_zero_and_one():
+    validity = workloads.get("lm").validity
+    assert validity.error(None, math.log(256), 100) == pytest.approx(1.0)  # uniform: knows nothing
+    assert validity.error(None, 2 * math.log(256), 100) == 1.0  # worse than uniform: still nothing
+    assert validity.error(0.5, math.log(2) * 2, 100) == pytest.approx(2 / 8)
+    assert validity.error(None, 0.0, 100) == pytest.approx(1 / 64)  # the floor keeps -ln finite
+    assert validity.error(0.9, None, 100) is None
+    rules = {"max_bits_per_byte": 3.0}
+    assert validity.reasons(rules, 2.9 / 8) == []
+    assert validity.reasons(rules, 3.5 / 8) == ["best validation 3.500 bits per byte is above the maximum 3"]
+    cnn = workloads.get("cnn").validity
+    assert cnn.error(0.75, 9.0, 10) == pytest.approx(0.25) and cnn.error(1.0, 0.0, 10) == 0.05
+
+
+def test_the_lm_tuner_scales_the_learning_rate_and_the_seed_reads_the_policy(corpus):
+    lm = workloads.get("lm")
+    policy = Policy(TINY)
+    assert lm.hpo.learning_rate(policy, Proposal({"batch_size": 8, "lr_scale": 0.5}, "hpo")) == \
+        pytest.approx(policy["learning_rate"] * 8 / 4 * 0.5)
+    graph = lm.seed.build(policy, corpus)
+    assert graph.takes_tokens and graph.input_shape == (32,) and graph.vocab == 256
+    with pytest.raises(Exception, match="workload: 'gan' is not one of cnn, lm"):
+        workloads.get("gan")
+
+
+def test_a_replica_grows_gpts_by_transformer_morphs_and_records_bits_per_byte(tmp_path):
+    write_run_json(tmp_path, backend="numpy", policy=TINY, stop_after_trials=3)
+    run = RunDir(tmp_path).read_run()
+    assert run["workload"] == "lm" and run["dataset"]["name"] == "embedded" and run["model"] == "gpt_tiny"
+    assert run_replica(tmp_path, 0) == "max_trials"
+    log = RunDir(tmp_path).replica_log(0)
+    assert verify_chain(log) == []
+    found = read_events(log)
+    assert found[0]["dataset_digest"] == run["dataset"]["digest"] == embedded_corpus().digest
+    starts = [e for e in found if e["event"] == "trial_start"]
+    ends = [e for e in found if e["event"] == "trial_end"]
+    assert [s["round"] for s in starts] == [1, 2, 3] and all(e["status"] in ("ok", "early_stopped") for e in ends)
+    assert starts[0]["morph"] is None
+    grown = [s["morph"]["op"] for s in starts[1:]]
+    assert all(op in ("deeper", "wider_mlp", "more_heads", "double_width", "upcycle_moe") for op in grown)
+    for start in starts:
+        info = json.loads((RunDir(tmp_path).trial_dir(start["trial"]) / "trial.json").read_text())
+        assert set(info["hpo_point"]) == {"batch_size", "lr_scale"} and info["hyper"]["lr_scale"] == 1.0
+        # The search maximises 1 - error: 1 - bits per byte / 8, from the validation loss.
+        best_loss = min(info["val_loss"])
+        assert info["target"] == pytest.approx(1 - min(best_loss / math.log(2), 8) / 8, abs=1e-9) or \
+            info["predicted_accuracy"] is not None
+    epochs = [e for e in found if e["event"] == "epoch_end"]
+    assert all(e["train_images"] == 1024 // 32 and e["val_images"] == 2048 // 32 for e in epochs)
+    result = score_run(tmp_path)
+    assert result.workload == "lm" and result.score_ops > 0
+    best_loss = min(e["val_loss"] for e in epochs)
+    assert result.best_error == pytest.approx(min(best_loss / math.log(2), 8) / 8)
+    assert result.regulated_ops == pytest.approx(-math.log(result.best_error) * result.score_ops)
+    assert "dataset is 'embedded', not 'enwik8'" in result.reasons
+
+
+def test_aiperf_run_workload_lm_scores_verifies_and_reports_bits_per_byte(tmp_path, capsys):
+    config = tmp_path / "lm.toml"
+    policy = {k: v for k, v in TINY.items() if k != "workload" and k != "dataset"}
+    config.write_text('workload = "lm"\n[policy]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in policy.items()))
+    run_dir = tmp_path / "run"
+    assert main(["run", "--config", str(config), "--backend", "numpy", "--time-budget", "20s",
+                 "--run-dir", str(run_dir), "--stop-after-trials", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "best validation" in out and "bits per byte" in out
+    run = RunDir(run_dir).read_run()
+    assert run["workload"] == "lm" and run["policy"]["workload"] == "lm" and run["dataset"]["layout"] == "bytes"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["workload"] == "lm"
+    assert "bits per byte" in (run_dir / "report.html").read_text()
+    assert main(["score", "--verify", str(run_dir)]) == 0
+    # The flag overrides the config's workload, whose lm items then do not apply; the lm workload
+    # refuses image data.
+    assert main(["run", "--config", str(config), "--workload", "cnn", "--data", "digits", "--backend", "numpy",
+                 "--time-budget", "5s", "--run-dir", str(tmp_path / "other")]) == 2
+    assert "policy.initial_architecture: 'gpt_tiny' must be one of resnet50" in capsys.readouterr().err
+    assert main(["run", "--workload", "lm", "--data", "digits", "--backend", "numpy", "--time-budget", "5s",
+                 "--run-dir", str(tmp_path / "third")]) == 2
+    assert "--data digits: not a folder" in capsys.readouterr().err
