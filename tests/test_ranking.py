@@ -23,7 +23,8 @@ def verdict(file, system_name="Alpha", site="Lab A", score=1e12, official=True, 
     stem = file.removesuffix(".tar.gz")
     metered = ops_per_watt is not None
     return {
-        "file": file, "submission_id": sid or f"sub-{stem}", "verdict": status, "official": official,
+        "file": file, "submission_id": sid or f"sub-{stem}", "workload": "cnn", "verdict": status,
+        "official": official,
         "reasons": list(reasons), "findings": [], "run_id": run_id or f"run-{stem}",
         "log_digests": digests if digests is not None else [f"digest-{stem}-0", f"digest-{stem}-1"],
         "system": {"system_name": system_name, "site": site, "country": "CN", "submitter": "A. Person",
@@ -214,7 +215,7 @@ def test_csv_has_every_column_and_one_row_per_entry():
         "rank", "system", "site", "country", "submitter", "nodes", "accelerators", "backend", "precision",
         "score (OPS)", "declared peak (OPS)", "efficiency vs declared peak", "efficiency vs measured peak",
         "regulated score (OPS)", "best accuracy", "run length (h)", "OPS per watt", "power level", "date",
-        "official", "submission id"]
+        "official", "submission id", "workload"]
     assert len(rows) == 1 + 2
     first = dict(zip(rows[0], rows[1]))
     assert first["accelerators"] == "Test GPU x 8" and first["backend"] == "torch 2.3.1"
@@ -341,9 +342,10 @@ def fake_check_module(monkeypatch):
 
 def test_rank_paths_reports_progress_and_rejects_an_unreadable_package(capsys):
     verdicts = {"a.tar.gz": verdict("a.tar.gz"), "b.tar.gz": verdict("b.tar.gz", system_name="B", official=False)}
-    ranking = rank_paths(["a.tar.gz", "b.tar.gz", "junk.tar.gz"], check=fake_check(verdicts))
+    ranking, unread = rank_paths(["a.tar.gz", "b.tar.gz", "junk.tar.gz"], check=fake_check(verdicts))
+    assert (ranking.workload, unread.workload, unread.entries) == ("cnn", None, [])
     assert files(ranking.entries) == ["a.tar.gz", "b.tar.gz"]
-    assert ranking.rejected == [{"file": "junk.tar.gz", "submission_id": None, "run_id": None, "system_name": None,
+    assert unread.rejected == [{"file": "junk.tar.gz", "submission_id": None, "run_id": None, "system_name": None,
                                  "site": None, "reasons": ["junk.tar.gz: not a gzip file"]}]
     assert capsys.readouterr().err.splitlines() == [
         "checking 1/3 a.tar.gz ... ACCEPTED official", "checking 2/3 b.tar.gz ... ACCEPTED unofficial",
@@ -356,7 +358,7 @@ def test_rank_command_prints_the_table_and_writes_html_and_csv(tmp_path, capsys,
     html, table = tmp_path / "out" / "list.html", tmp_path / "list.csv"
     assert main(["rank", "a.tar.gz", "b.tar.gz", "a.tar.gz", "--html", str(html), "--csv", str(table)]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("aiperf list: 2 system(s) ranked, 0 superseded, 1 rejected")
+    assert out.startswith("aiperf cnn list: 2 system(s) ranked, 0 superseded, 1 rejected")
     assert "same submission as a.tar.gz" in out
     assert "checking 3/3 a.tar.gz ... ACCEPTED official" in err and f"wrote {html}" in err
     assert "sub-b" in html.read_text() and "<svg" in html.read_text()
@@ -367,10 +369,10 @@ def test_rank_command_prints_the_table_and_writes_html_and_csv(tmp_path, capsys,
 def test_rank_command_json(capsys, fake_check_module):
     fake_check_module({"a.tar.gz": verdict("a.tar.gz")})
     assert main(["rank", "a.tar.gz", "junk.tar.gz", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert [e["rank"] for e in out["entries"]] == [1] and out["entries"][0]["submission_id"] == "sub-a"
-    assert out["rejected"][0]["reasons"] == ["junk.tar.gz: not a gzip file"]
-    assert set(out) == {"entries", "green", "superseded", "rejected"}
+    cnn, unread = json.loads(capsys.readouterr().out)["lists"]
+    assert [e["rank"] for e in cnn["entries"]] == [1] and cnn["entries"][0]["submission_id"] == "sub-a"
+    assert unread["workload"] is None and unread["rejected"][0]["reasons"] == ["junk.tar.gz: not a gzip file"]
+    assert set(cnn) == {"workload", "entries", "green", "superseded", "rejected"} and cnn["workload"] == "cnn"
 
 
 def test_rank_command_exits_1_when_nothing_is_ranked(capsys, fake_check_module):
@@ -389,3 +391,30 @@ def test_rank_command_bad_input_exits_2(tmp_path, capsys, fake_check_module):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"aiperf: error: --html {tmp_path / 'list.html'}: is a folder, not a file"]  # before any check
     assert list((tmp_path / "list.html").iterdir()) == []
+
+
+def test_each_workload_has_its_own_list_and_a_package_never_read_its_own():
+    from aiperf_core.submission.ranking import lists_to_dict, rank_lists, render_lists_csv, render_lists_html, \
+        render_lists_text
+
+    lm_best = {**verdict("lm-a.tar.gz", system_name="Big", score=9e15), "workload": "lm"}
+    lm_other = {**verdict("lm-b.tar.gz", system_name="Small", score=1e12), "workload": "lm"}
+    cnn = {**verdict("cnn.tar.gz", system_name="Small", score=5e12), "workload": "cnn"}
+    unread = {**rejected_verdict("bad.tar.gz", ["not a gzip file"]), "workload": None}
+    lists = rank_lists([lm_best, unread, cnn, lm_other])
+    assert [r.workload for r in lists] == ["cnn", "lm", None]
+    cnn_list, lm_list, unread_list = lists
+    assert [(e["file"], e["rank"]) for e in cnn_list.entries] == [("cnn.tar.gz", 1)]
+    assert [(e["file"], e["rank"]) for e in lm_list.entries] == [("lm-a.tar.gz", 1), ("lm-b.tar.gz", 2)]
+    assert unread_list.entries == [] and [r["file"] for r in unread_list.rejected] == ["bad.tar.gz"]
+    # The same system in two lists is not superseded: its results rank in each.
+    assert not cnn_list.superseded and not lm_list.superseded
+    data = json.loads(json.dumps(lists_to_dict(lists)))
+    assert [(l["workload"], len(l["entries"])) for l in data["lists"]] == [("cnn", 1), ("lm", 2), (None, 0)]
+    rows = list(csv.DictReader(io.StringIO(render_lists_csv(lists))))
+    assert [(r["workload"], r["rank"]) for r in rows] == [("cnn", "1"), ("lm", "1"), ("lm", "2")]
+    text = render_lists_text(lists)
+    assert text.index("aiperf cnn list: 1 system(s)") < text.index("aiperf lm list: 2 system(s)") < \
+        text.index("packages not read: 0 system(s)")
+    html = render_lists_html(lists)
+    assert html.count("<h2>The aiperf") == 2 and "The packages not read" in html and html.count("<html") == 1

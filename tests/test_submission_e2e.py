@@ -110,7 +110,9 @@ def test_the_list_orders_by_score_with_both_efficiencies(submissions, checks, tm
     result = aiperf("rank", *packages, "--json", "--csv", tmp_path / "list.csv", "--html", tmp_path / "list.html",
                     cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    ranking = json.loads(result.stdout)
+    lists = json.loads(result.stdout)["lists"]
+    assert [ranked["workload"] for ranked in lists] == ["cnn"]
+    ranking = lists[0]
 
     expected = []
     for backend, s in submissions.items():
@@ -140,6 +142,6 @@ def test_the_same_submission_twice_is_rejected_as_a_duplicate(submissions, tmp_p
     package = submissions[BACKENDS[0]]["package"]
     result = aiperf("rank", package, package, "--json", cwd=tmp_path, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
-    ranking = json.loads(result.stdout)
+    (ranking,) = json.loads(result.stdout)["lists"]
     assert len(ranking["entries"]) == 1 and len(ranking["rejected"]) == 1
     assert "same submission as" in json.dumps(ranking["rejected"][0])

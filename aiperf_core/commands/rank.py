@@ -23,31 +23,34 @@ def add_arguments(p) -> None:
 
 def run(args) -> int:
     from aiperf_core.commands.options import writable_file
-    from aiperf_core.submission.ranking import render_csv, render_html, render_text
+    from aiperf_core.submission.ranking import (lists_to_dict, render_lists_csv, render_lists_html,
+                                                render_lists_text)
 
     for option, path in (("--html", args.html), ("--csv", args.csv)):  # before minutes of checking packages
         if path is not None:
             writable_file(option, path)
-    ranking = rank_paths(args.submissions)
-    for path, render in ((args.html, render_html), (args.csv, render_csv)):
+    rankings = rank_paths(args.submissions)
+    for path, render in ((args.html, render_lists_html), (args.csv, render_lists_csv)):
         if path is None:
             continue
         try:
-            write_text_atomic(path, render(ranking))
+            write_text_atomic(path, render(rankings))
         except OSError as exc:
             raise AiperfError(f"{path}: cannot write: {exc.strerror or exc}") from exc
-    sys.stdout.write(json.dumps(ranking.to_dict(), indent=1) + "\n" if args.json else render_text(ranking))
+    sys.stdout.write(json.dumps(lists_to_dict(rankings), indent=1) + "\n" if args.json
+                     else render_lists_text(rankings))
     for path in (args.html, args.csv):
         if path is not None:
             print(f"wrote {path}", file=sys.stderr)
-    return 0 if ranking.entries else EXIT_NONE_RANKED
+    return 0 if any(r.entries for r in rankings) else EXIT_NONE_RANKED
 
 
 def rank_paths(paths: list[str], check: Callable[[str], Any] | None = None):
-    """Check each package (progress on stderr) and rank the verdicts. A package the check refuses
-    with a SubmissionError is rejected with that one line; the others are still ranked."""
+    """Check each package (progress on stderr) and rank the verdicts, one list per workload. A
+    package the check refuses with a SubmissionError is rejected with that one line; the others
+    are still ranked."""
     from aiperf_core.submission import SubmissionError
-    from aiperf_core.submission.ranking import rank
+    from aiperf_core.submission.ranking import rank_lists
 
     if check is None:
         from aiperf_core.submission.check import check_submission as check
@@ -63,12 +66,12 @@ def rank_paths(paths: list[str], check: Callable[[str], Any] | None = None):
             label += " official" if verdict["official"] else " unofficial"
         print(label, file=sys.stderr, flush=True)
         verdicts.append(verdict)
-    return rank(verdicts)
+    return rank_lists(verdicts)
 
 
 def refused_verdict(path: str, reason: str) -> dict[str, Any]:
     """The verdict of a package the check could not read: REJECTED, nothing known of it."""
-    return {"file": path, "submission_id": None, "verdict": "REJECTED", "official": False, "reasons": [reason],
+    return {"file": path, "submission_id": None, "workload": None, "verdict": "REJECTED", "official": False, "reasons": [reason],
             "findings": [], "run_id": None, "log_digests": [], "system": None, "accelerators": None,
             "backend": None, "framework_version": None, "precisions": [], "score_ops": None, "regulated_ops": None,
             "best_accuracy": None, "elapsed_s": None, "start_time": None, "date": None, "declared_peak_ops": None,

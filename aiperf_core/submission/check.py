@@ -64,6 +64,7 @@ class Verdict:
     score_ops: float | None = None
     regulated_ops: float | None = None
     best_accuracy: float | None = None
+    workload: str | None = None
     elapsed_s: float | None = None
     start_time: float | None = None
     declared_peak_ops: float | None = None
@@ -89,7 +90,7 @@ class Verdict:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "file": self.file, "submission_id": self.submission_id,
+            "file": self.file, "submission_id": self.submission_id, "workload": self.workload,
             "verdict": ACCEPTED if self.accepted else REJECTED, "official": self.official,
             "reasons": self.reasons, "findings": list(self.findings), "run_id": self.run_id,
             "log_digests": list(self.log_digests), "system": self.system, "accelerators": self.accelerators,
@@ -257,7 +258,7 @@ def _check_run(verdict: Verdict, run_root: Path) -> _Run:
         verdict.rejections.append("the run has not ended: the primary logged no run_end")
     verdict.run_id, verdict.start_time, verdict.elapsed_s = result.run_id, result.start_time, result.elapsed_s
     verdict.score_ops, verdict.regulated_ops = result.score_ops, result.regulated_ops
-    verdict.best_accuracy = result.best_accuracy
+    verdict.best_accuracy, verdict.workload = result.best_accuracy, result.workload
     verdict.rule_reasons = list(result.reasons)
     verdict.precisions = sorted({str(t.precision) for t in ledger.trials.values()})
     _compare_stored(verdict, run_root, result)

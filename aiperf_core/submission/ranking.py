@@ -1,4 +1,5 @@
-"""The list: checked submissions ranked by score, as text, CSV, JSON and one self-contained HTML page.
+"""The lists: checked submissions ranked by score, one list per workload (a CNN result and an LM
+result never share one), as text, CSV, JSON and one self-contained HTML page.
 
 Input is what the reviewer's check says of each package (`Verdict.to_dict()` of
 aiperf_core/submission/check.py), never the package itself: the list believes only recomputed
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from html import escape
 from typing import Any, Callable
 
+from aiperf_core.policy import WORKLOADS
 from aiperf_core.scoring.units import format_ops
 from aiperf_core.submission import SubmissionError
 
@@ -33,15 +35,33 @@ class Ranking:
     green: list[dict[str, Any]] = field(default_factory=list)
     superseded: list[dict[str, Any]] = field(default_factory=list)
     rejected: list[dict[str, Any]] = field(default_factory=list)
+    workload: str | None = None  # None: packages refused before their workload could be read
 
     def to_dict(self) -> dict[str, Any]:
-        return {"entries": self.entries, "green": self.green, "superseded": self.superseded,
-                "rejected": self.rejected}
+        return {"workload": self.workload, "entries": self.entries, "green": self.green,
+                "superseded": self.superseded, "rejected": self.rejected}
 
 
-def rank(verdicts: list[dict[str, Any]]) -> Ranking:
-    """Rank the verdicts of `aiperf check`, given in the order the submissions were named."""
-    ranking = Ranking()
+def rank_lists(verdicts: list[dict[str, Any]]) -> list[Ranking]:
+    """One Ranking per workload the verdicts name, in WORKLOADS' order (cnn first), each from that
+    workload's verdicts alone; packages refused before their workload was read come last, in a
+    list of rejections of their own."""
+    groups: dict[str | None, list[dict[str, Any]]] = {}
+    for verdict in verdicts:
+        groups.setdefault(verdict.get("workload"), []).append(verdict)
+    known = [w for w in WORKLOADS if w in groups]
+    other = sorted(w for w in groups if w is not None and w not in WORKLOADS)
+    return [rank(groups[w], w) for w in known + other + ([None] if None in groups else [])]
+
+
+def lists_to_dict(rankings: list[Ranking]) -> dict[str, Any]:
+    return {"lists": [r.to_dict() for r in rankings]}
+
+
+def rank(verdicts: list[dict[str, Any]], workload: str | None = "cnn") -> Ranking:
+    """Rank the verdicts of `aiperf check` of one workload, given in the order the submissions
+    were named."""
+    ranking = Ranking(workload=workload)
     seen_submission: dict[str, str] = {}
     seen_run: dict[str, str] = {}
     seen_digest: dict[str, str] = {}
@@ -69,7 +89,7 @@ def rank(verdicts: list[dict[str, Any]]) -> Ranking:
         best = best_of_system.get(system)
         if best is None:
             best_of_system[system] = verdict
-            ranking.entries.append({"rank": len(ranking.entries) + 1, **verdict})
+            ranking.entries.append({"rank": len(ranking.entries) + 1, **verdict, "workload": workload})
         else:
             ranking.superseded.append({**verdict, "superseded_by": best["submission_id"],
                                        "reason": f"superseded by {best['submission_id']}"})
@@ -195,6 +215,7 @@ COLUMNS = (
     Column("date", lambda e: e["date"]),
     Column("official", lambda e: "yes" if e["official"] else "no"),
     Column("submission id", lambda e: e["submission_id"]),
+    Column("workload", lambda e: e.get("workload")),
 )
 
 UNKNOWN = "-"
@@ -248,10 +269,23 @@ def _table(headers: list[str], rows: list[list[str]], right: list[bool]) -> list
     return [line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows]
 
 
+def _list_name(ranking: Ranking) -> str:
+    return "packages not read" if ranking.workload is None else f"aiperf {ranking.workload} list"
+
+
+def render_lists_text(rankings: list[Ranking]) -> str:
+    return "\n".join(render_text(r) for r in rankings)
+
+
+def render_lists_csv(rankings: list[Ranking]) -> str:
+    """Every list's entries, one after the other, each row naming its list in the `workload` column."""
+    return "".join(render_csv(r) if k == 0 else render_csv(r).split("\n", 1)[1] for k, r in enumerate(rankings))
+
+
 def render_text(ranking: Ranking) -> str:
     """The list as plain tables for a terminal: entries, Green list, superseded, rejected."""
-    lines = [f"aiperf list: {len(ranking.entries)} system(s) ranked, {len(ranking.superseded)} superseded, "
-             f"{len(ranking.rejected)} rejected", ""]
+    lines = [f"{_list_name(ranking)}: {len(ranking.entries)} system(s) ranked, {len(ranking.superseded)} "
+             f"superseded, {len(ranking.rejected)} rejected", ""]
     if ranking.entries:
         lines += _table([c.header for c in COLUMNS],
                         [[_printable(_human(c, e)) for c in COLUMNS] for e in ranking.entries],
@@ -560,15 +594,25 @@ def scatter_plot(entries: list[dict[str, Any]]) -> str:
 
 def render_html(ranking: Ranking, title: str = "aiperf list") -> str:
     """One self-contained page: inline CSS, SVG and script; nothing fetched."""
+    return render_lists_html([ranking], title)
+
+
+def render_lists_html(rankings: list[Ranking], title: str = "aiperf lists") -> str:
+    """One self-contained page, a section per list: inline CSS, SVG and script; nothing fetched."""
+    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{escape(title)}</title>",
+             f"<style>{_CSS}</style></head><body>", f"<h1>{escape(title)}</h1>"]
+    for ranking in rankings:
+        parts += _html_section(ranking, len(rankings) > 1)
+    parts += [f"<script>{_SORT_SCRIPT}</script>", "</body></html>"]
+    return "\n".join(parts) + "\n"
+
+
+def _html_section(ranking: Ranking, named: bool) -> list[str]:
     main_rows = [("official" if e["official"] else "unofficial", _entry_cells(e)) for e in ranking.entries]
     main_table = (_sortable_table([(c.header, c.numeric) for c in COLUMNS], main_rows, "list")
                   if ranking.entries else "<p>No accepted submission.</p>")
-    parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>{escape(title)}</title>",
-        f"<style>{_CSS}</style></head><body>",
-        f"<h1>{escape(title)}</h1>",
+    return [
+        f"<h2>The {escape(_list_name(ranking))}</h2>" if named else "",
         f"<p>{len(ranking.entries)} system(s) ranked, {len(ranking.superseded)} result(s) superseded, "
         f"{len(ranking.rejected)} submission(s) rejected. Every figure was recomputed from the submitted "
         f"event logs by <code>aiperf check</code>. Order: official results first, then score, then "
@@ -584,7 +628,4 @@ def render_html(ranking: Ranking, title: str = "aiperf list") -> str:
         _superseded_table(ranking),
         "<h2>Rejected</h2>",
         _rejected_table(ranking),
-        f"<script>{_SORT_SCRIPT}</script>",
-        "</body></html>",
     ]
-    return "\n".join(parts) + "\n"
