@@ -3,8 +3,10 @@
 `train_data_parallel` re-lowers the graph under the strategy's scope with the model's current
 weights (mirrored variables, one copy on each of exactly the devices asked for), trains it with
 training.run_epochs (each global batch cut into one contiguous shard per replica, gradients
-all-reduced with SUM of the per-shard losses divided by the global batch size) and loads the
-trained weights back into the caller's model.
+all-reduced with SUM of the per-shard losses divided by the global batch size; every replica then
+applies the same optimizer update, SGD with momentum or AdamW, to the all-reduced gradients,
+clipped by their global norm when TrainConfig.grad_clip asks) and loads the trained weights back
+into the caller's model.
 
 Batch norm is synchronised across the replicas (lowering.LoweredModel._batch_norm all-reduces the
 per-replica sums and counts, then the centred sums of squares), so a training step's statistics

@@ -1,9 +1,23 @@
-"""Loss, the SGD step, the feeds that put batches on the device, and the epoch loop, for one device
-or MirroredStrategy over several.
+"""Loss, the training step, the feeds that put batches on the device, and the epoch loop, for one
+device or MirroredStrategy over several.
 
-SGD with momentum is written out with torch.optim.SGD's semantics (``v = m * v + g``;
-``w -= lr * v``), not Keras SGD's (``v = m * v - lr * g``; ``w += v``): the two differ as soon as the
-learning rate changes between epochs, and every aiperf backend must train the same way.
+The step's update is TrainConfig.optimizer (the rules beside aiperf_core.backend.OPTIMIZERS; the
+NumPy reference is aiperf_core.optim.HostOptimizer), written out in TensorFlow ops:
+
+* "sgd-momentum" with torch.optim.SGD's semantics (``v = m * v + g``; ``w -= lr * v``), not Keras
+  SGD's (``v = m * v - lr * g``; ``w += v``): the two differ as soon as the learning rate changes
+  between epochs, and every aiperf backend must train the same way.
+* "adamw" with torch.optim.AdamW's: decoupled decay ``w *= 1 - lr * weight_decay`` of the matrices
+  only (optim.is_decayed: not biases, not layer-norm scales and shifts), bias-corrected moments,
+  epsilon added to ``sqrt(v / (1 - b2^t))``. Not Keras' AdamW, which adds epsilon before the second
+  moment's bias correction. t counts the updates applied (an fp16 step skipped on overflow is not
+  one).
+
+With TrainConfig.grad_clip, every gradient is first scaled by ``min(1, clip / (norm + 1e-6))``, norm
+the 2-norm of all the gradients together (torch.nn.utils.clip_grad_norm_), taken after the
+all-reduce and after fp16's unscaling: the global batch's gradient is clipped, on any number of
+devices. The learning rate is an argument of the traced step, set per epoch; everything else of the
+config is a constant of the trace, and each Trainer (one config) traces its own steps.
 
 fp16 trains with dynamic loss scaling (`LossScale`, the rule of torch's GradScaler and Keras'
 LossScaleOptimizer): the loss is multiplied by the scale before the backward pass and the
@@ -53,6 +67,7 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 
 from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, batches, is_streaming
+from aiperf_core.optim import CLIP_EPSILON, is_decayed
 from aiperf_backends.tensorflow.backend import framework
 from aiperf_backends.tensorflow.lowering import make_variable, precision_scope, use_xla
 
@@ -170,11 +185,22 @@ class Trainer:
         self.xla = strategy is None and use_xla(model.device)
         self.compiling = CompileClock()
         scope = strategy.scope() if strategy is not None else tf.device(self.device)
+        # The optimizer's state, replicated like the model's variables under a strategy. `slots` is
+        # SGD's velocity or AdamW's first moment; AdamW adds the second moment and its step count
+        # (float32: exact up to 2**24 steps, by which b2**t is long since 0).
         with scope:
             self.slots = [make_variable(tf.zeros(v.shape), f"momentum_{i}", trainable=False)
                           for i, v in enumerate(model.trainables)]
+            adamw = config.optimizer == "adamw"
+            self.second = [make_variable(tf.zeros(v.shape), f"second_moment_{i}", trainable=False)
+                           for i, v in enumerate(model.trainables)] if adamw else []
+            self.updates_applied = make_variable(0.0, "optimizer_steps", trainable=False) if adamw else None
             self.loss_scale = LossScale() if self.precision == "fp16" else None
-        self._steps: dict[tuple[tf.DType, bool], Any] = {}  # by (input dtype, sharded)
+        # optim.is_decayed's rule, asked of a zero-copy array of each variable's shape (a variable
+        # itself would be read to the host).
+        self.decayed = [is_decayed(np.broadcast_to(np.float32(0), tuple(v.shape))) for v in model.trainables]
+        # By (input dtype, sharded) only: the optimizer's fields are fixed for this Trainer's life.
+        self._steps: dict[tuple[tf.DType, bool], Any] = {}
         self._evals: dict[tf.DType, Any] = {}
 
     # -- the traced functions ---------------------------------------------------------------------
@@ -186,7 +212,7 @@ class Trainer:
         # gradients taken with respect to, the first replica's copies.
         sources = model.trainables if self.strategy is None or world > 1 else \
             [self.strategy.experimental_local_results(v)[0] for v in model.trainables]
-        momentum, smoothing = float(self.config.momentum), float(self.config.label_smoothing)
+        smoothing = float(self.config.label_smoothing)
         with tf.GradientTape() as tape:
             total, updates, _ = summed_loss(model, x, y, smoothing, True)
             loss = total / (global_n * model.labels_per_sample)
@@ -197,10 +223,7 @@ class Trainer:
         if world > 1:
             grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
         if scaling is None:
-            for var, slot, g in zip(model.trainables, self.slots, grads):
-                velocity = momentum * slot + g
-                slot.assign(velocity)
-                var.assign_sub(lr * velocity)
+            self._apply(grads, lr)
             for var, value in updates:
                 var.assign(value)
             return total
@@ -209,14 +232,50 @@ class Trainer:
         inverse = 1.0 / scaling.scale
         grads = [g * inverse for g in grads]
         finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in grads])
-        for var, slot, g in zip(model.trainables, self.slots, grads):
-            velocity = tf.where(finite, momentum * slot + g, slot)
-            slot.assign(velocity)
-            var.assign(tf.where(finite, var - lr * velocity, var))
+        self._apply(grads, lr, finite)
         for var, value in updates:
             var.assign(tf.where(finite, value, var))
         scaling.update(finite)
         return total
+
+    def _apply(self, grads, lr, finite=None) -> None:
+        """The optimizer's update of every trainable variable from its (all-reduced, unscaled)
+        gradient; with `finite` (fp16), only where it holds: otherwise weights, moments and the step
+        count keep their values, as torch's GradScaler skips optimizer.step()."""
+        config, model = self.config, self.model
+
+        def kept(new, old):
+            return new if finite is None else tf.where(finite, new, old)
+
+        if config.grad_clip is not None:
+            # Over the global batch's gradients (after the all-reduce), so that k devices clip as one.
+            norm = tf.linalg.global_norm(grads)
+            factor = tf.minimum(1.0, float(config.grad_clip) / (norm + CLIP_EPSILON))
+            grads = [g * factor for g in grads]
+        if config.optimizer == "sgd-momentum":
+            momentum = float(config.momentum)
+            for var, slot, g in zip(model.trainables, self.slots, grads):
+                velocity = kept(momentum * slot + g, slot)
+                slot.assign(velocity)
+                if finite is None:
+                    var.assign_sub(lr * velocity)
+                else:
+                    var.assign(tf.where(finite, var - lr * velocity, var))
+            return
+        # AdamW written out: Keras' AdamW adds epsilon to sqrt(v) before the second moment's bias
+        # correction (epsilon-hat), not to sqrt(v / (1 - b2^t)) as torch.optim.AdamW does.
+        b1, b2 = (float(b) for b in config.betas)
+        decay, epsilon = float(config.weight_decay), float(config.adam_epsilon)
+        t = self.updates_applied + 1.0
+        first_fix, second_fix = 1.0 - tf.pow(b1, t), 1.0 - tf.pow(b2, t)
+        for var, m, v, g, decayed in zip(model.trainables, self.slots, self.second, grads, self.decayed):
+            w = var * (1.0 - lr * decay) if decay and decayed else var
+            first = b1 * m + (1.0 - b1) * g
+            second = b2 * v + (1.0 - b2) * tf.square(g)
+            m.assign(kept(first, m))
+            v.assign(kept(second, v))
+            var.assign(kept(w - lr * (first / first_fix) / (tf.sqrt(second / second_fix) + epsilon), var))
+        self.updates_applied.assign(kept(t, self.updates_applied))
 
     def _spec(self, dtype):
         graph = self.model.graph
@@ -291,7 +350,7 @@ class Trainer:
 
     # -- running ----------------------------------------------------------------------------------
     def step(self, batch: Placed, lr: float):
-        """One synchronous SGD step on a placed global batch; returns its summed loss (a tensor)."""
+        """One synchronous optimizer step on a placed global batch; returns its summed loss (a tensor)."""
         fn = self._step_fn(_dtype(batch.x, self.strategy if batch.sharded else None), batch.sharded)
         with precision_scope(self.precision):
             if batch.sharded:
