@@ -21,9 +21,11 @@ backends work where it is not installed; availability() then says why not.
   (the contract's rule, Backend._runs: AMX-FP16 for fp16, AVX512-BF16 or AMX-BF16 for bf16) *and*
   MindSpore has the kernels. MindSpore 2.10's CPU Conv2D has no bfloat16 kernel, so bf16 is never
   declared on a CPU; lower() and train() reject the others with a clear error.
-* train: SGD with momentum (nn.Momentum) in this process on TrainConfig.devices (default: every
-  device); with several devices, data parallel with one process per device (distributed.py: HCCL
-  on Ascend), and a single accelerator other than this process's in one worker bound to it.
+* train: SGD with momentum (nn.Momentum) or AdamW (torch's arithmetic, written out in MindSpore
+  ops), with an optional global gradient-norm clip (training.py), in this process on
+  TrainConfig.devices (default: every device); with several devices, data parallel with one
+  process per device (distributed.py: HCCL on Ascend), and a single accelerator other than this
+  process's in one worker bound to it.
   Streamed batches arrive as uint8 pixels and are normalised on the device (lowering.py);
   synthetic data is uploaded once and sliced on the device (training.py).
 * native counter: MindSpore's own ``flops_collection`` (graph mode), per conv, dense and attention node

@@ -17,7 +17,10 @@ No rank table file is needed. Each worker (``python -m aiperf_backends.mindspore
    training.run_epochs with its rank: every rank draws the same shuffled order, cuts the same
    global batches and takes its own contiguous shard of each; a ``nn.DistributedGradReducer``
    (mean over the ranks, an all-reduce per step) averages the gradients, whose per-rank loss is
-   scaled so that the average is exactly the gradient of the global batch's mean loss. A global
+   scaled so that the average is exactly the gradient of the global batch's mean loss. Every rank
+   then applies the same step to that averaged gradient (training.Stepper: SGD with momentum or
+   AdamW, config.grad_clip on the averaged gradient's norm, after fp16's unscaling), so the ranks'
+   weights and optimizer states stay identical without further communication. A global
    batch smaller than the number of ranks (a short last batch) is not split: every rank computes
    it whole, with local batch statistics, so the step is exactly the single-device one.
 
@@ -118,6 +121,7 @@ def _config_to_dict(config: TrainConfig) -> dict:
 def _config_from_dict(data: dict) -> TrainConfig:
     data = dict(data)
     data["schedule"] = Schedule(**data["schedule"])
+    data["betas"] = tuple(data["betas"])  # JSON has no tuples; the frozen config stays hashable
     return TrainConfig(**data)
 
 

@@ -675,8 +675,9 @@ def normalised_pixels(pixels: Tensor) -> Tensor:
 
 
 def to_canonical(pname: str, array: np.ndarray) -> np.ndarray:
-    """A MindSpore-layout parameter (or gradient) as a canonical float32 array."""
-    array = np.asarray(array, dtype=np.float32)
+    """A MindSpore-layout parameter (or gradient) as a canonical float32 array of its own."""
+    # A copy: asnumpy() shares a Parameter's memory, which the next optimizer step overwrites in place.
+    array = np.array(array, dtype=np.float32)
     if pname == "kernel":  # OIHW -> HWIO, (out, in) -> (in, out)
         array = array.transpose(2, 3, 1, 0) if array.ndim == 4 else array.T
     return np.ascontiguousarray(array)

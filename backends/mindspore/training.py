@@ -1,8 +1,25 @@
-"""Loss, one SGD step and the epoch loop, shared by the single-process and the data-parallel path.
+"""Loss, one training step and the epoch loop, shared by the single-process and the data-parallel
+path.
 
-SGD with momentum is MindSpore's nn.Momentum: v = momentum * v + g; w -= lr * v (v starts at
-zero), the same rule as torch.optim.SGD. The learning rate is the optimizer's learning-rate
-parameter, set to config.schedule.rate(epoch, epochs) at the start of each epoch.
+The step is config.optimizer, by the rules written beside aiperf_core.backend.OPTIMIZERS:
+
+* "sgd-momentum" is MindSpore's nn.Momentum: v = momentum * v + g; w -= lr * v (v starts at zero),
+  the same rule as torch.optim.SGD.
+* "adamw" is torch.optim.AdamW's arithmetic written out in MindSpore ops (`AdamW` below): the
+  decoupled decay w *= 1 - lr * weight_decay on matrices only (aiperf_core.optim.is_decayed), then
+  bias-corrected moments, epsilon added to the root of the corrected second moment. MindSpore's
+  own AdamWs do not fit: nn.AdamWeightDecay has no bias correction, nn.Adam adds epsilon to the
+  uncorrected root (and its decay is an L2 term in the gradient), mint.optim.AdamW runs on Ascend
+  only, and mindspore.experimental.optim.AdamW, whose arithmetic is right, compiles its update
+  with ms.jit, a graph build inside the first step of a backend that runs PyNative and reports no
+  compile time on CPUs (below).
+* config.grad_clip (either optimizer) scales every gradient by min(1, grad_clip / (norm + 1e-6)),
+  norm the 2-norm of all trainable gradients together (torch.nn.utils.clip_grad_norm_; MindSpore's
+  ops.clip_by_global_norm divides by max(norm, clip) instead), after the gradients are all-reduced
+  and unscaled, so that the clip sees the global batch's true gradient.
+
+The learning rate is set to config.schedule.rate(epoch, epochs) at the start of each epoch: the
+optimizer's learning-rate parameter for nn.Momentum, the float AdamW reads each step.
 
 Every training image is seen once per epoch, in the order np.random.default_rng(seed + epoch)
 .permutation(n), in batches of config.batch_size (aiperf_core.data.stream.train_batches, which
@@ -13,7 +30,8 @@ its shard's summed cross-entropy scaled by world / global batch, and the gradien
 over the ranks, so the gradients are exactly those of the global batch's mean loss.
 
 fp16 scales the loss (mindspore.amp.DynamicLossScaler) and skips a step whose gradients are not
-finite; bf16 has float32's range and needs no scaling.
+finite (AdamW's step count does not advance, as under torch's GradScaler); bf16 has float32's range
+and needs no scaling.
 
 A sequence graph (token ids (N, S), labels (N, S)) has a class per position: a sequence's loss is
 the mean over its S positions, so the summed loss over the sequences divided by their number is the
@@ -42,6 +60,7 @@ import mindspore as ms
 from mindspore import Tensor, nn, ops
 
 from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, one_hot
+from aiperf_core.optim import CLIP_EPSILON, is_decayed
 from aiperf_backends.mindspore import lowering  # noqa: F401  (settles MindSpore's NumPy bridge first)
 
 PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
@@ -113,26 +132,82 @@ def gradient_function(model, params):
     return ms.value_and_grad(forward, None, params, has_aux=True)
 
 
+class AdamW:
+    """torch.optim.AdamW over `params` (float32 Parameters), in PyNative ops: each step is
+    w *= 1 - lr * weight_decay (where `decayed`), m = b1 m + (1 - b1) g, v = b2 v + (1 - b2) g^2,
+    w -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + epsilon). The corrections and the decay
+    factor are computed on the host in float64, once per step, and enter as float32 scalars."""
+
+    def __init__(self, params, decayed, config: TrainConfig):
+        self.parameters = list(params)
+        self.decayed = list(decayed)
+        self.betas = tuple(float(b) for b in config.betas)
+        self.weight_decay = float(config.weight_decay)
+        self.epsilon = float(config.adam_epsilon)
+        self.lr = float(config.schedule.initial)
+        self.steps = 0
+        self.first = [ops.zeros(p.shape, p.dtype) for p in self.parameters]
+        self.second = [ops.zeros(p.shape, p.dtype) for p in self.parameters]
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = float(lr)
+
+    def __call__(self, grads) -> None:
+        self.steps += 1
+        b1, b2 = self.betas
+        first_fix, second_fix = 1.0 - b1 ** self.steps, 1.0 - b2 ** self.steps
+        keep = 1.0 - self.lr * self.weight_decay
+        for i, (w, g, decayed) in enumerate(zip(self.parameters, grads, self.decayed)):
+            m = self.first[i] * b1 + g * (1.0 - b1)
+            v = self.second[i] * b2 + (g * g) * (1.0 - b2)
+            self.first[i], self.second[i] = m, v
+            step = (m / first_fix) / (ops.sqrt(v / second_fix) + self.epsilon)
+            start = w * keep if decayed and self.weight_decay else w
+            ops.assign(w, start - step * self.lr)
+
+
+def clip_gradients(grads, grad_clip: float):
+    """Every gradient scaled by min(1, grad_clip / (norm + 1e-6)), norm the 2-norm of them all together
+    (torch.nn.utils.clip_grad_norm_), computed on the device in float32."""
+    norm = ops.sqrt(sum((g.astype(ms.float32) * g.astype(ms.float32)).sum() for g in grads))
+    factor = ops.clamp(grad_clip / (norm + CLIP_EPSILON), max=1.0)
+    return tuple(g * factor.astype(g.dtype) for g in grads)
+
+
 class Stepper:
-    """SGD with momentum (nn.Momentum), loss scaling for fp16, an optional gradient reducer."""
+    """config.optimizer (nn.Momentum or `AdamW`), an optional gradient clip, loss scaling for fp16, an
+    optional gradient reducer."""
 
     def __init__(self, model, config: TrainConfig, reducer=None):
-        params = [p for _, _, p in model.trainable()]
+        trainable = model.trainable()
+        params = [p for _, _, p in trainable]
         if not params:
             raise BackendError("the graph has no trainable parameters: there is nothing to train")
         self.model = model
-        self.optimizer = nn.Momentum(params, learning_rate=float(config.schedule.initial),
-                                     momentum=float(config.momentum))
-        self.grad_fn = gradient_function(model, self.optimizer.parameters)
+        if config.optimizer == "adamw":
+            # By the canonical shape (a zero-byte view of it), the one the rule is stated on.
+            shapes = model.graph.all_param_shapes()
+            decayed = [is_decayed(np.broadcast_to(np.float32(0.0), shapes[node_id][name]))
+                       for node_id, name, _ in trainable]
+            self.optimizer = AdamW(params, decayed, config)
+            self.grad_fn = gradient_function(model, params)
+        else:
+            self.optimizer = nn.Momentum(params, learning_rate=float(config.schedule.initial),
+                                         momentum=float(config.momentum))
+            self.grad_fn = gradient_function(model, self.optimizer.parameters)
+        self.grad_clip = None if config.grad_clip is None else float(config.grad_clip)
         self.reducer = reducer
         self.scaler = ms.amp.DynamicLossScaler(scale_value=2.0 ** 16, scale_factor=2, scale_window=1000) \
             if model.precision == "fp16" else None
 
     def set_lr(self, lr: float) -> None:
-        ops.assign(self.optimizer.learning_rate, Tensor(np.float32(lr)))
+        if isinstance(self.optimizer, AdamW):
+            self.optimizer.set_lr(lr)
+        else:
+            ops.assign(self.optimizer.learning_rate, Tensor(np.float32(lr)))
 
     def step(self, x, target: Tensor, global_batch: int, world: int = 1, masks=None) -> float:
-        """One synchronous SGD step on this rank's shard: `x` an NHWC batch as to_cell_layout takes
+        """One synchronous training step on this rank's shard: `x` an NHWC batch as to_cell_layout takes
         it, `target` its one-hot (smoothed) rows (`targets`); returns the shard's summed loss."""
         scale = world / global_batch
         if self.scaler is not None:
@@ -146,6 +221,8 @@ class Stepper:
             self.scaler.adjust(finite)
             if not bool(finite):
                 return float(total.asnumpy())
+        if self.grad_clip is not None:  # on the reduced, unscaled gradient: the global batch's own
+            grads = clip_gradients(grads, self.grad_clip)
         self.optimizer(grads)
         return float(total.asnumpy())
 
