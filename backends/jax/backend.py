@@ -16,8 +16,9 @@ where jax is not installed; availability() then says why not.
   loss scaling, which this backend does not implement; check_precision rejects it loudly.
 * model: a pure function over a parameter pytree (lowering.py), jit-compiled per model, on the
   devices of its placement (distributed.py).
-* train: SGD with momentum in a jitted step; data parallel over TrainConfig.devices (default: every
-  local device) by sharding the batch axis over a mesh of exactly those devices (distributed.py).
+* train: SGD with momentum or AdamW, with optional gradient clipping, in a jitted step
+  (training.py); data parallel over TrainConfig.devices (default: every local device) by sharding
+  the batch axis over a mesh of exactly those devices (distributed.py).
 * native counter: XLA's cost analysis, always compiled for the CPU client of this process, whatever
   the training device (counter.py).
 * logging: XLA's C++ INFO lines are off (TF_CPP_MIN_LOG_LEVEL=1 unless set, 0 under `aiperf --debug`:

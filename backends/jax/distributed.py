@@ -5,14 +5,15 @@ A `Placement` is the devices a model lives on: one device, or a 1-D mesh over se
 (parameters), predict and loss_and_grads (inputs), training and evaluation (batches), so an input
 never lands on a device other than its model's (issue 15.4).
 
-With several devices one process drives them all. The parameters, momentum buffers and batch-norm
-statistics are replicated (P()), and each global batch is placed with NamedSharding(mesh,
-P('batch')) (its rows split over the devices). The step is written over the global batch array,
-so XLA's SPMD partitioner inserts the all-reduces itself: the gradients are those of the global
-batch's mean loss and the batch-norm statistics are those of the whole global batch, exactly as on
-one device (up to float32 summation order). A batch whose size does not divide by the number of
-devices (the last, short one) is replicated instead of sharded: the same computation, done by
-every device.
+With several devices one process drives them all. The parameters, the optimizer's state (SGD's
+momentum buffers or AdamW's two moments) and batch-norm statistics are replicated (P()), and each
+global batch is placed with NamedSharding(mesh, P('batch')) (its rows split over the devices). The
+step is written over the global batch array, so XLA's SPMD partitioner inserts the all-reduces
+itself: the gradients are those of the global batch's mean loss, and so are their 2-norm and the
+clip it sets (TrainConfig.grad_clip), and the batch-norm statistics are those of the whole global
+batch, exactly as on one device (up to float32 summation order). A batch whose size does not
+divide by the number of devices (the last, short one) is replicated instead of sharded: the same
+computation, done by every device.
 """
 
 from __future__ import annotations

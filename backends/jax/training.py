@@ -1,12 +1,27 @@
-"""Loss, the jit-compiled SGD step, evaluation and the epoch loop.
+"""Loss, the jit-compiled training step, evaluation and the epoch loop.
 
-SGD with momentum is torch.optim.SGD's: v = momentum * v + g; w -= lr * v (v starts at zero, so
-the first step is w -= lr * g). The learning rate and the step's index (which seeds dropout) are
+The step's update is config.optimizer's, as written beside aiperf_core.backend.OPTIMIZERS (and in
+NumPy in aiperf_core.optim):
+
+* sgd-momentum: torch.optim.SGD's v = momentum * v + g; w -= lr * v (v starts at zero, so the
+  first step is w -= lr * g);
+* adamw: torch.optim.AdamW's: w *= 1 - lr * weight_decay on the matrices only (optim.is_decayed),
+  bias-corrected first and second moments, epsilon added to the root of the corrected second
+  moment (`adamw_update`). Written out in jax.numpy: jax itself has no optimizers, and optax
+  (installed only as flax's dependency) folds the decay into the update, -lr * (u + wd * w), which
+  is torch's rule only in exact arithmetic;
+* config.grad_clip (either optimizer): every gradient scaled by min(1, grad_clip / (norm + 1e-6)),
+  norm the 2-norm of all the gradients together, before the update (torch.nn.utils
+  .clip_grad_norm_; optax's clip_by_global_norm has no 1e-6). The gradients are those of the
+  global batch (see below), so k devices clip exactly what one device would. No precision here
+  scales the loss (fp16 is not offered), so the norm is always that of the true gradients.
+
+The learning rate and the step's index (which seeds dropout and counts AdamW's steps) are
 traced arguments of the step, so neither a new rate per epoch (config.schedule.rate(epoch,
 epochs)) nor a new step recompiles: the step compiles once per batch shape, that is once for the
-full batches and once more for a short last batch, per model and precision (cached on the model,
-so the next trial of the same model compiles nothing). `EpochReport.compile_seconds` is the wall
-time of the calls that traced and compiled (`Traced`, `CompileClock`).
+full batches and once more for a short last batch, per model, precision and update rule (cached on
+the model, so the next trial of the same model compiles nothing). `EpochReport.compile_seconds` is
+the wall time of the calls that traced and compiled (`Traced`, `CompileClock`).
 
 Every training image is seen once per epoch, in the order np.random.default_rng(seed + epoch)
 .permutation(n), in batches of config.batch_size; the last batch is short and not dropped, so
@@ -31,9 +46,10 @@ Feeding the device (issue 17):
 
 from __future__ import annotations
 
+import math
 import time
 from functools import partial
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
@@ -135,21 +151,106 @@ class CompileClock:
         return seconds
 
 
-def make_train_step(graph, precision: str, momentum: float, label_smoothing: float) -> Traced:
-    """The jitted step (params, state, velocity, x, labels, lr, key, step index) -> (params, state,
-    velocity, summed loss). x is a float32 (normalised) or uint8 (pixels) batch; dropout draws
-    from fold_in(key, step index). params and velocity are donated: the update happens in place
-    where the device allows."""
-    import jax
+class AdamW(NamedTuple):
+    """AdamW's constants, as TrainConfig gives them; they are baked into the compiled step."""
 
-    def step(params, state, velocity, x, labels, lr, key, index):
+    b1: float
+    b2: float
+    weight_decay: float
+    epsilon: float
+
+
+def adamw_of(config: TrainConfig) -> AdamW | None:
+    if config.optimizer != "adamw":
+        return None
+    b1, b2 = config.betas
+    return AdamW(float(b1), float(b2), float(config.weight_decay), float(config.adam_epsilon))
+
+
+def step_key(config: TrainConfig) -> tuple:
+    """The cache key of the training step: everything baked into its traced code."""
+    key = ("train", config.precision, float(config.momentum), float(config.label_smoothing))
+    grad_clip = None if config.grad_clip is None else float(config.grad_clip)
+    adamw = adamw_of(config)
+    return key if adamw is None and grad_clip is None else key + (adamw, grad_clip)
+
+
+def initial_optimizer_state(params, adamw: AdamW | None):
+    """Zeros: the momentum buffers, or AdamW's (first, second) moments."""
+    import jax
+    import jax.numpy as jnp
+
+    if adamw is None:
+        return jax.tree_util.tree_map(jnp.zeros_like, params)
+    return jax.tree_util.tree_map(jnp.zeros_like, params), jax.tree_util.tree_map(jnp.zeros_like, params)
+
+
+def clipped(grads, grad_clip: float):
+    import jax
+    import jax.numpy as jnp
+
+    from aiperf_core.optim import CLIP_EPSILON
+
+    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)))
+    scale = jnp.minimum(1.0, grad_clip / (norm + CLIP_EPSILON))
+    return jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads)
+
+
+def bias_correction(beta: float, count):
+    """1 - beta^count in float32. As -expm1(count * log(beta)): 1 - beta**count would cancel, and
+    with b2 = 0.999 its first step would be off by 1e-5 relatively (torch computes it in float64)."""
+    import jax.numpy as jnp
+
+    log_beta = math.log(beta) if beta > 0 else -math.inf
+    return -jnp.expm1(count * jnp.float32(log_beta))
+
+
+def adamw_update(params, grads, moments, lr, count, adamw: AdamW):
+    import jax
+    import jax.numpy as jnp
+
+    from aiperf_core.optim import is_decayed
+
+    first, second = moments
+    b1, b2 = adamw.b1, adamw.b2
+    first = jax.tree_util.tree_map(lambda m, g: b1 * m + (1.0 - b1) * g, first, grads)
+    second = jax.tree_util.tree_map(lambda v, g: b2 * v + (1.0 - b2) * (g * g), second, grads)
+    first_fix, second_fix = bias_correction(b1, count), bias_correction(b2, count)
+
+    def update(w, m, v):
+        if adamw.weight_decay and is_decayed(w):
+            w = w * (1.0 - lr * adamw.weight_decay)
+        return w - lr * (m / first_fix) / (jnp.sqrt(v / second_fix) + adamw.epsilon)
+
+    return jax.tree_util.tree_map(update, params, first, second), (first, second)
+
+
+def make_train_step(graph, precision: str, momentum: float, label_smoothing: float,
+                    adamw: AdamW | None = None, grad_clip: float | None = None) -> Traced:
+    """The jitted step (params, state, optimizer state, x, labels, lr, key, step index) -> (params,
+    state, optimizer state, summed loss): SGD with momentum (the state: the momentum buffers), or
+    AdamW when `adamw` is given (the state: its two moments), with the gradients clipped to
+    `grad_clip` when given. x is a float32 (normalised) or uint8 (pixels) batch; dropout draws
+    from fold_in(key, step index), and AdamW's bias correction counts step index + 1 steps (the
+    index counts the steps since the state was zero). params and the optimizer state are donated:
+    the update happens in place where the device allows."""
+    import jax
+    import jax.numpy as jnp
+
+    def step(params, state, slots, x, labels, lr, key, index):
         def loss_fn(p):
             total, new_state = summed_loss(graph, p, state, x, labels, label_smoothing, precision=precision,
                                            key=jax.random.fold_in(key, index))
             return total / labels.size, (total, new_state)
 
         grads, (total, new_state) = jax.grad(loss_fn, has_aux=True)(params)
-        velocity = jax.tree_util.tree_map(lambda v, g: momentum * v + g, velocity, grads)
+        if grad_clip is not None:
+            grads = clipped(grads, grad_clip)
+        if adamw is not None:
+            count = index.astype(jnp.float32) + 1.0
+            params, slots = adamw_update(params, grads, slots, lr, count, adamw)
+            return params, new_state, slots, total
+        velocity = jax.tree_util.tree_map(lambda v, g: momentum * v + g, slots, grads)
         params = jax.tree_util.tree_map(lambda w, v: w - lr * v, params, velocity)
         return params, new_state, velocity, total
 
@@ -314,16 +415,19 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
 
     if not model.params:
         raise BackendError("the graph has no trainable parameters: there is nothing to train")
-    key = ("train", config.precision, float(config.momentum), float(config.label_smoothing))
+    key = step_key(config)
+    adamw = adamw_of(config)
     if key not in model.cache:
         model.cache[key] = make_train_step(model.graph, config.precision, float(config.momentum),
-                                           float(config.label_smoothing))
+                                           float(config.label_smoothing), adamw,
+                                           None if config.grad_clip is None else float(config.grad_clip))
     step = model.cache[key]
     evaluate = eval_fn(model, config.label_smoothing)
-    # Copies first: the step donates params and velocity, and the model keeps its own until the end.
+    # Copies first: the step donates params and its optimizer state, and the model keeps its own
+    # until the end.
     params = placement.replicate(jax.tree_util.tree_map(jnp.array, model.params))
     state = placement.replicate(model.state)
-    velocity = placement.replicate(jax.tree_util.tree_map(jnp.zeros_like, params))
+    slots = placement.replicate(initial_optimizer_state(params, adamw))
     if not is_streaming(data):  # convert once, not per batch
         data = Dataset(host_input(model.graph, np.asarray(data.x_train)), np.asarray(data.y_train, np.int32),
                        host_input(model.graph, np.asarray(data.x_val)), data.y_val, data.classes)
@@ -345,8 +449,8 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
                 if not n:
                     continue
                 with clock:
-                    params, state, velocity, total = compiling.call(step, params, state, velocity, xb, yb, lr,
-                                                                    rng_key, np.int32(step_index))
+                    params, state, slots, total = compiling.call(step, params, state, slots, xb, yb, lr, rng_key,
+                                                                 np.int32(step_index))
                     if in_flight is not None:
                         in_flight[0].block_until_ready()
                 if in_flight is not None:
