@@ -1,9 +1,11 @@
 """SIGKILL at seeded points, of the primary or of a replica, then `--resume` (or the primary's own
 restart of the replica): no finished epoch or trial is ever lost, none is counted twice, every
-event log's hash chain holds, and the op total recomputed from the logs only ever grows."""
+event log's hash chain holds, and the op total recomputed from the logs only ever grows; for each
+workload, the CNN on digits and the LM on the embedded corpus."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -13,6 +15,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from aiperf_core.ir import Graph
 from aiperf_core.rundir import read_events, verify_chain
@@ -25,6 +28,20 @@ KILL_POINTS = 22
 # The longest pause before a kill. The seeded draws are the same at any scale; 2.5 s still spans a
 # primary's start-up and a replica's, and a trial's epoch takes about 2 s here.
 MAX_PAUSE_S = 2.5
+# The LM's counterpart of TINY_POLICY: the tiny GPT, epochs of 32 windows of 64 bytes, about as
+# long as the CNN's here.
+LM_TINY_POLICY = """
+workload = "lm"
+[policy]
+initial_architecture = "gpt_tiny"
+seq_len = 64
+epoch_tokens = 2048
+val_tokens = 4096
+warmup_epochs = [1]
+max_epochs = 1
+batch_size = 8
+hpo_start_round = 50
+"""
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
@@ -122,14 +139,16 @@ def _exits(run_dir: Path) -> list[dict]:
     return [e for e in read_events(run_dir / "primary/events.jsonl") if e["event"] == "replica_exit"]
 
 
-def test_sigkill_at_seeded_points_loses_nothing_and_counts_nothing_twice(tmp_path):
+@pytest.mark.parametrize("workload", ["cnn", "lm"])
+def test_sigkill_at_seeded_points_loses_nothing_and_counts_nothing_twice(tmp_path, workload):
     rng = random.Random(SEED)
     config = tmp_path / "aiperf.toml"
-    config.write_text(TINY_POLICY)
+    config.write_text(TINY_POLICY if workload == "cnn" else LM_TINY_POLICY)
     run_dir = tmp_path / "run"
     output = tmp_path / "primary.out"
     common = ["--config", str(config), "--max-restarts", "1000"]
-    fresh = ["run", "--backend", "torch", "--data", "digits", "--replicas", "2", "--time-budget", "30m",
+    data = ["--data", "digits"] if workload == "cnn" else []
+    fresh = ["run", "--backend", "torch", *data, "--replicas", "2", "--time-budget", "30m",
              "--run-dir", str(run_dir), *common]
     primary = _start(fresh, output)
     ledger = Ledger(run_dir)
@@ -198,5 +217,6 @@ def test_sigkill_at_seeded_points_loses_nothing_and_counts_nothing_twice(tmp_pat
     assert len(crashed) == landed >= 5, (landed, crashed)
     assert all("signal 9" in e["reason"] for e in crashed), crashed
     assert ledger.epochs, "no epoch finished in the whole test: the kill points are too dense"
+    assert json.loads((run_dir / "run.json").read_text())["workload"] == workload
     interrupted = [t for t, status in ledger.trials_ended.items() if status == "interrupted"]
     assert interrupted, "no trial was interrupted and closed on restart"

@@ -13,7 +13,13 @@ and the image counts:
   parallel/uneven_last_batch        a last global batch of 3 (shards of 2 and 1): exact image counts
                                     and equal weights (shard gradients weighted by shard size);
   parallel/empty_shard              a last global batch of 1 and a validation set of 1: one device
-                                    gets nothing, and counts and weights must still be exact.
+                                    gets nothing, and counts and weights must still be exact;
+  parallel/gpt_matches_one_device   a small GPT on next-token labels, 2 epochs with the LM
+                                    policy's step (AdamW with decay, warm-up then cosine, a
+                                    gradient clip that engages) and an uneven last batch: the clip
+                                    must see the global batch's gradient. The attention key biases
+                                    are left out of the comparison: their exact gradient is zero,
+                                    and AdamW turns rounding into steps of up to the learning rate.
 
 Where fewer than two devices are visible, the level's work runs in a child process with
 AIPERF_CPU_DEVICES=2 (aiperf_core.backend.CPU_DEVICES_ENV; a backend reads it when it first
@@ -46,14 +52,17 @@ from typing import Any
 import numpy as np
 
 from aiperf_core.backend import CPU_DEVICES_ENV, BackendError, Dataset, Schedule, TrainConfig
-from aiperf_core.builders import resnet_one_block
+from aiperf_core.builders import gpt, resnet_one_block
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph, Node
 from aiperf_conformance.cases import trained_looking_weights
-from aiperf_conformance.kit import (Check, ChildProcessFailed, Context, Outcome, child_account, output_size,
-                                    read_text, relative_error, run_child)
+from aiperf_conformance.kit import (Check, ChildProcessFailed, Context, Outcome, child_account, new_ops,
+                                    output_size, read_text, relative_error, run_child)
+from aiperf_conformance.levels.op import key_biases
 
-DATA_PARALLEL_CHECKS = ("matches_one_device", "synchronized_batch_norm", "uneven_last_batch", "empty_shard")
+DATA_PARALLEL_CHECKS = ("matches_one_device", "synchronized_batch_norm", "uneven_last_batch", "empty_shard",
+                        "gpt_matches_one_device")
+LM_CHECKS = ("gpt_matches_one_device",)
 SINGLE_DEVICE_CHECKS = ("one_device_matches_default", "refuses_two_devices")
 CHILD_DEVICES = 2
 CHILD_TIMEOUT = 1800  # seconds for the whole level in the child (MindSpore on 2 busy cores is slow)
@@ -68,6 +77,7 @@ class Scenario:
     val: int  # validation images
     epochs: int
     offsets: bool = False  # per-image offsets, so that per-device BN statistics differ from global ones
+    lm: bool = False  # token windows and the LM policy's optimizer step
 
 
 def _resnet() -> Graph:
@@ -89,8 +99,13 @@ def _bn_probe() -> Graph:
     ), name="bn_probe")
 
 
+def _gpt() -> Graph:
+    return gpt(layers=1, hidden=16, heads=2, seq_len=8, vocab=32)
+
+
 SCENARIOS = {
     "matches_one_device": Scenario(_resnet, 3 * BATCH, 10, 2),
+    "gpt_matches_one_device": Scenario(_gpt, 2 * BATCH + 3, 5, 2, lm=True),
     "synchronized_batch_norm": Scenario(_bn_probe, BATCH, 4, 1, offsets=True),
     "uneven_last_batch": Scenario(_resnet, 2 * BATCH + 3, 7, 1),
     "empty_shard": Scenario(_resnet, BATCH + 1, 1, 1),
@@ -105,6 +120,10 @@ QUICK_SCENARIOS = {  # --quick: fewer steps, the same edge cases
 def _data(scenario: Scenario, seed: int, classes: int, shape) -> Dataset:
     rng = np.random.default_rng(seed)
     n = scenario.train + scenario.val
+    if scenario.lm:
+        tokens = rng.integers(0, classes, (n, shape[0] + 1))
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        return Dataset(x[:scenario.train], y[:scenario.train], x[scenario.train:], y[scenario.train:], classes)
     x = rng.normal(0, 1, (n,) + tuple(shape))
     if scenario.offsets:
         # The images the first epoch's order (the contract's rule for in-memory data,
@@ -123,10 +142,14 @@ def _data(scenario: Scenario, seed: int, classes: int, shape) -> Dataset:
 def _train(backend, scenario: Scenario, seed: int, devices) -> tuple[list, dict]:
     graph = scenario.graph()
     weights = trained_looking_weights(graph, seed)
-    data = _data(scenario, seed, graph.output_shape[0], graph.input_shape)
+    data = _data(scenario, seed, graph.output_shape[-1], graph.input_shape)
     model = backend.lower(graph, weights)
     config = TrainConfig(epochs=scenario.epochs, batch_size=BATCH, schedule=Schedule(initial=LR), seed=seed,
                          devices=devices)
+    if scenario.lm:  # a clip at 0.05 engages on every step of these random labels (norms above 1)
+        config = TrainConfig(epochs=scenario.epochs, batch_size=BATCH, seed=seed, devices=devices,
+                             schedule=Schedule(initial=0.01, final_fraction=0.1, warmup_epochs=1, shape="cosine"),
+                             optimizer="adamw", weight_decay=0.1, grad_clip=0.05)
     reports = backend.train(model, data, config)
     return reports, backend.export_weights(model)
 
@@ -145,15 +168,17 @@ def _counts(reports, scenario: Scenario, what: str) -> Outcome | None:
 
 
 def _agree(one: tuple[list, dict], other: tuple[list, dict], tol: float, what: str,
-           only: str | None = None) -> Outcome:
-    """Weights (every parameter and moving statistic, or those of node `only`) and per-epoch losses
-    of `other` against `one`, as relative errors."""
+           only: str | None = None, skip: frozenset = frozenset()) -> Outcome:
+    """Weights (every parameter and moving statistic, or those of node `only`, less the (node,
+    parameter) pairs in `skip`) and per-epoch losses of `other` against `one`, as relative errors."""
     (reports_a, weights_a), (reports_b, weights_b) = one, other
     worst, where = 0.0, ""
     for node_id, params in weights_a.items():
         if only is not None and node_id != only:
             continue
         for name, value in params.items():
+            if (node_id, name) in skip:
+                continue
             got = weights_b.get(node_id, {}).get(name)
             if got is None or np.shape(got) != np.shape(value):
                 return Outcome(False, None, list(np.shape(value)), tol,
@@ -198,7 +223,7 @@ def _data_parallel(backend, name: str, scenario: Scenario, seed: int, tol: float
         if not outcome.passed:
             outcome.message += ": batch-norm statistics are per device, not those of the global batch"
             return outcome
-    outcome = _agree(one, two, tol, on)
+    outcome = _agree(one, two, tol, on, skip=key_biases(scenario.graph()) if scenario.lm else frozenset())
     if outcome.passed and scenario.train % BATCH:
         last = scenario.train % BATCH
         shards = [len(s) for s in np.array_split(np.arange(last), 2)]
@@ -400,4 +425,5 @@ def checks(ctx: Context):
     names = ((DATA_PARALLEL_CHECKS if declared in (None, True) else ())
              + (SINGLE_DEVICE_CHECKS if declared in (None, False) else ()))
     for name in names:
-        yield Check("parallel", name, partial(_check, name=name))
+        lm = dict(workload="lm", ops=new_ops(_gpt())) if name in LM_CHECKS else {}
+        yield Check("parallel", name, partial(_check, name=name), **lm)
