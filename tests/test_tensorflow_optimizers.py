@@ -2,20 +2,12 @@
 steps of each against the float64 reference): AdamW and gradient clipping against
 aiperf_core.optim.HostOptimizer while the learning rate changes per epoch (decay of the kernel, not
 of the bias); fp16 loss scaling with AdamW (a skipped step leaves the moments and the step count
-alone); and data parallelism with clipping equal to one device on the combined batch.
-
-Two logical CPU devices need AIPERF_CPU_DEVICES before TensorFlow's runtime starts: that test runs in
-a fresh interpreter. fp32 tolerances as in test_tensorflow_backend.py: float32 against float64.
+alone). Data parallelism with clipping is the kit's parallel/gpt_matches_one_device. fp32
+tolerances as in test_tensorflow_backend.py: float32 against float64.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,8 +22,6 @@ from aiperf_core.ir import Graph, Node  # noqa: E402
 from aiperf_core.optim import HostOptimizer, grad_norm  # noqa: E402
 from aiperf_core.weights import init_weights  # noqa: E402
 from aiperf_backends.tensorflow import lowering, training  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _dense_graph() -> Graph:
@@ -123,54 +113,3 @@ def test_fp16_adamw_skips_an_overflowing_step_and_unscales_before_clipping(monke
         np.testing.assert_allclose(got[p], want[p], rtol=0, atol=2e-3, err_msg=p)  # fp16 forward: ~1e-3
 
 
-def test_data_parallel_adamw_with_clipping_equals_one_device():
-    """Two logical CPU devices (a fresh process: AIPERF_CPU_DEVICES is read before TF starts) train a
-    tiny GPT with AdamW, decay and a clip that engages as one device does on the combined batch: 17
-    sequences in batches of 8, 8 and 1 (the last too small to shard: it trains whole in the
-    strategy's cross-replica context), over two epochs at two learning rates. Clipping each
-    replica's own gradients would not agree.
-
-    The key projection's bias is left out of the comparison: attention's softmax is invariant to it,
-    so its gradient is zero in exact arithmetic and float32 rounding noise in practice, which Adam
-    normalises into steps of about +-lr whose sign depends on the summation order (it differs by
-    ~1e-2 between one and two devices with or without clipping)."""
-    script = """
-        import json
-        import numpy as np
-        from aiperf_backends.tensorflow import TensorFlowBackend
-        from aiperf_core.backend import Dataset, Schedule, TrainConfig
-        from aiperf_core.builders import gpt
-        from aiperf_core.optim import grad_norm
-
-        backend = TensorFlowBackend()
-        graph = gpt(layers=1, hidden=16, heads=2, seq_len=8, vocab=32)
-        rng = np.random.default_rng(0)
-        x, y = rng.integers(0, 32, (17, 8)), rng.integers(0, 32, (17, 8))
-        data = Dataset(x, y, x[:5], y[:5], 32)
-        _, grads = backend.loss_and_grads(backend.lower(graph), x[:8], y[:8])
-        out = {}
-        for devices in (("cpu:0",), ("cpu:0", "cpu:1")):
-            model = backend.lower(graph)
-            config = TrainConfig(epochs=2, batch_size=8, schedule=Schedule(0.005, final_fraction=0.5),
-                                 optimizer="adamw", weight_decay=0.1, grad_clip=0.2, devices=devices)
-            reports = backend.train(model, data, config)
-            out[len(devices)] = {"weights": backend.export_weights(model), "loss": [r.loss for r in reports],
-                                 "seqs": [r.train_images for r in reports]}
-        one, two = out[1]["weights"], out[2]["weights"]
-        worst = {f"{n}.{p}": float(np.max(np.abs(one[n][p] - two[n][p]) / (1.0 + np.abs(one[n][p]))))
-                 for n in one for p in one[n]}
-        print(json.dumps({"devices": backend.devices(), "norm": grad_norm(grads), "worst": worst,
-                          "loss": [out[1]["loss"], out[2]["loss"]], "seqs": out[2]["seqs"]}))
-    """
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_ENABLE_ONEDNN_OPTS", "OMP_NUM_THREADS", "AIPERF_TF_XLA")}
-    env.update(AIPERF_CPU_DEVICES="2", PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    assert r["devices"] == ["cpu:0", "cpu:1"] and r["seqs"] == [17, 17]
-    assert r["norm"] > 2 * 0.2  # the clip engages (on the first step at least)
-    worst = {name: err for name, err in r["worst"].items() if name != "h0_k.bias"}
-    assert len(worst) == len(r["worst"]) - 1
-    assert max(worst.values()) < 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
-    np.testing.assert_allclose(r["loss"][1], r["loss"][0], rtol=1e-5)
