@@ -8,12 +8,14 @@ unofficial and its summary names every fixed item that was changed (aiperf_core.
 `Policy.overridden_fixed()`). Values are never clamped or "fixed up": a bad value is an error
 that names the item.
 
-Learning-rate scaling with batch size (the "linear scaling rule", Goyal et al. 2017):
+Learning-rate scaling with batch size, for SGD (the CNN; the "linear scaling rule", Goyal et al.
+2017):
     lr = learning_rate * batch_size / reference_batch_size
-so the CNN's default 0.1 holds at the paper's default batch of 448 and scales in proportion; the
-rate then decays to `final_lr_fraction` of itself over the trial's epochs (linearly for the CNN,
-along a half cosine after `lr_warmup_epochs` of linear warm-up for the LM). The LM's tuner also
-scales the rate by a factor of its own (hpo_lr_scale_bounds).
+so the CNN's default 0.1 holds at the paper's default batch of 448 and scales in proportion. The
+LM's AdamW scales with the square root of the ratio, times a factor its tuner picks
+(hpo_lr_scale_bounds; aiperf_core.workloads.lm.HpoSpace). The rate then decays to
+`final_lr_fraction` of itself over the trial's epochs (linearly for the CNN, along a half cosine
+after `lr_warmup_epochs` of linear warm-up for the LM).
 
 Early-stopping patience grows with the round, because later rounds start from better-trained
 parents whose validation loss moves more slowly:
@@ -155,14 +157,16 @@ ITEMS: tuple[PolicyItem, ...] = (
     PolicyItem("min_precision", "fp16", True, "no training precision below this", _choice("fp16")),
     PolicyItem("max_error", 0.30, True, "a valid run reaches at most this validation error",
                _number_range(0.0, 1.0, low_open=True), CNN),
-    PolicyItem("max_bits_per_byte", 3.0, True, "a valid run reaches at most this many validation bits per byte "
+    PolicyItem("max_bits_per_byte", 4.0, True, "a valid run reaches at most this many validation bits per byte "
                "(docs/scoring.md)", _number_range(0.0, 8.0, low_open=True), LM),
     PolicyItem("seq_len", 128, True, "tokens (bytes) per training and validation sequence", _int_range(2, 4096),
                LM),
-    PolicyItem("epoch_tokens", 65536, True, "training tokens in one epoch: an epoch is this many tokens of the "
-               "training split, whatever the sequence length", _int_range(2), LM),
-    PolicyItem("val_tokens", 131072, True, "validation tokens each epoch is scored on: the first this many of the "
-               "validation split, or all of it where it is shorter", _int_range(2), LM),
+    PolicyItem("epoch_tokens", 1_048_576, True, "training tokens in one epoch: an epoch is this many tokens of the "
+               "training split, whatever the sequence length (embedded corpus: 16,384 unless set)",
+               _int_range(2), LM),
+    PolicyItem("val_tokens", 131_072, True, "validation tokens each epoch is scored on: the first this many of the "
+               "validation split, or all of it where it is shorter (embedded corpus: 16,384 unless set)",
+               _int_range(2), LM),
     PolicyItem("hpo_start_round", 4, True, "HPO proposes from this round on; earlier rounds are warm-up",
                _int_range(1)),
     PolicyItem("max_epochs", 60, True, "no trial trains more epochs than this", _int_range(1, 60)),
@@ -170,7 +174,7 @@ ITEMS: tuple[PolicyItem, ...] = (
     PolicyItem("initial_weights", "he", False, "initialisation of the initial network (He et al.)",
                _choice("he")),
     PolicyItem("batch_size", 448, False, "batch size (images or sequences) of rounds before HPO starts",
-               _int_range(1), lm=32),
+               _int_range(1), lm=16),
     PolicyItem("optimizer", "sgd-momentum", False, "sgd-momentum, or adamw (decoupled weight decay on matrices)",
                _choice("sgd-momentum", "adamw"), lm="adamw"),
     PolicyItem("momentum", 0.9, False, "SGD momentum", _number_range(0.0, 1.0)),
@@ -179,9 +183,9 @@ ITEMS: tuple[PolicyItem, ...] = (
     PolicyItem("grad_clip", 1.0, False, "the gradients' global 2-norm is clipped to this (0: no clipping)",
                _number_range(0.0, 1e6), LM),
     PolicyItem("learning_rate", 0.1, False, "learning rate at the reference batch size",
-               _number_range(0.0, 10.0, low_open=True), lm=0.002),
+               _number_range(0.0, 10.0, low_open=True), lm=0.005),
     PolicyItem("reference_batch_size", 448, False, "batch size at which learning_rate applies unscaled",
-               _int_range(1), lm=32),
+               _int_range(1), lm=16),
     PolicyItem("lr_schedule", "linear", False, "the rate's decay after warm-up: linear or cosine",
                _choice("linear", "cosine"), lm="cosine"),
     PolicyItem("lr_warmup_epochs", 0, False, "epochs of linear learning-rate warm-up at the start of each trial",
@@ -202,14 +206,14 @@ ITEMS: tuple[PolicyItem, ...] = (
                "docs/backends/<backend>.md), always or never", _choice(*COMPILE_MODES)),
     # Search settings the paper leaves open.
     PolicyItem("warmup_epochs", [15, 30, 45], False, "epochs of each warm-up round (rounds before HPO)",
-               _int_list(1), lm=[1, 2, 3]),
+               _int_list(1), lm=[1, 1, 2]),
     PolicyItem("patience_min", 3, False, "early-stopping patience in round 1", _int_range(1)),
     PolicyItem("patience_max", 10, False, "early-stopping patience ceiling", _int_range(1)),
     PolicyItem("hpo_batch_size_bounds", [16, 512], False, "HPO search range of the batch size", _int_pair(1),
                lm=[8, 128]),
     PolicyItem("hpo_kernel_sizes", [3, 5, 7], False, "HPO choices of a morph-added conv's kernel size",
                _odd_kernels, CNN),
-    PolicyItem("hpo_lr_scale_bounds", [0.25, 4.0], False, "HPO search range of the factor on the learning rate",
+    PolicyItem("hpo_lr_scale_bounds", [0.25, 2.0], False, "HPO search range of the factor on the learning rate",
                _int_pair_range(0.0), LM),
     PolicyItem("nas_candidates", 8, False, "morph candidates generated and scored per round", _int_range(1)),
     PolicyItem("nas_acquisition", "ucb", False, "acquisition function of the architecture GP",

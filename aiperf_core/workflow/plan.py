@@ -35,6 +35,7 @@ from aiperf_core.workflow.duration import parse_duration
 CONFIG_KEYS = ("backend", "executor", "model", "dataset", "policy", "precision", "replicas", "devices_per_replica",
                "seed", "time_budget_s", "stop_after_trials")
 DEFAULT_TIME_BUDGET = "1h"
+EMBEDDED_TOKENS = 16_384  # the lm workload's epoch and validation on the embedded corpus
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_HEARTBEAT_TIMEOUT = "10m"
 DEFAULT_STALL_TIMEOUT = "10m"  # the floor of the stall timeout (aiperf_core.workflow.primary.stall_limit)
@@ -172,6 +173,13 @@ def build_policy(request: RunRequest, dataset: str, base: Mapping[str, Any] | No
     values["dataset"] = dataset
     if request.data_workers is not None:
         values["data_workers"] = request.data_workers
+    from aiperf_core.data.text_corpus import EMBEDDED
+
+    if values["workload"] == "lm" and dataset == EMBEDDED:
+        # The embedded corpus is 0.4 MB: epochs and validation the size of a CPU's minute, as
+        # digits' 32 px is (docs/search.md).
+        for name in ("epoch_tokens", "val_tokens"):
+            values.setdefault(name, EMBEDDED_TOKENS)
     if values["workload"] == "cnn" and "image_size" not in values:
         values["image_size"] = data.DEFAULT_IMAGE_SIZE.get(dataset, 224)
     return Policy(values, source="policy").to_json()

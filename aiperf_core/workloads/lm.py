@@ -64,7 +64,11 @@ class HpoSpace:
                 Dimension("lr_scale", 1.0, float(scale_low), float(scale_high), integer=False)]
 
     def learning_rate(self, policy: Policy, proposal: Proposal) -> float:
-        return policy.learning_rate_for(proposal.batch_size) * float(proposal.point["lr_scale"])
+        """learning_rate x sqrt(batch / reference_batch_size) x the tuner's factor: AdamW's rate
+        scales with the square root of the batch (Malladi et al., "On the SDEs and Scaling Rules
+        for Adaptive Gradient Algorithms", 2022), not linearly as SGD's (the CNN's rule)."""
+        ratio = proposal.batch_size / policy["reference_batch_size"]
+        return policy["learning_rate"] * math.sqrt(ratio) * float(proposal.point["lr_scale"])
 
 
 class Data:
