@@ -172,10 +172,11 @@ OPTIMIZER_STEPS = 3
 
 
 def _optimizer_config(ctx: Context, precision: str, optimizer: str, batch: int, grad_clip: float | None):
-    if optimizer == "adamw":  # warm-up, cosine decay and decay: every part of the LM policy's rule moves the weights
+    if optimizer == "adamw":  # warm-up, cosine decay, decay and the clip: every part of the LM policy's step
         schedule = Schedule(initial=0.01, final_fraction=0.1, warmup_epochs=1, shape="cosine")
         return TrainConfig(epochs=OPTIMIZER_STEPS, batch_size=batch, schedule=schedule, optimizer="adamw",
-                           betas=(0.9, 0.95), weight_decay=0.1, seed=ctx.seed, precision=precision)
+                           betas=(0.9, 0.95), weight_decay=0.1, grad_clip=grad_clip, seed=ctx.seed,
+                           precision=precision)
     return TrainConfig(epochs=OPTIMIZER_STEPS, batch_size=batch, schedule=Schedule(initial=0.05), momentum=0.9,
                        grad_clip=grad_clip, seed=ctx.seed, precision=precision)
 
@@ -185,15 +186,14 @@ def optimizer_matches_reference(ctx: Context, precision: str, optimizer: str) ->
     normwise per tensor on the weights' change (the update, not the weights it is added to). The
     attention key biases are left out: their exact gradient is zero (compare_grads), so that AdamW,
     which divides a gradient by its own size, turns the backend's rounding into steps of up to lr.
-    `sgd-clip` is SGD with momentum under a gradient clip at half the first step's gradient norm:
-    AdamW is nearly blind to a clip that scales every step alike."""
+    Both optimizers run under a gradient clip at half the first step's gradient norm; `sgd-clip`,
+    SGD with momentum, is there because AdamW is nearly blind to a clip that scales every step
+    alike."""
     graph, weights, x, y = _gpt_batch(ctx, 23, 8)
     ref = reference()
     exact = {n: {p: np.asarray(a, np.float64) for p, a in ps.items()} for n, ps in weights.items()}
-    grad_clip = None
-    if optimizer == "sgd-clip":
-        _, first, _ = ref.loss_and_grads(graph, exact, x, y, dtype=np.float64)
-        grad_clip = 0.5 * grad_norm(first)
+    _, first, _ = ref.loss_and_grads(graph, exact, x, y, dtype=np.float64)
+    grad_clip = 0.5 * grad_norm(first)
     config = _optimizer_config(ctx, precision, "adamw" if optimizer == "adamw" else "sgd-momentum", len(x),
                                grad_clip)
     stepper = HostOptimizer(config, exact, is_trainable)
