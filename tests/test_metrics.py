@@ -74,6 +74,7 @@ def test_an_ended_run_matches_aiperf_score(tmp_path):
     assert value(samples, "aiperf_score_ops") == result.score_ops
     assert value(samples, "aiperf_regulated_score_ops") == result.regulated_ops
     assert value(samples, "aiperf_best_accuracy_ratio") == result.best_accuracy
+    assert value(samples, "aiperf_best_error_ratio") == result.best_error
     assert value(samples, "aiperf_epochs_total") == result.epochs_counted
     assert value(samples, "aiperf_operations_total") == result.total_ops
     trials = {labels[0][1]: v for (name, labels), v in samples.items() if name == "aiperf_trials" and v}
@@ -86,7 +87,7 @@ def test_an_ended_run_matches_aiperf_score(tmp_path):
     assert value(samples, "aiperf_replica_trials_done_total", replica="0", host="node0") == 2
     assert value(samples, "aiperf_run_readable") == 1 and value(samples, "aiperf_read_errors_total") == 0
     assert value(samples, "aiperf_run_info", run_id="test-run", backend="numpy", executor="local",
-                 dataset="imagenet") == 1
+                 dataset="imagenet", workload="cnn") == 1
 
 
 def test_the_collector_interface_and_both_formats_give_the_same_samples(tmp_path):

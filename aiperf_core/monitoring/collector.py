@@ -38,7 +38,7 @@ from aiperf_core.workflow.progress import QUIET_STEP_S, live_figures
 
 REPLICA_STATES = ("queued", "running", "stalled", "restarting", "done")
 TRIAL_STATUSES = ("running", "ok", "early_stopped", "failed", "interrupted", "other")
-RUN_LABELS = ("run_id", "backend", "executor", "dataset")
+RUN_LABELS = ("run_id", "backend", "executor", "dataset", "workload")
 REPLICA_LABELS = ("replica", "host")
 ACCELERATOR_LABELS = ("host", "index", "uuid", "name")
 MAX_ERRORS_KEPT = 100  # distinct read errors remembered as reasons
@@ -51,6 +51,8 @@ SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "aiperf_score_ops": ("gauge", (), "The score so far: OPS(now) in analytic operations per second"),
     "aiperf_regulated_score_ops": ("gauge", (), "The regulated score so far: -ln(best error) x OPS(now)"),
     "aiperf_best_accuracy_ratio": ("gauge", (), "Best validation accuracy so far (absent before the first)"),
+    "aiperf_best_error_ratio": ("gauge", (), "Best validation error so far as the run's workload defines it, the "
+                                "one the regulated score uses (cnn: 1 - accuracy; lm: bits per byte / 8)"),
     "aiperf_epochs_total": ("counter", (), "Epochs counted in the score"),
     "aiperf_operations_total": ("counter", (), "Analytic operations of the epochs counted"),
     "aiperf_trials": ("gauge", ("status",), "Trials by status (running: started, not ended)"),
@@ -380,11 +382,13 @@ class RunCollector:
         dataset = run.get("dataset") if isinstance(run.get("dataset"), dict) else {}
         info = _family("aiperf_run_info")
         info.add_metric([str(run.get("run_id")), str(run.get("backend")), str(run.get("executor")),
-                         str(dataset.get("name"))], 1)
+                         str(dataset.get("name")), str(run.get("workload", "cnn"))], 1)
         out = [info, _gauge("aiperf_score_ops", progress.ops_per_s),
                _gauge("aiperf_regulated_score_ops", progress.regulated_ops)]
         if progress.best_accuracy is not None:
             out.append(_gauge("aiperf_best_accuracy_ratio", progress.best_accuracy))
+        if progress.best_error is not None:
+            out.append(_gauge("aiperf_best_error_ratio", progress.best_error))
         epochs, operations = _family("aiperf_epochs_total"), _family("aiperf_operations_total")
         epochs.add_metric([], progress.epochs_counted)
         operations.add_metric([], progress.operations)
