@@ -15,6 +15,7 @@ from aiperf_core.replica import run_replica, write_run_json
 from aiperf_core.rundir import RunDir, read_events, verify_chain
 from aiperf_core.scoring import score_run
 from aiperf_core.search.hpo import Proposal
+from test_submission import inputs, package, run_dir  # noqa: F401 (fixtures: a CNN package)
 
 # The smallest search that still grows: the tiny GPT, 8 steps of 4 windows a trial.
 TINY = {"workload": "lm", "dataset": "embedded", "initial_architecture": "gpt_tiny", "seq_len": 32,
@@ -135,3 +136,50 @@ def test_aiperf_run_workload_lm_scores_verifies_and_reports_bits_per_byte(tmp_pa
     assert main(["run", "--workload", "lm", "--data", "digits", "--backend", "numpy", "--time-budget", "5s",
                  "--run-dir", str(tmp_path / "third")]) == 2
     assert "--data digits: not a folder" in capsys.readouterr().err
+
+
+# -- an LM submission: certified for its workload, checked, ranked in its own list ------------------
+
+
+def _lm_package(tmp_path, kit: dict):
+    from aiperf_core.builders import gpt
+    from aiperf_core.submission.package import pack
+    from aiperf_core.submission.system import to_toml, validate_system
+    from test_score import RunBuilder
+    from test_submission import system_description, write_monitors
+
+    b = RunBuilder(tmp_path / "lm-run", model="gpt_small", dataset={"name": "enwik8", "vocab": 256},
+                   policy=Policy({"workload": "lm"}).to_json(), workload="lm")
+    seed = gpt(layers=1, hidden=32, heads=2, seq_len=16, vocab=256)
+    for replica in (0, 1):
+        b.replica_start(replica, 1000)
+        trial = b.trial_start(replica, 1000, seed, "fp32")
+        # val_loss 1.0 nat per byte: 1.443 bits, well under the 4-bit rule
+        b.epoch(replica, trial, 1100 + 50 * replica, 0, 4000, 100, 0.55)
+        b.trial_end(replica, trial, 1200, epochs=1, best=0.55)
+    b.finish(1900)
+    write_monitors(tmp_path / "lm-run")
+    (tmp_path / "kit.json").write_text(json.dumps(kit))
+    (tmp_path / "system.toml").write_text(to_toml(validate_system(system_description(system_name="lmbox"))))
+    path, _ = pack(tmp_path / "lm-run", tmp_path / "system.toml", [tmp_path / "kit.json"], tmp_path / "lm.tar.gz")
+    return path
+
+
+def test_an_lm_submission_needs_the_lm_certification_and_ranks_in_its_own_list(package, tmp_path, capsys):  # noqa: F811
+    from aiperf_core.submission.check import check_submission
+    from test_submission import kit_report
+
+    cnn_kit = _lm_package(tmp_path / "a", kit_report(workload_scope=["cnn"]))
+    rejections = check_submission(cnn_kit).rejections
+    assert any("the lm workload was not checked (--workload cnn)" in r for r in rejections), rejections
+    lm_only = kit_report(workload_scope=["lm"])
+    lm_only["checks"] = [dict(c, workload="lm") for c in lm_only["checks"]]
+    lm_package = _lm_package(tmp_path / "b", lm_only)
+    verdict = check_submission(lm_package)
+    assert verdict.accepted and verdict.workload == "lm", verdict.rejections
+    assert verdict.official, verdict.rule_reasons  # enwik8, the small GPT, 1.443 bits per byte
+    assert main(["rank", str(package), str(lm_package), "--json"]) == 0
+    lists = json.loads(capsys.readouterr().out)["lists"]
+    assert [(ranked["workload"], [e["file"] for e in ranked["entries"]]) for ranked in lists] == \
+        [("cnn", [str(package)]), ("lm", [str(lm_package)])]
+    assert all(e["rank"] == 1 for ranked in lists for e in ranked["entries"])

@@ -383,18 +383,20 @@ def _report_problems(report: dict[str, Any], verdict: Verdict, model: str | None
     failed = sum(s in BAD for s in statuses)
     if failed or PASS not in statuses:
         problems.append(f"does not conform ({failed} failed, {statuses.count(PASS)} passed)")
-    # A CNN run needs the kit's CNN checks to have run, at every level (a report from before workloads
-    # holds CNN checks only, and no workload_scope).
-    if "cnn" not in report.get("workload_scope", ["cnn"]):
-        problems.append(f"the cnn workload was not checked (--workload {','.join(map(str, report['workload_scope']))})")
-    cnn_levels = {c.get("level") for c in report["checks"] if isinstance(c, dict) and c.get("workload", "cnn") == "cnn"}
-    without = [level for level in LEVELS if level in report["levels"] and level not in cnn_levels]
+    # A run needs the kit's checks of its workload to have run, at every level (a report from before
+    # workloads holds CNN checks only, and no workload_scope).
+    workload = verdict.workload or "cnn"
+    if workload not in report.get("workload_scope", ["cnn"]):
+        problems.append(f"the {workload} workload was not checked "
+                        f"(--workload {','.join(map(str, report['workload_scope']))})")
+    levels = {c.get("level") for c in report["checks"] if isinstance(c, dict) and c.get("workload", "cnn") == workload}
+    without = [level for level in LEVELS if level in report["levels"] and level not in levels]
     if without:
-        problems.append(f"no cnn check at levels: {', '.join(without)}")
+        problems.append(f"no {workload} check at levels: {', '.join(without)}")
     unsupported = [c.get("id") for c in report["checks"] if isinstance(c, dict) and c.get("status") == UNSUPPORTED
-                   and c.get("workload", "cnn") == "cnn"]
+                   and c.get("workload", "cnn") == workload]
     if unsupported:
-        problems.append(f"the cnn workload is not certified: {len(unsupported)} of its checks unsupported "
+        problems.append(f"the {workload} workload is not certified: {len(unsupported)} of its checks unsupported "
                         f"({unsupported[0]}, ...)")
     return problems
 

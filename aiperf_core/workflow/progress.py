@@ -126,11 +126,12 @@ def _rate(images_per_s: float) -> str:
 def render(progress: Any, live: Live | None = None) -> list[str]:
     """The display's lines for one snapshot (an aiperf_core.scoring.progress.Progress): summary
     lines first, then one indented line per replica."""
+    from aiperf_core import workloads
     from aiperf_core.scoring import format_ops
 
-    from aiperf_core import workloads
-
-    best = workloads.get(progress.workload).validity.brief(progress.best_error, progress.best_accuracy)
+    workload = workloads.get(progress.workload)
+    best = workload.validity.brief(progress.best_error, progress.best_accuracy)
+    samples = workload.data.samples
     lines = [
         f"elapsed {format_duration(progress.elapsed_s)} of {format_duration(progress.budget_s)} "
         f"({progress.fraction:.0%}), {format_duration(progress.remaining_s)} left",
@@ -143,7 +144,7 @@ def render(progress: Any, live: Live | None = None) -> list[str]:
         idle = _not_stepping(live)
         if stepping:
             ops = "- OPS" if live.ops_per_s is None else format_ops(live.ops_per_s)
-            line = f"live, not scored: {_rate(live.images_per_s)} images/s  {ops} analytic"
+            line = f"live, not scored: {_rate(live.images_per_s)} {samples}/s  {ops} analytic"
         else:  # never '0.0 images/s' for a run that compiles, evaluates or plans
             line = f"live, not scored: {idle}"
         if progress.trials_running:
@@ -163,7 +164,7 @@ def render(progress: Any, live: Live | None = None) -> list[str]:
                 doing += f", {now.state}"
             elif now is not None:
                 if now.images_per_s is not None:
-                    doing += f", {_rate(now.images_per_s)} images/s"
+                    doing += f", {_rate(now.images_per_s)} {samples}/s"
                 if now.last_step_age_s is not None and now.last_step_age_s >= QUIET_STEP_S:
                     doing += f", last step {format_duration(now.last_step_age_s)} ago"
             doing += ")"

@@ -42,6 +42,8 @@ class HpoSpace(Protocol):
 
 
 class Data(Protocol):
+    samples: str  # what an epoch's train_images count, for displays: "images" or "sequences"
+
     def open(self, spec: Mapping[str, Any], policy: Policy) -> Any: ...
 
     def trial_data(self, opened: Any, policy: Policy, seed: int) -> Dataset: ...

@@ -50,6 +50,8 @@ class HpoSpace:
 
 
 class Data:
+    samples = "images"  # what an epoch's train_images count
+
     def open(self, spec: Mapping[str, Any], policy: Policy):
         from aiperf_core.data import load_dataset
 

@@ -72,6 +72,8 @@ class HpoSpace:
 
 
 class Data:
+    samples = "sequences"  # what an epoch's train_images count: windows of seq_len tokens
+
     def open(self, spec: Mapping[str, Any], policy: Policy):
         from aiperf_core.data import text_corpus
 
