@@ -132,3 +132,40 @@ def test_a_gpt_trains_at_each_precision(backend, precision, compile_mode):
     assert [r.train_images for r in reports] == [32] * 4
     assert after < before
     assert (reports[0].compile_seconds > 0) == (compile_mode == "always")
+
+
+@pytest.mark.parametrize("precision", _precisions())
+def test_the_lm_policy_step_matches_the_reference_at_each_precision(backend, precision):
+    """The kit's AdamW and SGD-with-clip checks (train/gpt_*_matches_reference) on the GPU, at each
+    precision, with their errors printed in u; the tolerance is the kit's own `optimizer` key."""
+    from aiperf_conformance.expectations import Expectations
+    from aiperf_conformance.kit import Context
+    from aiperf_conformance.levels.train import optimizer_matches_reference
+
+    ctx = Context(backend, Expectations(), device=backend.devices()[0], precisions=(precision,))
+    for optimizer in ("adamw", "sgd-clip"):
+        outcome = optimizer_matches_reference(ctx, precision, optimizer)
+        print(f"{precision} {optimizer}: {outcome.measured:.3g} = {outcome.measured / UNIT[precision]:.1f}u "
+              f"({outcome.message})")
+        assert outcome.passed, outcome.message
+
+
+def test_the_lm_workload_grows_gpts_on_the_gpu(backend, tmp_path):
+    """A replica of the lm workload on the GPU, at the backend's fastest precision: the seed and two
+    morph children train, and the run scores as an lm run."""
+    from aiperf_core.replica import run_replica, write_run_json
+    from aiperf_core.rundir import RunDir, read_events
+    from aiperf_core.scoring import score_run
+
+    policy = {"workload": "lm", "dataset": "embedded", "epoch_tokens": 65536, "val_tokens": 16384,
+              "warmup_epochs": [1, 1, 1], "precision": backend.fastest_precision()}
+    write_run_json(tmp_path, backend="torch", policy=policy, stop_after_trials=3)
+    assert run_replica(tmp_path, 0, backend=backend) == "max_trials"
+    found = read_events(RunDir(tmp_path).replica_log(0))
+    ends = [e for e in found if e["event"] == "trial_end"]
+    starts = [e for e in found if e["event"] == "trial_start"]
+    assert [e["status"] for e in ends] == ["ok"] * 3 and all(s["morph"] for s in starts[1:])
+    result = score_run(tmp_path)
+    print(f"lm on {backend.device_model(backend.devices()[0])} at {policy['precision']}: "
+          f"{result.score_ops / 1e12:.2f} TOPS, best {result.best_error * 8:.3f} bits per byte")
+    assert result.workload == "lm" and result.best_error * 8 < 5.0
