@@ -15,7 +15,11 @@ On a CUDA machine, in one script, at the run's precision (`auto`: the backend's 
    torch), read from the replica's epoch_end events (train images / the epoch's wall seconds,
    validation included), the first epoch of a trial apart (it includes the compile);
 5. every rate as analytic OPS (the paper's count of one training image, FP + BP) and as a fraction
-   of the GEMM peak.
+   of the GEMM peak;
+6. the LM workload: the GPT training step of benchmarks/transformer_step.py (GPT-2 small's shape,
+   lowered against hand-written, with its model-FLOP utilisation) for torch and jax (`lm-step`),
+   and the epoch wall rate of a real `aiperf run --workload lm` on the embedded corpus with the
+   official 1,048,576-token epochs (`run-lm`), as sequences per second and analytic OPS.
 
 On a machine without a CUDA device it prints one line and exits 0. `--smoke` runs every code path
 on the CPU at toy sizes (fp32, 32x32, batch 4, no `aiperf run`): a check of the script, not figures.
@@ -54,7 +58,7 @@ RUN_BUDGET = os.environ.get("AIPERF_GPU_RUN_BUDGET", "12m")
 JPEGS_PER_CLASS = int(os.environ.get("AIPERF_GPU_JPEGS", "2000"))
 LR, MOMENTUM = 0.01, 0.9
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("torch-eager", "torch-compiled", "jax", "run-synthetic", "run-jpeg")
+PARTS = ("torch-eager", "torch-compiled", "jax", "run-synthetic", "run-jpeg", "lm-step", "run-lm")
 failures: list[str] = []
 
 
@@ -72,9 +76,9 @@ def chosen_parts(argv: list[str]) -> tuple[str, ...]:
 SELECTED = chosen_parts(sys.argv[1:])
 
 
-def rate_row(name: str, images_per_s: float, ops_per_image: int, peak: float | None) -> None:
-    """A rate, its analytic OPS and its fraction of the GEMM peak."""
-    report(name, images_per_s, "images/s", None, lower_is_better=False)
+def rate_row(name: str, images_per_s: float, ops_per_image: int, peak: float | None, samples: str = "images") -> None:
+    """A rate (of images, or of an LM's sequences), its analytic OPS and its fraction of the GEMM peak."""
+    report(name, images_per_s, f"{samples}/s", None, lower_is_better=False)
     report(f"{name}, analytic OPS", images_per_s * ops_per_image / 1e12, "TOPS", None, lower_is_better=False)
     if peak:
         report(f"{name} / GEMM peak", images_per_s * ops_per_image / peak, "fraction", None, lower_is_better=False)
@@ -341,7 +345,30 @@ def epoch_rates(run_dir: Path) -> tuple[list[float], list[float]]:
     return first, later
 
 
-def aiperf_run(backend: str, data: str, label: str, ops_for_size: int, peak: float | None, extra: list[str]) -> None:
+def lm_step_part() -> None:
+    """benchmarks/transformer_step.py for torch and jax, its figures printed as they come."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "transformer_step.py"), "--backends=torch,jax",
+               *(["--smoke"] if SMOKE else [])]
+    print(f"$ {' '.join(command[1:])}", flush=True)
+    done = subprocess.run(command, cwd=ROOT, text=True)
+    if done.returncode:
+        raise RuntimeError(f"transformer_step.py exited {done.returncode}")
+
+
+def run_lm_part(peak: float | None) -> None:
+    from aiperf_core.builders import gpt
+    from aiperf_core.workloads.lm import SEEDS
+
+    ops = training_ops_per_image(gpt(**SEEDS["gpt_small"], seq_len=128, vocab=256))
+    with tempfile.TemporaryDirectory() as tmp:
+        config = Path(tmp) / "lm.toml"  # the official epoch, not the embedded corpus's CPU-sized one
+        config.write_text('workload = "lm"\n[policy]\nepoch_tokens = 1048576\nval_tokens = 16384\n')
+        attempt("torch aiperf run --workload lm", aiperf_run, "torch", "embedded", "lm (embedded corpus, seed GPT)",
+                ops, peak, ["--config", str(config)], "sequences")
+
+
+def aiperf_run(backend: str, data: str, label: str, ops_for_size: int, peak: float | None, extra: list[str],
+               samples: str = "images") -> None:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         command = [sys.executable, "-m", "aiperf_core", "run", "--backend", backend, "--data", data,
@@ -354,10 +381,11 @@ def aiperf_run(backend: str, data: str, label: str, ops_for_size: int, peak: flo
         # this toy tree still ran its epochs at full speed): print them, then report the failure.
         first, later = epoch_rates(run_dir)
         if later:
-            rate_row(f"{backend} aiperf run {label}, epoch wall rate", statistics.median(later), ops_for_size, peak)
+            rate_row(f"{backend} aiperf run {label}, epoch wall rate", statistics.median(later), ops_for_size, peak,
+                     samples)
         if first:
             rate_row(f"{backend} aiperf run {label}, first epoch of a trial (compile included)",
-                     statistics.median(first), ops_for_size, peak)
+                     statistics.median(first), ops_for_size, peak, samples)
         if done.returncode:
             raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "aiperf run failed")
         if not first:
@@ -411,13 +439,17 @@ def main() -> int:
             attempt("jax lowered/hand-written pairs", jax_part)
     except ImportError:
         print("jax is not installed: skipping the jax part")
-    if not SMOKE and {"run-synthetic", "run-jpeg"} & set(SELECTED):
+    if "lm-step" in SELECTED:
+        attempt("GPT step, lowered/hand-written, MFU", lm_step_part)
+    if not SMOKE and {"run-synthetic", "run-jpeg", "run-lm"} & set(SELECTED):
         from aiperf_backends.torch import TorchBackend
 
         backend = TorchBackend()
         peak = attempt("GEMM peak for the runs", torch_gemm_peak, torch, torch.device("cuda:0"),
                        backend.fastest_precision())
         run_part(peak)
+        if "run-lm" in SELECTED:
+            run_lm_part(peak)
     if failures:
         print(f"failed: {', '.join(failures)}", file=sys.stderr)
         return 1
