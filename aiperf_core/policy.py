@@ -175,8 +175,8 @@ ITEMS: tuple[PolicyItem, ...] = (
                _choice("he")),
     PolicyItem("batch_size", 448, False, "batch size (images or sequences) of rounds before HPO starts",
                _int_range(1), lm=16),
-    PolicyItem("optimizer", "sgd-momentum", False, "sgd-momentum, or adamw (decoupled weight decay on matrices)",
-               _choice("sgd-momentum", "adamw"), lm="adamw"),
+    PolicyItem("optimizer", "sgd-momentum", False, "sgd-momentum (the cnn's only one), or adamw (decoupled weight "
+               "decay on matrices)", _choice("sgd-momentum"), lm="adamw", lm_check=_choice("sgd-momentum", "adamw")),
     PolicyItem("momentum", 0.9, False, "SGD momentum", _number_range(0.0, 1.0)),
     PolicyItem("adam_betas", [0.9, 0.95], False, "AdamW's moment decay rates (b1, b2)", _betas, LM),
     PolicyItem("weight_decay", 0.1, False, "AdamW's decoupled weight decay", _number_range(0.0, 1.0), LM),

@@ -501,16 +501,16 @@ class Replica:
 
 
 def train_config(policy: Policy, hyper: Mapping[str, Any], seed: int) -> TrainConfig:
-    """A trial's TrainConfig: the policy's optimizer and schedule at the trial's hyperparameters."""
-    adamw = policy["optimizer"] == "adamw"
+    """A trial's TrainConfig: the policy's optimizer and schedule at the trial's hyperparameters.
+    The AdamW and clip items are the lm's (the cnn trains with SGD alone: TrainConfig's defaults)."""
+    adamw = {"betas": tuple(policy["adam_betas"]), "weight_decay": policy["weight_decay"]} \
+        if policy["optimizer"] == "adamw" else {}
     return TrainConfig(epochs=hyper["epochs"], batch_size=hyper["batch_size"],
                        schedule=Schedule(hyper["learning_rate"], policy["final_lr_fraction"],
                                          policy["lr_warmup_epochs"], policy["lr_schedule"]),
                        momentum=policy["momentum"], label_smoothing=hyper["label_smoothing"],
                        precision=hyper["precision"], seed=seed, compile=policy["compile"],
-                       optimizer=policy["optimizer"], betas=tuple(policy.get("adam_betas", (0.9, 0.95))),
-                       weight_decay=policy.get("weight_decay", 0.0) if adamw else 0.0,
-                       grad_clip=policy.get("grad_clip") or None)
+                       optimizer=policy["optimizer"], grad_clip=policy.get("grad_clip") or None, **adamw)
 
 
 PROGRESS_DIR_PREFIX = "aiperf-progress-"

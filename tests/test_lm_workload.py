@@ -38,7 +38,8 @@ def test_the_lm_policy_has_its_own_defaults_items_and_fixed_rules():
     for values, field in (({"seq_len": 64}, "policy.seq_len: a setting of the lm workload, not of cnn"),
                           ({"workload": "lm", "image_size": 64}, "policy.image_size: a setting of the cnn"),
                           ({"workload": "lm", "dataset": "imagenet"}, "policy.dataset: 'imagenet' must be one of"),
-                          ({"workload": "rnn"}, "policy.workload: 'rnn' must be one of cnn, lm")):
+                          ({"workload": "rnn"}, "policy.workload: 'rnn' must be one of cnn, lm"),
+                          ({"optimizer": "adamw"}, "policy.optimizer: 'adamw' must be one of sgd-momentum")):
         with pytest.raises(PolicyError, match=field):
             Policy(values)
 
