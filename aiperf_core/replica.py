@@ -342,7 +342,7 @@ class Replica:
             graph = self._parent_graph(parent)
             share = wanted // len(parents) + (1 if k < wanted % len(parents) else 0)
             for result in morphs.generate_candidates(graph, None, max(share, 1),
-                                                     _seed(self.spec.seed, self.id, round_number, k)):
+                                                     _seed(self.spec.seed, self.id, round_number, k), self.policy):
                 candidates.append((parent, graph, result))
         known = {r.signature for r in self.history.records}
         fresh = [c for c in candidates if signature_hash(c[2].graph) not in known] or candidates

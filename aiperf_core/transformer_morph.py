@@ -34,6 +34,7 @@ and `delta` is the change in analytic ops per sequence, from the nodes the morph
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -41,8 +42,8 @@ import numpy as np
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.gcpause import gc_paused
 from aiperf_core.ir import Graph, Node
-from aiperf_core.morph import (MorphCaps, MorphResult, _checked_record, _delta, _distinct_children, _dtype, _Index,
-                               _insert_after, _node, _params, _Plan, _prefix, _record, _rewired)
+from aiperf_core.morph import (CapExceeded, MorphCaps, MorphResult, _checked_record, _delta, _distinct_children, _dtype,
+                               _Index, _insert_after, _node, _params, _Plan, _prefix, _record, _rewired)
 from aiperf_core.weights import Weights, he_normal, init_node_weights
 
 OPERATORS = ("deeper", "wider_mlp", "more_heads", "double_width", "upcycle_moe")
@@ -56,6 +57,42 @@ _RESIDUAL = frozenset({"add", "position_embedding"})
 # The ops double_width has a rule for: a graph holding another is refused.
 _DOUBLING_OPS = frozenset({"token_input", "embedding", "position_embedding", "layer_norm", "dense", "attention",
                            "gelu", "add", "softmax", "moe"})
+
+
+def transformer_size(graph: Graph) -> dict[str, int]:
+    """What TransformerCaps bound: `layers` (attention layers), `width` (the widest embedding: the
+    residual stream), `heads` (the most of one attention) and `experts` (the most of one mixture)."""
+    def most(op: str, attr: str) -> int:
+        return max((n.attrs[attr] for n in graph.nodes if n.op == op), default=0)
+
+    return {"layers": sum(n.op == "attention" for n in graph.nodes), "width": most("embedding", "units"),
+            "heads": most("attention", "heads"), "experts": most("moe", "experts")}
+
+
+@dataclass(frozen=True)
+class TransformerCaps(MorphCaps):
+    """MorphCaps with a transformer's own bounds (the lm policy's max_layers, max_width, max_heads
+    and max_experts): a child over one is skipped, as one over max_params is."""
+
+    max_layers: int | None = None
+    max_width: int | None = None
+    max_heads: int | None = None
+    max_experts: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("max_layers", "max_width", "max_heads", "max_experts"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise AiperfError(f"{name} must be a positive integer or None, got {value!r}")
+
+    def check(self, graph: Graph, ops_per_image: int | None = None) -> None:
+        super().check(graph, ops_per_image)
+        size = transformer_size(graph)
+        for name in ("layers", "width", "heads", "experts"):
+            limit = getattr(self, f"max_{name}")
+            if limit is not None and size[name] > limit:
+                raise CapExceeded(f"max_{name}", size[name], limit)
 
 
 def _seed(value, what: str, where: str) -> int:
@@ -518,4 +555,5 @@ def generate_candidates(graph: Graph, weights: Mapping | None, n: int, seed: int
 
 
 __all__ = ["OPERATORS", "deeper", "wider_mlp", "more_heads", "double_width", "upcycle_moe", "replay", "random_morph",
-           "generate_candidates", "mlp_inputs", "growable_attention", "residual_points", "doublable"]
+           "generate_candidates", "mlp_inputs", "growable_attention", "residual_points", "doublable", "TransformerCaps",
+           "transformer_size"]

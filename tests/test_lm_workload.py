@@ -184,3 +184,21 @@ def test_an_lm_submission_needs_the_lm_certification_and_ranks_in_its_own_list(p
     assert [(ranked["workload"], [e["file"] for e in ranked["entries"]]) for ranked in lists] == \
         [("cnn", [str(package)]), ("lm", [str(lm_package)])]
     assert all(e["rank"] == 1 for ranked in lists for e in ranked["entries"])
+
+
+def test_the_lm_policy_caps_bound_the_growth():
+    from aiperf_core.builders import gpt
+    from aiperf_core.transformer_morph import TransformerCaps, transformer_size
+
+    seed = gpt(layers=2, hidden=32, heads=2, seq_len=16, vocab=64)
+    assert transformer_size(seed) == {"layers": 2, "width": 32, "heads": 2, "experts": 0}
+    morphs = workloads.get("lm").morphs
+    free = morphs.generate_candidates(seed, None, 12, 3, Policy({"workload": "lm"}))
+    assert {r.record["op"] for r in free} >= {"deeper", "double_width", "more_heads"}
+    # At its caps a parent still grows, but never past them: no deeper, no doubling, no more heads.
+    capped = Policy({"workload": "lm", "max_layers": 2, "max_width": 32, "max_heads": 2, "max_experts": 4})
+    children = morphs.generate_candidates(seed, None, 12, 3, capped)
+    assert children and {r.record["op"] for r in children} <= {"wider_mlp", "upcycle_moe"}
+    assert all(transformer_size(r.graph)["experts"] <= 4 for r in children)
+    with pytest.raises(Exception, match="max_heads must be a positive integer or None"):
+        TransformerCaps(max_heads=0)

@@ -21,7 +21,7 @@ class Seed:
 
 
 class Morphs:
-    def generate_candidates(self, graph: Graph, weights, n: int, seed: int) -> list:
+    def generate_candidates(self, graph: Graph, weights, n: int, seed: int, policy: Policy) -> list:
         from aiperf_core import morph
 
         return morph.generate_candidates(graph, weights, n, seed)

@@ -42,10 +42,13 @@ class Seed:
 
 
 class Morphs:
-    def generate_candidates(self, graph: Graph, weights, n: int, seed: int) -> list:
+    def generate_candidates(self, graph: Graph, weights, n: int, seed: int, policy: Policy) -> list:
+        """Children within the policy's caps (TransformerCaps): a parent at a cap grows otherwise."""
         from aiperf_core import transformer_morph
 
-        return transformer_morph.generate_candidates(graph, weights, n, seed)
+        caps = transformer_morph.TransformerCaps(max_layers=policy["max_layers"], max_width=policy["max_width"],
+                                                 max_heads=policy["max_heads"], max_experts=policy["max_experts"])
+        return transformer_morph.generate_candidates(graph, weights, n, seed, caps)
 
     def replay(self, graph: Graph, weights, record: Mapping):
         from aiperf_core import transformer_morph
