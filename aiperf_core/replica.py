@@ -33,6 +33,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from aiperf_core import workloads
 from aiperf_core.atomic import write_bytes_atomic, write_text_atomic
 from aiperf_core.backend import (AUTO_PRECISION, PRECISIONS, Backend, Dataset, EpochReport, Schedule, StepClock,
                                  TrainConfig)
@@ -45,7 +46,6 @@ from aiperf_core.rundir import (EventLog, Lease, RunDir, replica_cadence, read_e
 from aiperf_core.search import curve, hpo, nas
 from aiperf_core.search.history import SharedHistory, TrialRecord
 from aiperf_core.weights import Weights
-from aiperf_core import workloads
 
 LEASE_LOST_EXIT = 75  # the replica's exit status when another process took its replica id over
 MAX_CONSECUTIVE_FAILURES = 3  # failed trials in a row before the replica gives up (stop reason "failures")
@@ -390,7 +390,6 @@ class Replica:
         graph_bytes = (plan.graph.to_json() + "\n").encode("utf-8")
         write_bytes_atomic(folder / "graph.json", graph_bytes)
         files = {"graph.json": sha256_bytes(graph_bytes)}
-        batch = plan.proposal.batch_size
         hyper = {**plan.proposal.point, "epochs": policy.epochs_for(plan.round),
                  "learning_rate": self.workload.hpo.learning_rate(policy, plan.proposal),
                  "patience": policy.patience_for(plan.round), "label_smoothing": policy["label_smoothing"],
