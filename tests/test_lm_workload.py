@@ -118,17 +118,17 @@ def test_aiperf_run_workload_lm_scores_verifies_and_reports_bits_per_byte(tmp_pa
     config = tmp_path / "lm.toml"
     policy = {k: v for k, v in TINY.items() if k != "workload" and k != "dataset"}
     config.write_text('workload = "lm"\n[policy]\n' + "".join(f"{k} = {json.dumps(v)}\n" for k, v in policy.items()))
-    run_dir = tmp_path / "run"
+    folder = tmp_path / "run"
     assert main(["run", "--config", str(config), "--backend", "numpy", "--time-budget", "20s",
-                 "--run-dir", str(run_dir), "--stop-after-trials", "2"]) == 0
+                 "--run-dir", str(folder), "--stop-after-trials", "2"]) == 0
     out = capsys.readouterr().out
     assert "best validation" in out and "bits per byte" in out
-    run = RunDir(run_dir).read_run()
+    run = RunDir(folder).read_run()
     assert run["workload"] == "lm" and run["policy"]["workload"] == "lm" and run["dataset"]["layout"] == "bytes"
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads((folder / "summary.json").read_text())
     assert summary["workload"] == "lm"
-    assert "bits per byte" in (run_dir / "report.html").read_text()
-    assert main(["score", "--verify", str(run_dir)]) == 0
+    assert "bits per byte" in (folder / "report.html").read_text()
+    assert main(["score", "--verify", str(folder)]) == 0
     # The flag overrides the config's workload, whose lm items then do not apply; the lm workload
     # refuses image data.
     assert main(["run", "--config", str(config), "--workload", "cnn", "--data", "digits", "--backend", "numpy",
