@@ -169,7 +169,7 @@ def build_policy(request: RunRequest, dataset: str, base: Mapping[str, Any] | No
 
     values = dict(base or {})
     values.update(request.policy)
-    values["workload"] = values.get("workload") if base else workload_of(request)
+    values["workload"] = values.get("workload", "cnn") if base else workload_of(request)
     values["dataset"] = dataset
     if request.data_workers is not None:
         values["data_workers"] = request.data_workers
