@@ -369,7 +369,9 @@ def test_list_prints_every_check_with_level_precision_and_counter(capsys):
     assert {"attention", "embedding", "gelu", "layer_norm"} <= set(by_id["train/gpt_gradients_match_reference"]["ops"])
     assert by_id["op/conv_grouped/forward"]["ops"] == ["grouped_conv2d"]
     assert by_id["train/digits_accuracy"]["ops"] == []
-    assert len(catalogue(["parallel"])) == 6
+    assert len(catalogue(["parallel"])) == 7  # 5 data-parallel (one of them the GPT's) and 2 single-device
+    assert rows["parallel/gpt_matches_one_device"] == ["parallel", "fp32", "lm", "-"]
+    assert by_id["train/gpt_adamw_matches_reference"]["workload"] == "lm"
 
 
 def test_plugin_discovered_from_its_own_package():
