@@ -194,7 +194,7 @@ def _score_charts(result: ScoreResult, run: dict[str, Any]) -> str:
                    [at_epochs(1, "each epoch"), score], "hours since start", unit),
         line_chart("Regulated score: -ln(error) x OPS(t)",
                    [at_epochs(2, "each epoch"), reg], "hours since start", unit),
-        line_chart(f"Best validation {validity.quality} so far, as its error",
+        line_chart("Best validation error so far",
                    [Series("best error", error_points, step=True),
                     Series(f"limit {limit_value:g}", limit, color="#999999")],
                    "hours since start", validity.unit, y_max=validity.display(1.0)),
