@@ -13,7 +13,7 @@ def chain(depth: int, width: int = 16) -> ArchCode:
 
 
 def record(k: int, code: ArchCode, target: float) -> TrialRecord:
-    return TrialRecord(f"r0000-t{k:05d}", 0, k + 1, target, target, 64, 3, code, f"sig{k}")
+    return TrialRecord(f"r0000-t{k:05d}", 0, k + 1, target, target, {"batch_size": 64, "kernel_size": 3}, code, f"sig{k}")
 
 
 def history(n: int, accuracy) -> SharedHistory:
