@@ -38,8 +38,9 @@ def history_of(n, pool, codes, rng):
     history = SharedHistory(None)
     for k in range(n):
         i = int(rng.integers(len(pool)))
+        # distinct trials: no shared cache entries
         history.add(TrialRecord(f"r{k % 64:04d}-t{k // 64:05d}", k % 64, k // 64 + 1, float(rng.uniform(0.3, 0.9)),
-                                0.0, 256, 3, codes[i], f"trial-{k}"))  # distinct: no shared cache entries
+                                0.0, {"batch_size": 256, "kernel_size": 3}, codes[i], f"trial-{k}"))
     return history, [pool[int(rng.integers(len(pool)))] for _ in range(5)]
 
 
