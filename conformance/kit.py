@@ -87,6 +87,9 @@ class Context:
     device: str | None = None  # the device under test: the backend's first device
     precisions: tuple[str, ...] = ("fp32",)  # those checked: declared on `device` (or asked for)
     cache: dict = field(default_factory=dict)
+    # The workloads whose checks this run certifies (--workload); None: every one. A level whose
+    # checks share work (parallel: one child process) does only the selected checks' part.
+    workloads: tuple[str, ...] | None = None
 
     def rng(self, salt: int = 0) -> np.random.Generator:
         return np.random.default_rng(self.seed * 1_000_003 + salt)
@@ -350,6 +353,7 @@ def run_conformance(backend: Backend, levels: str | Iterable[str] = LEVELS, *, s
     workloads = parse_workloads(workloads)
     reference()
     ctx = make_context(backend, seed=seed, quick=quick, precisions=precisions)
+    ctx.workloads = tuple(workloads)
     report = Report(backend.name, backend.framework_version(), levels, device=ctx.device,
                     device_model=backend.device_model(ctx.device),
                     precisions=list(ctx.precisions), quick=quick, expectations=ctx.expectations.to_dict(),

@@ -138,6 +138,14 @@ def test_correct_data_parallel_backend_passes_in_process():
     assert results["uneven_last_batch"].device == "cpu:0, cpu:1"
 
 
+def test_a_kit_run_of_one_workload_trains_only_that_workloads_scenarios():
+    from aiperf_conformance.levels.parallel import LM_CHECKS, run_scenarios
+
+    assert set(run_scenarios(TwoDevices(), 0, True, 1e-4, workloads=["lm"])) == set(LM_CHECKS)
+    assert set(run_scenarios(TwoDevices(), 0, True, 1e-4, workloads=["cnn"])) == \
+        set(DATA_PARALLEL_CHECKS) - set(LM_CHECKS)
+
+
 def test_per_device_batch_norm_fails_and_says_so():
     results = parallel_results(PerDeviceBatchNorm())
     bn = results["synchronized_batch_norm"]

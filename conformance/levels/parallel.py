@@ -278,13 +278,16 @@ def _single_device(backend, name: str, scenario: Scenario | None, seed: int, tol
                    f"backend '{backend.name}' declares no data parallelism but trained on devices {list(asked)}")
 
 
-def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str | None = None) -> dict:
-    """Every outcome of the level for `backend`, as JSON-ready dicts by check name (an exception
-    in one scenario is that check's 'error', never the others'). With `stderr_path` (the file this
-    process's stderr goes to), an error also records the span [start, end) of that file written
-    during its scenario, by this process and the ones it spawned."""
+def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str | None = None,
+                  workloads: list[str] | None = None) -> dict:
+    """Every outcome of the level for `backend` (of the checks of `workloads`, None: all), as
+    JSON-ready dicts by check name (an exception in one scenario is that check's 'error', never the
+    others'). With `stderr_path` (the file this process's stderr goes to), an error also records the
+    span [start, end) of that file written during its scenario, by this process and the ones it
+    spawned."""
     data_parallel = backend.parallelism().data_parallel
-    names = DATA_PARALLEL_CHECKS if data_parallel else SINGLE_DEVICE_CHECKS
+    names = [name for name in (DATA_PARALLEL_CHECKS if data_parallel else SINGLE_DEVICE_CHECKS)
+             if workloads is None or _workload(name) in workloads]
     scenarios = {**SCENARIOS, **(QUICK_SCENARIOS if quick else {})}
     out: dict[str, dict] = {}
     for name in names:
@@ -306,6 +309,10 @@ def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str 
                 sys.stderr.flush()
                 out[name]["stderr"] = [start, output_size(stderr_path)]
     return out
+
+
+def _workload(name: str) -> str:
+    return "lm" if name in LM_CHECKS else "cnn"
 
 
 def _plain(value):
@@ -347,7 +354,8 @@ def _in_child(ctx: Context) -> dict:
         spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "outcomes.json")
         stderr_path = os.path.join(tmp, "stderr.txt")
         spec = {"backend_class": _class_path(ctx.backend), "seed": ctx.seed, "quick": ctx.quick,
-                "tolerance": ctx.tolerance("parallel"), "sys_path": [p for p in sys.path if p], "stderr": stderr_path}
+                "tolerance": ctx.tolerance("parallel"), "sys_path": [p for p in sys.path if p], "stderr": stderr_path,
+                "workloads": None if ctx.workloads is None else list(ctx.workloads)}
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         code = "import sys; from aiperf_conformance.levels.parallel import child_main; sys.exit(child_main(sys.argv[1:]))"
@@ -382,7 +390,8 @@ def child_main(argv: list[str]) -> int:
         cls = getattr(cls, part)
     backend = cls()
     devices = list(backend.devices())
-    outcomes = run_scenarios(backend, spec["seed"], spec["quick"], spec["tolerance"], spec.get("stderr"))
+    outcomes = run_scenarios(backend, spec["seed"], spec["quick"], spec["tolerance"], spec.get("stderr"),
+                             spec.get("workloads"))
     write_text_atomic(out_path, json.dumps({"devices": devices, "outcomes": outcomes}))
     return 0
 
@@ -396,7 +405,8 @@ def _outcomes(ctx: Context) -> dict:
                 where = f"child process with {CPU_DEVICES_ENV}={CHILD_DEVICES}: {', '.join(found['devices'])}"
                 ctx.cache["parallel"] = (found["outcomes"], where)
             else:
-                ctx.cache["parallel"] = (run_scenarios(backend, ctx.seed, ctx.quick, ctx.tolerance("parallel")),
+                ctx.cache["parallel"] = (run_scenarios(backend, ctx.seed, ctx.quick, ctx.tolerance("parallel"),
+                                                       workloads=None if ctx.workloads is None else list(ctx.workloads)),
                                          ", ".join(backend.devices()))
         except (AiperfError, ParallelLevelError, ChildProcessFailed) as exc:
             ctx.cache["parallel"] = exc
@@ -425,5 +435,5 @@ def checks(ctx: Context):
     names = ((DATA_PARALLEL_CHECKS if declared in (None, True) else ())
              + (SINGLE_DEVICE_CHECKS if declared in (None, False) else ()))
     for name in names:
-        lm = dict(workload="lm", ops=new_ops(_gpt())) if name in LM_CHECKS else {}
+        lm = dict(workload="lm", ops=new_ops(_gpt())) if _workload(name) == "lm" else {}
         yield Check("parallel", name, partial(_check, name=name), **lm)
