@@ -202,3 +202,15 @@ def test_the_lm_policy_caps_bound_the_growth():
     assert all(transformer_size(r.graph)["experts"] <= 4 for r in children)
     with pytest.raises(Exception, match="max_heads must be a positive integer or None"):
         TransformerCaps(max_heads=0)
+
+
+def test_a_prepared_text_that_is_not_the_real_enwik8_makes_the_run_unofficial():
+    from aiperf_core.scoring.rules import validity_reasons
+
+    run = {"model": "gpt_small", "policy": Policy({"workload": "lm"}).to_json(),
+           "dataset": {"name": "enwik8", "official": True, "digest": None}}
+    assert validity_reasons(run, [], 2.0 / 8) == []
+    run["dataset"]["official"] = False
+    assert validity_reasons(run, [], 2.0 / 8) == [
+        "dataset 'enwik8' is not the official one: its manifest records official = false"]
+    assert validity_reasons(run, [], 4.5 / 8)[-1] == "best validation 4.500 bits per byte is above the maximum 4"

@@ -85,6 +85,10 @@ def validity_reasons(run: dict[str, Any], trials: Iterable[Any], best_error: flo
         reasons.append(f"run.json records no dataset name ({official_data} required)" if name is None else
                        f"dataset is {name!r}, not {official_data} ({rules['dataset']!r})")
         covered.add("dataset")
+    elif isinstance(dataset, dict) and dataset.get("official") is False:
+        # A prepared text names itself enwik8 whatever its member held; its manifest says whether
+        # that was the 100,000,000-byte enwik8 (docs/data.md).
+        reasons.append(f"dataset {name!r} is not the official one: its manifest records official = false")
     reasons += dataset_digest_reasons(run, replicas or {})
     model = run.get("model")
     official_model = OFFICIAL_NAMES[rules["initial_architecture"]]
