@@ -84,9 +84,6 @@ class Validity:
             return None
         return 1.0 - val_accuracy if val_accuracy < 1.0 else 0.5 / max(val_samples, 1)
 
-    def describe(self, error: float) -> str:
-        return f"validation error {error:.2%}"
-
     def best(self, error: float | None, accuracy: float | None) -> str:
         if error is None:
             return "no validation accuracy yet"

@@ -130,14 +130,11 @@ class Validity:
         # than knowing nothing: it is taken as knowing nothing, so no regulated score is negative.
         return min(max(bits_per_byte(val_loss), 1.0 / BITS_PER_BYTE), BITS_PER_BYTE) / BITS_PER_BYTE
 
-    def describe(self, error: float) -> str:
-        return f"validation {error * BITS_PER_BYTE:.3f} bits per byte"
-
     def best(self, error: float | None, accuracy: float | None) -> str:
         if error is None:
             return "no validation loss yet"
         tokens = "" if accuracy is None else f", next-byte accuracy {accuracy:.2%}"
-        return f"best {self.describe(error)} (error {error:.2%}{tokens})"
+        return f"best validation {error * BITS_PER_BYTE:.3f} bits per byte (error {error:.2%}{tokens})"
 
     def brief(self, error: float | None, accuracy: float | None) -> str:
         return f"best bits/byte {'-' if error is None else f'{error * BITS_PER_BYTE:.3f}'}"
