@@ -369,7 +369,9 @@ def test_rank_command_prints_the_table_and_writes_html_and_csv(tmp_path, capsys,
 def test_rank_command_json(capsys, fake_check_module):
     fake_check_module({"a.tar.gz": verdict("a.tar.gz")})
     assert main(["rank", "a.tar.gz", "junk.tar.gz", "--json"]) == 0
-    cnn, unread = json.loads(capsys.readouterr().out)["lists"]
+    printed = json.loads(capsys.readouterr().out)
+    assert set(printed) == {"format", "lists"} and printed["format"] == 2  # docs/submission.md, "The JSON's format"
+    cnn, unread = printed["lists"]
     assert [e["rank"] for e in cnn["entries"]] == [1] and cnn["entries"][0]["submission_id"] == "sub-a"
     assert unread["workload"] is None and unread["rejected"][0]["reasons"] == ["junk.tar.gz: not a gzip file"]
     assert set(cnn) == {"workload", "entries", "green", "superseded", "rejected"} and cnn["workload"] == "cnn"
@@ -410,6 +412,7 @@ def test_each_workload_has_its_own_list_and_a_package_never_read_its_own():
     # The same system in two lists is not superseded: its results rank in each.
     assert not cnn_list.superseded and not lm_list.superseded
     data = json.loads(json.dumps(lists_to_dict(lists)))
+    assert data["format"] == 2
     assert [(l["workload"], len(l["entries"])) for l in data["lists"]] == [("cnn", 1), ("lm", 2), (None, 0)]
     rows = list(csv.DictReader(io.StringIO(render_lists_csv(lists))))
     assert [(r["workload"], r["rank"]) for r in rows] == [("cnn", "1"), ("lm", "1"), ("lm", "2")]

@@ -54,8 +54,14 @@ def rank_lists(verdicts: list[dict[str, Any]]) -> list[Ranking]:
     return [rank(groups[w], w) for w in known + other + ([None] if None in groups else [])]
 
 
+# What `aiperf rank --json` prints, so a reader can tell the shapes apart: 1 was one list,
+# `{"entries", "green", "superseded", "rejected"}` (before lists per workload, 2026-11-27, an
+# object without this field); 2 is {"format": 2, "lists": [Ranking.to_dict(), ...]}.
+JSON_FORMAT = 2
+
+
 def lists_to_dict(rankings: list[Ranking]) -> dict[str, Any]:
-    return {"lists": [r.to_dict() for r in rankings]}
+    return {"format": JSON_FORMAT, "lists": [r.to_dict() for r in rankings]}
 
 
 def rank(verdicts: list[dict[str, Any]], workload: str | None = "cnn") -> Ranking:
