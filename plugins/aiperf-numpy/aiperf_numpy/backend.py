@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, StepClock, TrainConfig,
-                                 accuracy, cross_entropy)
+                                 accuracy, cross_entropy, micro_batches)
 from aiperf_core.ir import ALL_OPS, Graph, is_trainable
 from aiperf_core.optim import HostOptimizer
 from aiperf_core.weights import Weights, validate_weights
@@ -82,10 +82,15 @@ class NumpyBackend(Backend):
 
     def train_checked(self, model: NumpyModel, data: Dataset, config: TrainConfig,
                       on_epoch: EpochCallback | None) -> list[EpochReport]:
-        """`data` is in-memory arrays or a StreamingDataset, read through the shared host pipeline
-        (its `workers` setting); a streamed image that does not decode is skipped and counted.
-        Streamed batches carry uint8 pixels, normalised inside the step (the host is this backend's
-        device) with the arithmetic every backend uses, preprocess.model_input."""
+        """`data` is in-memory arrays, a StreamingDataset read through the shared host pipeline (its
+        `workers` setting; an image that does not decode is skipped and counted) or a TokenStream
+        (new windows every epoch, cut one batch at a time). Streamed images carry uint8 pixels,
+        normalised inside the step (the host is this backend's device) with the arithmetic every
+        backend uses, preprocess.model_input; token ids stay integers.
+
+        Each batch is one optimizer step on the gradients of `_batch_gradients`: the whole batch,
+        or its micro-batches (config.micro_batch) summed; config.checkpoint_blocks recomputes each
+        block's activations in the backward pass (executor.run)."""
         from aiperf_core.data.preprocess import model_input
         from aiperf_core.data.stream import train_batches, val_batches
 
@@ -100,13 +105,8 @@ class NumpyBackend(Backend):
                 if not len(batch.y):
                     continue
                 with clock:
-                    loss, grads, moving = loss_and_grads(
-                        model.graph, model.weights, model_input(batch.x), batch.y,
-                        label_smoothing=config.label_smoothing, dtype=np.float32, seed=config.seed + seen)
+                    loss, grads = _batch_gradients(model, model_input(batch.x), batch.y, config, config.seed + seen)
                     optimizer.step(model.weights, grads, lr)
-                    for node_id, stats in moving.items():
-                        for name, value in stats.items():
-                            model.weights[node_id][name] = value.astype(np.float32)
                 clock.count(len(batch.y))  # live progress (stall detection)
                 seen += len(batch.y)
                 losses.append(loss * len(batch.y))
@@ -129,3 +129,33 @@ class NumpyBackend(Backend):
 
     def conformance_file(self) -> str:
         return str(Path(__file__).with_name("conformance.json"))
+
+
+def _batch_gradients(model: NumpyModel, x: np.ndarray, y: np.ndarray, config: TrainConfig,
+                     seed: int) -> tuple[float, dict]:
+    """The batch's mean loss and its gradients, computed as consecutive micro-batches of
+    config.micro_batch samples (gradient accumulation; all at once without it): micro-batch k's
+    loss and gradients weighted by its share of the batch's samples and summed, which is the
+    whole batch's mean loss and its gradient. Dropout in micro-batch [start, stop) is seeded by
+    seed + start. A batch norm's moving statistics are updated after each micro-batch, from that
+    micro-batch's statistics (as if each were a step): what accumulation does to batch norm."""
+    slices = micro_batches(len(y), config.micro_batch)
+    loss, grads = 0.0, None
+    for start, stop in slices:
+        part_loss, part_grads, moving = loss_and_grads(
+            model.graph, model.weights, x[start:stop], y[start:stop], label_smoothing=config.label_smoothing,
+            dtype=np.float32, seed=seed + start, checkpoint_blocks=config.checkpoint_blocks)
+        for node_id, stats in moving.items():
+            for name, value in stats.items():
+                model.weights[node_id][name] = value.astype(np.float32)
+        if len(slices) == 1:
+            return part_loss, part_grads
+        share = (stop - start) / len(y)
+        loss += share * part_loss
+        if grads is None:
+            grads = {n: {p: g * np.float32(share) for p, g in ps.items()} for n, ps in part_grads.items()}
+        else:
+            for n, ps in part_grads.items():
+                for p, g in ps.items():
+                    grads[n][p] += g * np.float32(share)
+    return loss, grads

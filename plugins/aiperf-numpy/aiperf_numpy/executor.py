@@ -10,14 +10,22 @@ Public API
 ``forward(graph, weights, x, *, training=False, dtype=np.float64, seed=0)``
     The output node's value for a batch ``x`` of shape (N, H, W, C), or (N, C)
     for a flat input.
-``run(...)`` (same arguments) -> :class:`Trace`
+``run(..., checkpoint_blocks=False)`` (same arguments) -> :class:`Trace`
     Every node's output plus what :func:`backward` needs, and the batch-norm
-    moving-statistics updates of a training step.
+    moving-statistics updates of a training step. With ``checkpoint_blocks``
+    (activation checkpointing, TrainConfig.checkpoint_blocks) the trace keeps,
+    of each block of ``Graph.blocks()``, only the outputs that something
+    outside the block reads (its output, the next block's input): backward
+    recomputes the block's forward pass from its input, with the dropout
+    generator's state as the block started, just before it backpropagates
+    through it, then drops those activations again. The arithmetic is the same,
+    so the gradients are identical to the plain pass's.
 ``backward(trace, grad_output)`` -> ``(grad_input, param_grads)``
     Reverse-mode gradients. ``param_grads`` is shaped like the weights but
     holds only the trainable parameters (kernel, bias, gamma, beta).
 ``loss_and_grads(graph, weights, x, labels, *, label_smoothing=0.0,
-training=True, dtype=np.float64, seed=0)`` -> ``(loss, param_grads, moving_updates)``
+training=True, dtype=np.float64, seed=0, checkpoint_blocks=False)`` ->
+``(loss, param_grads, moving_updates)``
     Mean categorical cross-entropy over the batch, its parameter gradients
     and the batch-norm moving-statistics updates.
 
@@ -72,6 +80,7 @@ kh*kw shifted slices with strided slice-adds.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -79,10 +88,10 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from aiperf_core.errors import GraphError
-from aiperf_core.ir import INPUT_OPS, Graph, Node, is_trainable
+from aiperf_core.ir import INPUT_OPS, Block, Graph, Node, is_trainable
 from aiperf_core.weights import validate_weights
 
-__all__ = ["Trace", "backward", "forward", "loss_and_grads", "run"]
+__all__ = ["Replay", "Trace", "backward", "forward", "loss_and_grads", "run"]
 
 GELU_C = float(np.sqrt(2.0 / np.pi))
 PROBABILITY_CLIP = 1e-7
@@ -99,6 +108,9 @@ class Trace:
     read-only: an identity op (inference dropout) may share its input's array.
     ``caches`` holds small per-node extras (batch-norm statistics, dropout
     masks, max-pool argmax). ``weights`` are the weights cast to ``dtype``.
+    ``replays`` (activation checkpointing) maps the last node of each
+    checkpointed block to its :class:`Replay`; the block's dropped outputs and
+    its nodes' caches are absent outside the backward pass through it.
     """
 
     graph: Graph
@@ -109,10 +121,31 @@ class Trace:
     outputs: dict[str, np.ndarray]
     moving_updates: dict[str, dict[str, np.ndarray]]
     caches: dict[str, dict[str, Any]] = field(default_factory=dict)
+    replays: dict[str, "Replay"] = field(default_factory=dict)
 
     @property
     def output(self) -> np.ndarray:
         return self.outputs[self.graph.output_id]
+
+
+@dataclass
+class Replay:
+    """A checkpointed block of one forward pass: what backward needs to recompute it."""
+
+    block: Block
+    dropped: tuple[str, ...]  # its nodes whose outputs only the block itself reads
+    rng: np.random.Generator | None = None  # the dropout generator as the block started
+
+
+def _replays(graph: Graph) -> dict[str, Replay]:
+    """A Replay (no generator yet) per block of the graph, by the block's last node."""
+    replays = {}
+    for block in graph.blocks():
+        inside = set(block.nodes)
+        dropped = tuple(nid for nid in block.nodes if nid not in (block.output, graph.output_id)
+                        and all(reader.id in inside for reader in graph.consumers(nid)))
+        replays[block.output] = Replay(block, dropped)
+    return replays
 
 
 @dataclass
@@ -729,13 +762,17 @@ def _cast_weights(graph: Graph, weights, dt: np.dtype) -> dict[str, dict[str, np
     return {nid: {p: np.asarray(a, dtype=dt) for p, a in params.items()} for nid, params in weights.items()}
 
 
-def _execute(graph: Graph, weights, x, *, training: bool, dtype, seed: int, keep: bool):
+def _execute(graph: Graph, weights, x, *, training: bool, dtype, seed: int, keep: bool,
+             checkpoint_blocks: bool = False):
     if not isinstance(graph, Graph):
         raise TypeError(f"graph must be an aiperf_core.ir.Graph, got {type(graph).__name__}")
     dt = _check_dtype(dtype)
     w = _cast_weights(graph, weights, dt)
     x = _check_input(graph, x, dt)
     ctx = _Context(training=bool(training), keep=keep, rng=np.random.default_rng(seed))
+    replays = _replays(graph) if keep and checkpoint_blocks else {}
+    starts = {replay.block.nodes[0]: replay for replay in replays.values()}
+    in_blocks = {nid for replay in replays.values() for nid in replay.block.nodes}
     # Without keep, drop each value after its last reader to bound memory.
     last_reader = {}
     if not keep:
@@ -745,18 +782,23 @@ def _execute(graph: Graph, weights, x, *, training: bool, dtype, seed: int, keep
     values: dict[str, np.ndarray] = {}
     caches: dict[str, dict[str, Any]] = {}
     for index, node in enumerate(graph.nodes):
+        if node.id in starts:  # the block's dropout masks must be drawn again in its replay
+            starts[node.id].rng = copy.deepcopy(ctx.rng)
         if node.op in INPUT_OPS:
             out, cache = x, None
         else:
             out, cache = _FORWARD[node.op](node, [values[i] for i in node.inputs], w.get(node.id, {}), ctx)
         values[node.id] = out
-        if keep and cache is not None:
+        if keep and cache is not None and node.id not in in_blocks:
             caches[node.id] = cache
         if not keep:
             for i in node.inputs:
                 if last_reader[i] == index:
                     del values[i]
-    return Trace(graph, w, ctx.training, dt, seed, values, ctx.moving_updates, caches)
+        if node.id in replays:  # a checkpointed block ends: backward recomputes what only it reads
+            for nid in replays[node.id].dropped:
+                del values[nid]
+    return Trace(graph, w, ctx.training, dt, seed, values, ctx.moving_updates, caches, replays)
 
 
 def forward(graph: Graph, weights, x, *, training: bool = False, dtype=np.float64, seed: int = 0) -> np.ndarray:
@@ -765,9 +807,35 @@ def forward(graph: Graph, weights, x, *, training: bool = False, dtype=np.float6
     return trace.output
 
 
-def run(graph: Graph, weights, x, *, training: bool = False, dtype=np.float64, seed: int = 0) -> Trace:
-    """Forward pass that keeps every node's output and what :func:`backward` needs."""
-    return _execute(graph, weights, x, training=training, dtype=dtype, seed=seed, keep=True)
+def run(graph: Graph, weights, x, *, training: bool = False, dtype=np.float64, seed: int = 0,
+        checkpoint_blocks: bool = False) -> Trace:
+    """Forward pass that keeps what :func:`backward` needs: every node's output, or with
+    ``checkpoint_blocks`` only each checkpointed block's input and what is read outside it."""
+    return _execute(graph, weights, x, training=training, dtype=dtype, seed=seed, keep=True,
+                    checkpoint_blocks=checkpoint_blocks)
+
+
+def _recompute(trace: Trace, replay: Replay) -> None:
+    """A checkpointed block's forward pass again, from its kept input: its dropped outputs and its
+    nodes' caches back in the trace (the same arithmetic and dropout masks as the first pass)."""
+    # A copy of the generator: a trace may be backpropagated more than once. The moving statistics
+    # of a batch norm in the block were recorded by the first pass; this context's are dropped.
+    ctx = _Context(training=trace.training, keep=True, rng=copy.deepcopy(replay.rng))
+    for nid in replay.block.nodes:
+        node = trace.graph[nid]
+        out, cache = _FORWARD[node.op](node, [trace.outputs[i] for i in node.inputs], trace.weights.get(nid, {}), ctx)
+        if nid in replay.dropped:
+            trace.outputs[nid] = out
+        if cache is not None:
+            trace.caches[nid] = cache
+
+
+def _forget(trace: Trace, replay: Replay) -> None:
+    """Drop a block's recomputed activations once backward has passed through it."""
+    for nid in replay.dropped:
+        trace.outputs.pop(nid, None)
+    for nid in replay.block.nodes:
+        trace.caches.pop(nid, None)
 
 
 def _backward_from(trace: Trace, start: str, grad: np.ndarray):
@@ -776,23 +844,28 @@ def _backward_from(trace: Trace, start: str, grad: np.ndarray):
     grads: dict[str, np.ndarray] = {start: grad}
     param_grads: dict[str, dict[str, np.ndarray]] = {nid: {} for nid in graph.all_param_shapes()}
     grad_input = None
+    block_starts = {replay.block.nodes[0]: replay for replay in trace.replays.values()}
     for node in reversed(graph.nodes):
+        if node.id in trace.replays:  # a checkpointed block, met at its last node
+            _recompute(trace, trace.replays[node.id])
         dy = grads.pop(node.id, None)
         if dy is None:  # downstream of start, or unreachable from it
-            continue
-        if node.op in INPUT_OPS:
+            pass
+        elif node.op in INPUT_OPS:
             grad_input = dy
-            continue
-        dxs, pgrads = _BACKWARD[node.op](
-            node, dy, [trace.outputs[i] for i in node.inputs], trace.outputs[node.id],
-            trace.weights.get(node.id, {}), trace.caches.get(node.id), trace.training,
-        )
-        if pgrads:
-            param_grads[node.id].update(pgrads)
-        for i, dx in zip(node.inputs, dxs):
-            if dx is None:  # no gradient (token ids)
-                continue
-            grads[i] = dx if i not in grads else grads[i] + dx  # never in place: dx may be shared
+        else:
+            dxs, pgrads = _BACKWARD[node.op](
+                node, dy, [trace.outputs[i] for i in node.inputs], trace.outputs[node.id],
+                trace.weights.get(node.id, {}), trace.caches.get(node.id), trace.training,
+            )
+            if pgrads:
+                param_grads[node.id].update(pgrads)
+            for i, dx in zip(node.inputs, dxs):
+                if dx is None:  # no gradient (token ids)
+                    continue
+                grads[i] = dx if i not in grads else grads[i] + dx  # never in place: dx may be shared
+        if node.id in block_starts:
+            _forget(trace, block_starts[node.id])
     for nid, shapes in graph.all_param_shapes().items():
         for pname, shape in shapes.items():
             if is_trainable(pname) and pname not in param_grads[nid]:
@@ -840,11 +913,12 @@ def _targets(labels, shape: tuple[int, ...], classes: int, label_smoothing: floa
 
 def loss_and_grads(
     graph: Graph, weights, x, labels, *, label_smoothing: float = 0.0, training: bool = True,
-    dtype=np.float64, seed: int = 0,
+    dtype=np.float64, seed: int = 0, checkpoint_blocks: bool = False,
 ) -> tuple[float, dict[str, dict[str, np.ndarray]], dict[str, dict[str, np.ndarray]]]:
     """Mean categorical cross-entropy against smoothed one-hot labels, its parameter gradients
-    and the batch-norm moving-statistics updates (empty in inference mode)."""
-    trace = run(graph, weights, x, training=training, dtype=dtype, seed=seed)
+    and the batch-norm moving-statistics updates (empty in inference mode); with
+    ``checkpoint_blocks``, by a trace that recomputes each block in the backward pass (:func:`run`)."""
+    trace = run(graph, weights, x, training=training, dtype=dtype, seed=seed, checkpoint_blocks=checkpoint_blocks)
     out_id = graph.output_id
     if len(graph.output_shape) not in (1, 2):
         raise GraphError(f"the loss needs a class output per sample (classes) or per position (S, classes), "
