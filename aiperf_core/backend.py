@@ -136,6 +136,17 @@ class TrainConfig:
     # backend's documented rule (compile where the trial is long enough to pay for it), 'always' or
     # 'never' override it. The policy item `compile`.
     compile: str = "auto"
+    # Gradient accumulation: the most samples one device takes through one forward and backward
+    # pass. A device's shard of a global batch larger than this runs as consecutive micro-batches of
+    # micro_batch samples (the last one short), whose gradients add up, each weighted by its share of
+    # the global batch's samples (tokens, for a sequence graph), before the one update: the step
+    # equals one on the whole batch (the kit's train level checks it). None: the whole shard at once.
+    micro_batch: int | None = None
+    # Activation checkpointing: keep only each of the graph's blocks' input (Graph.blocks) for the
+    # backward pass and recompute the block's activations there. Gradients are those of plain
+    # training (the kit's train level checks it); memory for activations falls from every block's to
+    # one block's, for a third more forward work (not counted: the score counts the model's ops).
+    checkpoint_blocks: bool = False
 
 
 COMPILE_MODES = ("auto", "always", "never")
@@ -279,8 +290,11 @@ class Dataset:
     """In-memory arrays: images NHWC float32 and labels int64 class indices (N,), or for a sequence
     graph token ids (N, S) and one label per token (N, S) (the next token, for a language model).
 
-    train() also accepts an aiperf_core.data.stream.StreamingDataset (images decoded and augmented
-    while training, e.g. ImageNet); a backend tells the two apart with is_streaming(data)."""
+    train() also accepts streamed data, which a backend tells apart with is_streaming(data): an
+    aiperf_core.data.stream.StreamingDataset (images decoded and augmented while training, e.g.
+    ImageNet), or an aiperf_core.data.text_stream.TokenStream (a trial's text, new windows every
+    epoch: is_token_stream(data)). Both cut epochs into batches with the same plan/load/iterate
+    methods; an epoch of a TokenStream is data.train_images windows, not the whole split."""
 
     x_train: np.ndarray
     y_train: np.ndarray
@@ -415,6 +429,13 @@ class Backend(abc.ABC):
     def parallelism(self) -> Parallelism:
         """How this backend trains over several devices; SINGLE_DEVICE unless a backend says more."""
         return SINGLE_DEVICE
+
+    def device_memory(self, device: str) -> int | None:
+        """Bytes of memory one trial may use on `device`, for the memory estimate that filters grown
+        children (opcount.memory): an accelerator's own memory (a backend that sees accelerators
+        overrides this; None: it cannot tell, and nothing is filtered); on a CPU, the replica's share
+        of the node's RAM (cpu_share_of_ram)."""
+        return cpu_share_of_ram(len(self.devices())) if is_cpu_device(device) else None
 
     def supported_ops(self) -> frozenset[str]:
         """The IR ops this backend lowers, forward and backward, at every precision it declares.
@@ -579,6 +600,24 @@ def cpu_flags() -> set[str]:
 
 
 
+REPLICAS_PER_NODE_ENV = "AIPERF_REPLICAS_PER_NODE"
+
+
+def cpu_share_of_ram(devices: int = 1) -> int:
+    """One CPU device's share of this node's RAM: the total over the replicas the executor started on
+    this node (AIPERF_REPLICAS_PER_NODE, 1 when unset) and over the replica's CPU devices."""
+    import os
+
+    import psutil
+
+    try:
+        replicas = max(1, int(os.environ.get(REPLICAS_PER_NODE_ENV, "1")))
+    except ValueError:
+        raise BackendError(f"{REPLICAS_PER_NODE_ENV} must be a whole number, got "
+                           f"{os.environ[REPLICAS_PER_NODE_ENV]!r}") from None
+    return int(psutil.virtual_memory().total // (replicas * max(1, devices)))
+
+
 def cpu_runs_natively(precision: str) -> bool:
     """Whether this host's CPU has the instructions for `precision` (CPU_NATIVE_FLAGS; fp32 always)."""
     if precision == "fp32":
@@ -679,12 +718,31 @@ def check_train_config(config: TrainConfig) -> None:
                            f"{config.adam_epsilon}")
     if config.grad_clip is not None and not config.grad_clip > 0.0:
         raise BackendError(f"grad_clip must be > 0 or None, got {config.grad_clip}")
+    if config.micro_batch is not None and config.micro_batch < 1:
+        raise BackendError(f"micro_batch must be >= 1 or None, got {config.micro_batch}")
+
+
+def micro_batches(length: int, micro_batch: int | None) -> list[tuple[int, int]]:
+    """[start, stop) of each micro-batch of a device's shard of `length` samples (TrainConfig.micro_batch):
+    consecutive, micro_batch samples each, the last one short; the whole shard when micro_batch is
+    None or not smaller. A backend weights micro-batch k's mean loss by (stop - start) / the global
+    batch's samples, so that the sum of the gradients is the whole batch's."""
+    if micro_batch is None or micro_batch >= length:
+        return [(0, length)]
+    return [(start, min(start + micro_batch, length)) for start in range(0, length, micro_batch)]
 
 
 def is_streaming(data) -> bool:
-    """Whether `data` is a StreamingDataset rather than in-memory arrays (no import of aiperf_core.data
-    needed: a streaming dataset is recognised by its epoch plan)."""
+    """Whether `data` is streamed (a StreamingDataset of images, or a TokenStream of a trial's text)
+    rather than in-memory arrays (no import of aiperf_core.data needed: streamed data is recognised
+    by its epoch plan)."""
     return not isinstance(data, Dataset) and hasattr(data, "plan") and hasattr(data, "iterate")
+
+
+def is_token_stream(data) -> bool:
+    """Whether `data` is streamed text (aiperf_core.data.text_stream.TokenStream): batches of int32
+    token ids (n, seq_len) and the next token of each, nothing to decode, normalise or skip."""
+    return is_streaming(data) and getattr(data, "tokens", False) is True
 
 
 def check_dataset(graph: Graph, data: Dataset) -> None:
@@ -705,6 +763,9 @@ def check_dataset(graph: Graph, data: Dataset) -> None:
 
 
 def _check_streaming(graph: Graph, data) -> None:
+    if is_token_stream(data) or graph.takes_tokens:
+        _check_token_stream(graph, data)
+        return
     want = tuple(graph.input_shape)
     if tuple(data.image_shape) != want:
         raise GraphError(f"dataset '{data.name}' gives images of shape {list(data.image_shape)}, "
@@ -712,6 +773,21 @@ def _check_streaming(graph: Graph, data) -> None:
     if len(graph.output_shape) != 1 or graph.output_shape[0] != data.classes:
         raise GraphError(f"dataset '{data.name}' has {data.classes} classes, the graph outputs "
                          f"{list(graph.output_shape)}", graph.output_id)
+    if data.train_images == 0:
+        raise BackendError(f"dataset '{data.name}': split 'train' is empty")
+
+
+def _check_token_stream(graph: Graph, data) -> None:
+    if not graph.takes_tokens:
+        raise GraphError(f"dataset '{data.name}' streams token ids; the graph reads images", graph.input_id)
+    if not is_token_stream(data):
+        raise GraphError(f"dataset '{data.name}' streams images; the graph reads token ids", graph.input_id)
+    if (data.seq_len,) != tuple(graph.input_shape):
+        raise GraphError(f"dataset '{data.name}' streams windows of {data.seq_len} tokens, the graph reads "
+                         f"{list(graph.input_shape)}", graph.input_id)
+    if data.vocab > graph.vocab or graph.output_shape[-1] != data.vocab:
+        raise GraphError(f"dataset '{data.name}' has a vocabulary of {data.vocab}, the graph reads "
+                         f"{graph.vocab} and predicts {graph.output_shape[-1]}", graph.output_id)
     if data.train_images == 0:
         raise BackendError(f"dataset '{data.name}': split 'train' is empty")
 

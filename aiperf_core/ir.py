@@ -449,6 +449,19 @@ def lowering_need(node: "Node") -> str:
     return node.op
 
 
+@dataclass(frozen=True)
+class Block:
+    """A checkpointed stretch of a graph (Graph.blocks): `nodes` in order, all reading only `input`
+    or each other; the last one is its output."""
+
+    input: str
+    nodes: tuple[str, ...]
+
+    @property
+    def output(self) -> str:
+        return self.nodes[-1]
+
+
 class Graph:
     """An immutable, validated graph with inferred per-image shapes.
 
@@ -531,6 +544,26 @@ class Graph:
 
     def consumers(self, node_id: str) -> list[Node]:
         return [n for n in self.nodes if node_id in n.inputs]
+
+    def blocks(self) -> list["Block"]:
+        """The stretches of a sequence graph that activation checkpointing recomputes in the backward
+        pass: two residual sub-layers each (a transformer block, whatever morphs inserted), cut at
+        every second point of the residual stream (the position embedding's sum, then the `add`s of
+        (S, D) shape). A stretch is a block only when its nodes, contiguous in the stored order, read
+        nothing from before it but its input: then a backend keeps just its input for the backward
+        pass. An image graph, or a sequence graph with no residual stream, has none."""
+        if not self.takes_tokens:
+            return []
+        order = {n.id: k for k, n in enumerate(self.nodes)}
+        points = [n.id for n in self.nodes if n.op in ("add", "position_embedding") and len(self.shapes[n.id]) == 2]
+        found = []
+        for k in range(0, len(points) - 1, 2):
+            start, stop = points[k], points[min(k + 2, len(points) - 1)]  # an odd last sub-layer alone
+            nodes = tuple(n.id for n in self.nodes[order[start] + 1:order[stop] + 1])
+            inside = set(nodes) | {start}
+            if all(i in inside for nid in nodes for i in self._by_id[nid].inputs):
+                found.append(Block(start, nodes))
+        return found
 
     def param_shapes(self, node_id: str) -> dict[str, Shape]:
         node = self[node_id]

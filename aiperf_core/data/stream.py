@@ -357,8 +357,9 @@ class StreamingDataset:
 def train_batches(data, epoch: int, seed: int, batch_size: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
     """This rank's shard of every training batch of the epoch. For a Dataset (in-memory arrays)
     the order is the same rule as the stream's, np.random.default_rng(seed + epoch), and nothing is
-    ever skipped."""
-    if isinstance(data, StreamingDataset):
+    ever skipped. A streamed dataset (images, or a trial's text: aiperf_core.data.text_stream) cuts
+    its own batches."""
+    if hasattr(data, "iterate"):
         yield from data.iterate(TRAIN, epoch, seed, batch_size, rank, world)
         return
     from aiperf_core.backend import batches
@@ -370,7 +371,7 @@ def train_batches(data, epoch: int, seed: int, batch_size: int, rank: int = 0, w
 
 def val_batches(data, batch_size: int, rank: int = 0, world: int = 1) -> Iterator[Batch]:
     """The validation set in order, in batches of batch_size (this rank's shard of each)."""
-    if isinstance(data, StreamingDataset):
+    if hasattr(data, "iterate"):
         yield from data.iterate(VAL, 0, 0, batch_size, rank, world)
         return
     from aiperf_core.backend import batches
