@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from aiperf_core.commands.options import add_gpt_size_arguments, add_model_arguments, gpt_sizes, non_negative_int
+from aiperf_core.commands.options import (add_gpt_size_arguments, add_model_arguments, gpt_sizes, non_negative_int,
+                                          positive_int)
+from aiperf_opcount.memory import OPTIMIZER_STATE_BYTES, PRECISIONS
 from aiperf_core.models import load_model
 
 HELP = ("count the analytic operations of a model (builder name, IR .json or .onnx), per image (per sequence "
@@ -33,19 +35,40 @@ def add_arguments(p) -> None:
     p.add_argument("--convention", choices=("paper", "valid"), default="paper",
                    help="'paper' (scoring, padded taps counted) or 'valid' (padded taps left out, as XLA counts)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    memory = p.add_argument_group("memory", "the estimate of one device's training step (docs/search.md, \"Memory\")")
+    memory.add_argument("--batch", type=positive_int, default=1, metavar="N",
+                        help="samples one device takes through a step at once (default 1)")
+    memory.add_argument("--precision", choices=PRECISIONS, default="fp32", help="training precision (default fp32)")
+    memory.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATE_BYTES), default=None,
+                        help="whose state is held (default: adamw for a sequence model, sgd-momentum for images)")
+    memory.add_argument("--checkpoint-blocks", action="store_true",
+                        help="with activation checkpointing: only each block's input is kept")
 
 
 def run(args) -> int:
     from aiperf_opcount import count
+    from aiperf_opcount.memory import estimate
 
     graph, _ = load_model(args.model, args.input, args.classes, **gpt_sizes(args))
     result = count(graph, args.convention)
+    optimizer = args.optimizer or ("adamw" if graph.takes_tokens else "sgd-momentum")
+    memory = estimate(graph, args.batch, args.precision, optimizer, args.checkpoint_blocks)
     epoch = args.train_images is not None or args.val_images is not None
     if args.json:
-        print(json.dumps(result.to_dict(args.train_images, args.val_images) if epoch else result.to_dict()))
+        out = result.to_dict(args.train_images, args.val_images) if epoch else result.to_dict()
+        print(json.dumps({**out, "memory": memory.to_dict()}))
         return 0
     print(render(result, graph, args.train_images, args.val_images) if epoch else render(result, graph))
+    print(render_memory(memory))
     return 0
+
+
+def render_memory(memory) -> str:
+    gib = 2.0 ** 30
+    return (f"memory of one device's step, {memory.batch} at once, {memory.precision}, {memory.optimizer}"
+            f"{', blocks checkpointed' if memory.checkpoint_blocks else ''}: {memory.total / gib:.3f} GiB "
+            f"(parameters {memory.parameters / gib:.3f}, gradients {memory.gradients / gib:.3f}, optimizer state "
+            f"{memory.optimizer_state / gib:.3f}, activations {memory.activations / gib:.3f})")
 
 
 def sci(x: float) -> str:
