@@ -8,6 +8,7 @@ precision: a mixed precision that cannot learn digits is not one a scored run ma
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -181,14 +182,17 @@ def _optimizer_config(ctx: Context, precision: str, optimizer: str, batch: int, 
                        grad_clip=grad_clip, seed=ctx.seed, precision=precision)
 
 
-def optimizer_matches_reference(ctx: Context, precision: str, optimizer: str) -> Outcome:
+def optimizer_matches_reference(ctx: Context, precision: str, optimizer: str, micro_batch: int | None = None,
+                                checkpoint_blocks: bool = False) -> Outcome:
     """train() over OPTIMIZER_STEPS epochs of one batch against the reference's steps. The error is
     normwise per tensor on the weights' change (the update, not the weights it is added to). The
     attention key biases are left out: their exact gradient is zero (compare_grads), so that AdamW,
     which divides a gradient by its own size, turns the backend's rounding into steps of up to lr.
     Both optimizers run under a gradient clip at half the first step's gradient norm; `sgd-clip`,
     SGD with momentum, is there because AdamW is nearly blind to a clip that scales every step
-    alike."""
+    alike. With `micro_batch` (gradient accumulation: the batch of 8 as micro-batches of 3, 3 and 2)
+    or `checkpoint_blocks` (activation checkpointing) the backend's steps must still be the
+    reference's on the whole batch: neither may change what a step computes."""
     graph, weights, x, y = _gpt_batch(ctx, 23, 8)
     ref = reference()
     exact = {n: {p: np.asarray(a, np.float64) for p, a in ps.items()} for n, ps in weights.items()}
@@ -197,6 +201,7 @@ def optimizer_matches_reference(ctx: Context, precision: str, optimizer: str) ->
     config = _optimizer_config(ctx, precision, "adamw" if optimizer == "adamw" else "sgd-momentum", len(x),
                                grad_clip)
     stepper = HostOptimizer(config, exact, is_trainable)
+    config = replace(config, micro_batch=micro_batch, checkpoint_blocks=checkpoint_blocks)
     for epoch in range(OPTIMIZER_STEPS):
         _, grads, _ = ref.loss_and_grads(graph, exact, x, y, dtype=np.float64)
         stepper.step(exact, grads, config.schedule.rate(epoch, config.epochs))
@@ -225,6 +230,34 @@ def optimizer_matches_reference(ctx: Context, precision: str, optimizer: str) ->
     return worst
 
 
+ACCUMULATION_MICRO_BATCH = 3  # of the optimizer checks' batch of 8: micro-batches of 3, 3 and 2
+
+
+def gpt_token_stream(ctx: Context, precision: str) -> Outcome:
+    """train() on streamed text (a TokenStream over the embedded corpus, new windows every epoch):
+    each epoch reports the stream's sequences and the validation prefix's, and the validation loss
+    falls from the first epoch to the last."""
+    from aiperf_core.data.text_corpus import embedded_corpus
+    from aiperf_core.data.text_stream import TokenStream
+
+    sizes = dict(GPT_SIZES, vocab=256)
+    graph = gpt(**sizes)
+    stream = TokenStream(embedded_corpus(), sizes["seq_len"], epoch_tokens=64 * sizes["seq_len"],
+                         val_tokens=32 * sizes["seq_len"])
+    config = TrainConfig(epochs=3, batch_size=16, schedule=Schedule(initial=0.01, final_fraction=0.1, shape="cosine"),
+                         optimizer="adamw", weight_decay=0.1, seed=ctx.seed, precision=precision)
+    model = ctx.backend.lower(graph, trained_looking_weights(graph, ctx.seed), precision=precision)
+    reports = ctx.backend.train(model, stream, config)
+    counts = [(r.train_images, r.val_images) for r in reports]
+    want = [(stream.train_images, stream.val_images)] * config.epochs
+    if counts != want:
+        return Outcome(False, counts, want, None, "train() on a TokenStream must report its sequences per epoch")
+    first, last = reports[0].val_loss, reports[-1].val_loss
+    return Outcome(bool(last < first), last, f"< {first}", None,
+                   f"validation loss on the embedded corpus went from {first:.4f} to {last:.4f} over "
+                   f"{config.epochs} epochs of new windows")
+
+
 def checks(ctx: Context):
     lm = dict(workload="lm", ops=new_ops(_gpt(False)))
     lm_moe = dict(workload="lm", ops=new_ops(_gpt(True)))
@@ -240,3 +273,10 @@ def checks(ctx: Context):
         for optimizer in ("adamw", "sgd-clip"):
             yield Check("train", f"gpt_{optimizer.replace('-', '_')}_matches_reference",
                         partial(optimizer_matches_reference, precision=precision, optimizer=optimizer), precision, **lm)
+        yield Check("train", "gpt_accumulation_matches_reference",
+                    partial(optimizer_matches_reference, precision=precision, optimizer="adamw",
+                            micro_batch=ACCUMULATION_MICRO_BATCH), precision, **lm)
+        yield Check("train", "gpt_checkpointing_matches_reference",
+                    partial(optimizer_matches_reference, precision=precision, optimizer="adamw",
+                            checkpoint_blocks=True), precision, **lm)
+        yield Check("train", "gpt_token_stream", partial(gpt_token_stream, precision=precision), precision, **lm)
