@@ -159,3 +159,13 @@ def make_archives(folder, seed: int = 0) -> Truth:
     (folder / "ILSVRC2012_img_val.tar").write_bytes(_tar_bytes([files[i] for i in order]))
     (folder / "ILSVRC2012_devkit_t12.tar.gz").write_bytes(devkit(meta_mat(), "\n".join(lines) + "\n"))
     return truth
+
+
+def overwrite_in_place(archive: Path, member: bytes, start: int, stop: int) -> None:
+    """Damage `archive` without changing its size (a resumed prepare still takes it for the same
+    archive): bytes [start, stop) around the stored bytes of `member` (its tar header is
+    [-512, 0)) become 0xFF."""
+    data = bytearray(Path(archive).read_bytes())
+    at = data.index(member)
+    data[at + start:at + stop] = b"\xff" * (stop - start)
+    Path(archive).write_bytes(bytes(data))

@@ -1,10 +1,12 @@
 """enwik8 and the embedded byte corpus (aiperf_core/data/enwik8.py, aiperf_core/data/text_corpus.py):
 `aiperf data prepare enwik8.zip OUT` on an enwik8-shaped zip made here (100,000,000 bytes of a
 numeric pattern, never the real file): the standard split, the digest, official or not, a restart
-after SIGKILL, bad input, staging; and the embedded corpus with its batch sampler."""
+after SIGKILL, bad input, what a refusal leaves (nothing prepared from a damaged zip, the resumable
+state after an interruption), staging; and the embedded corpus with its batch sampler."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -22,7 +24,7 @@ from aiperf_core.cli import main
 from aiperf_core.data import enwik8
 from aiperf_core.data.manifest import (MANIFEST, OFFICIAL_SPLIT_BYTES, Manifest, ManifestError, file_entry,
                                        read_manifest, recorded_digest)
-from aiperf_core.data.prepare import STATE
+from aiperf_core.data.prepare_out import STATE
 from aiperf_core.data.stage import verify_folder
 from aiperf_core.data.text_corpus import (TextDataError, embedded_bytes, embedded_corpus, open_prepared,
                                           split_sizes)
@@ -151,18 +153,22 @@ from aiperf_core.data import enwik8
 original = enwik8._split_done
 def killed(*args, **kwargs):
     original(*args, **kwargs)
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), getattr(signal, sys.argv[3]))
 enwik8._split_done = killed
 from aiperf_core.cli import main
 main(["data", "prepare", sys.argv[1], sys.argv[2], "--quiet"])
 """
 
 
+def _killed_after_the_first_split(zipped: Path, out: Path, signal_name: str) -> None:
+    killed = subprocess.run([sys.executable, "-c", KILLER, str(zipped), str(out), signal_name], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -getattr(signal, signal_name), killed.stderr
+
+
 def test_killed_after_the_first_split_resumes_keeping_it(source, prepared, tmp_path, capsys):
     out = tmp_path / "out"
-    killed = subprocess.run([sys.executable, "-c", KILLER, str(source[0]), str(out)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    _killed_after_the_first_split(source[0], out, "SIGKILL")
     assert sorted(p.name for p in out.iterdir()) == [STATE, "train.bin"]  # recorded; nothing else in sight
     train = _inodes([out / "train.bin"])
     assert main(["data", "prepare", str(source[0]), str(out), "--quiet"]) == 0
@@ -216,10 +222,16 @@ def _text(path: Path, text: str) -> Path:
     return path
 
 
-def _bad_crc(path: Path) -> Path:
-    _zip_of(path, {"enwik8": pattern(0, 4_000)})
+# Split 180,000 / 10,000 / 10,000: zipfile reads a stored member 4 KiB ahead and checks its CRC-32
+# on reaching its end, so the end is reached only while the last split is read.
+SMALL = 200_000
+
+
+def _bad_crc(path: Path, at: int = 100) -> Path:
+    """A zip whose member's byte `at` differs from what its CRC-32 (and its size) were made of."""
+    _zip_of(path, {"enwik8": pattern(0, SMALL)})
     data = bytearray(path.read_bytes())
-    data[data.index(pattern(0, 64)) + 100] ^= 0xFF  # one byte of the stored member, not its CRC
+    data[data.index(pattern(0, 64)) + at] ^= 0xFF  # one byte of the stored member, not its CRC
     path.write_bytes(bytes(data))
     return path
 
@@ -242,7 +254,7 @@ def test_a_bad_source_is_one_line(tmp_path, capsys, case):
     path = make(tmp_path)
     err = _error(capsys, ["data", "prepare", str(path), str(tmp_path / "out"), "--quiet"])
     assert err.startswith(f"aiperf: error: {path}: ") and message in err, err
-    assert not (tmp_path / "out" / MANIFEST).exists()
+    assert not (tmp_path / "out").exists()  # made for nothing, or emptied of what the damaged member filled
 
 
 def test_imagenet_options_and_a_bad_out_are_one_line(tmp_path, capsys):
@@ -271,6 +283,107 @@ def test_a_finished_folder_of_another_member_is_refused(tmp_path, capsys):
     assert main(["data", "prepare", str(first), str(out), "--quiet"]) == 0
     assert "already holds a prepared dataset made with other settings or sources" in _error(
         capsys, ["data", "prepare", str(second), str(out), "--quiet"])
+
+
+# --- what a refusal leaves -------------------------------------------------------------------------------
+def _listing(out: Path) -> list[str]:
+    return sorted(p.name for p in out.iterdir())
+
+
+def _after_train(monkeypatch, then) -> list:
+    """Calls then() right after the train split is recorded; returns OUT's listing at each split."""
+    seen, original = [], enwik8._split_done
+
+    def recorded(state, split, *rest):
+        original(state, split, *rest)
+        seen.append(_listing(state.parent))
+        if split == "train":
+            then()
+    monkeypatch.setattr(enwik8, "_split_done", recorded)
+    return seen
+
+
+def _ctrl_c() -> None:
+    raise KeyboardInterrupt
+
+
+def test_a_member_damaged_at_its_end_leaves_no_split_file(tmp_path, capsys, monkeypatch):
+    zipped = _bad_crc(tmp_path / "damaged.zip")
+    out = tmp_path / "out"
+    out.mkdir()  # made by its user: emptied, not removed
+    seen = _after_train(monkeypatch, lambda: None)
+    err = _error(capsys, ["data", "prepare", str(zipped), str(out), "--quiet"])
+    assert "its member enwik8 cannot be read: damaged (Bad CRC-32" in err
+    assert err.endswith(f"; nothing prepared is left in {out}"), err
+    assert seen[-1] == [STATE, "train.bin", "val.bin"]  # the CRC-32 fails after two splits were in place
+    assert _listing(out) == []
+    # A rerun cannot mend it: the same refusal, and again nothing left.
+    assert "Bad CRC-32" in _error(capsys, ["data", "prepare", str(zipped), str(out), "--quiet"])
+    assert _listing(out) == []
+
+
+@pytest.mark.parametrize("damaged_at, message", [
+    (100, "train.bin: written by an earlier run from other bytes than"),  # inside the kept split
+    (SMALL - 50, "cannot be read: damaged (Bad CRC-32"),  # in the last split, found at its end
+])
+def test_damage_found_on_resume_removes_the_earlier_runs_splits_too(tmp_path, capsys, monkeypatch, damaged_at,
+                                                                    message):
+    zipped = _zip_of(tmp_path / "enwik8.zip", {"enwik8": pattern(0, SMALL)})
+    out = tmp_path / "out"
+    with monkeypatch.context() as patch:
+        _after_train(patch, _ctrl_c)
+        assert main(["data", "prepare", str(zipped), str(out), "--quiet"]) == 130
+    assert capsys.readouterr().err == "aiperf: interrupted\n" and _listing(out) == [STATE, "train.bin"]
+    _bad_crc(zipped, damaged_at)  # the same size and recorded CRC-32: the rerun resumes, then finds the damage
+    err = _error(capsys, ["data", "prepare", str(zipped), str(out), "--quiet"])
+    assert message in err and err.endswith(f"; nothing prepared is left in {out}"), err
+    assert _listing(out) == []  # the folder the interrupted run made stays, empty
+
+
+def _disk_full(target: Path) -> None:
+    if target.name == "val.bin":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target))
+
+
+def _stopped_by(how: str, zipped: Path, out: Path, capsys, monkeypatch) -> None:
+    """The prepare of `zipped` into `out` stopped after its train split by `how`, as a user sees it."""
+    if how == "SIGTERM":
+        _killed_after_the_first_split(zipped, out, "SIGTERM")
+        return
+    with monkeypatch.context() as patch:
+        if how == "Ctrl-C":
+            _after_train(patch, _ctrl_c)
+            assert main(["data", "prepare", str(zipped), str(out), "--quiet"]) == 130
+            assert capsys.readouterr().err == "aiperf: interrupted\n"
+        elif how == "disk full":
+            write = enwik8.write_atomic
+            patch.setattr(enwik8, "write_atomic", lambda target, fill: (_disk_full(target), write(target, fill)))
+            assert f"{out}: cannot write there: No space left on device" in _error(
+                capsys, ["data", "prepare", str(zipped), str(out), "--quiet"])
+        else:  # the zip cannot be read for a moment
+            read = zipfile.ZipExtFile.read
+            failing = []
+
+            def flaky(stream, *args):
+                if failing:
+                    raise OSError(errno.EIO, os.strerror(errno.EIO))
+                return read(stream, *args)
+            patch.setattr(zipfile.ZipExtFile, "read", flaky)
+            _after_train(patch, lambda: failing.append(True))
+            err = _error(capsys, ["data", "prepare", str(zipped), str(out), "--quiet"])
+            assert f"{zipped}: its member enwik8 cannot be read (Input/output error)" in err and "damaged" not in err
+
+
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM", "disk full", "a read error on the zip"])
+def test_an_interruption_keeps_what_a_rerun_resumes(tmp_path, capsys, monkeypatch, how):
+    zipped = _zip_of(tmp_path / "enwik8.zip", {"enwik8": pattern(0, SMALL)})
+    reference = enwik8.prepare_enwik8(zipped, tmp_path / "reference")
+    out = tmp_path / "out"
+    _stopped_by(how, zipped, out, capsys, monkeypatch)
+    assert _listing(out) == [STATE, "train.bin"]
+    assert main(["data", "prepare", str(zipped), str(out), "--quiet"]) == 0
+    assert "resumed: train kept from the interrupted run" in capsys.readouterr().out
+    assert read_manifest(out).digest == reference.digest and _leftovers(out) == []
 
 
 # --- the manifest, stage and check ----------------------------------------------------------------------

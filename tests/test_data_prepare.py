@@ -1,11 +1,13 @@
 """`aiperf data prepare` on tiny archives with the official ILSVRC2012 structure (tests/ilsvrc_archives.py):
 every image's label in both layouts against the generator's own truth, the content conversions, the
-TFRecord keys, shuffle and DALI index, the manifest, each bad input refused with one line, a
-prepare killed midway and resumed to the identical manifest without redoing finished work, and a
-short real run training from each layout (DALI included)."""
+TFRecord keys, shuffle and DALI index, the manifest, each bad input refused with one line, archives
+found damaged while converting leaving nothing prepared, a prepare interrupted (killed, Ctrl-C,
+SIGTERM, a full disk, a worker killed) and resumed to the identical manifest without redoing
+finished work, and a short real run training from each layout (DALI included)."""
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -25,8 +27,10 @@ from aiperf_core.cli import main
 from aiperf_core.data import tfrecord
 from aiperf_core.data.imagenet import open_imagenet
 from aiperf_core.data.manifest import MANIFEST, file_entry, read_manifest
-from aiperf_core.data.prepare import STATE, prepare
-from ilsvrc_archives import LEAVES, NON_LEAVES, TRAIN_PER_CLASS, devkit, make_archives, meta_mat
+from aiperf_core.data import prepare as prepare_module
+from aiperf_core.data.prepare import prepare
+from aiperf_core.data.prepare_out import STATE
+from ilsvrc_archives import LEAVES, NON_LEAVES, TRAIN_PER_CLASS, devkit, make_archives, meta_mat, overwrite_in_place
 from test_workflow import TINY_POLICY
 
 SHARDS = {"train": 4, "val": 2}
@@ -219,29 +223,30 @@ def test_a_class_count_differing_from_the_devkit_is_an_error_naming_the_class(ar
     err = _error(capsys, ["data", "prepare", str(src), str(tmp_path / "out"), "--quiet", "--workers", "0",
                           "--train-shards", "4", "--val-shards", "2"])
     assert "train class n04592741: 6 images in n04592741.tar, the devkit's meta.mat says num_train_images = 7" in err
+    assert not (tmp_path / "out").exists()  # no rerun over these archives could finish: nothing is left
 
 
 KILLER = """
 import os, signal, sys
 from aiperf_core.data import prepare as p
-target, after, src, out, layout = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
+target, after, src, out, layout, signal_name = sys.argv[1], int(sys.argv[2]), *sys.argv[3:]
 original, calls = getattr(p, target), [0]
 def patched(*args, **kwargs):
     result = original(*args, **kwargs)
     calls[0] += 1
     if calls[0] == after:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), getattr(signal, signal_name))
     return result
 setattr(p, target, patched)
 p.prepare(src, out, layout, 0, 4, 2)
 """
 
 
-def _killed(src, out, layout, target, after):
-    """prepare SIGKILLed right after the `after`-th call of prepare.<target>."""
-    result = subprocess.run([sys.executable, "-c", KILLER, target, str(after), str(src), str(out), layout],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == -signal.SIGKILL, result.stderr
+def _killed(src, out, layout, target, after, signal_name="SIGKILL"):
+    """prepare killed by `signal_name` right after the `after`-th call of prepare.<target>."""
+    result = subprocess.run([sys.executable, "-c", KILLER, target, str(after), str(src), str(out), layout,
+                             signal_name], capture_output=True, text=True, timeout=120)
+    assert result.returncode == -getattr(signal, signal_name), result.stderr
 
 
 def _inodes(paths) -> dict:
@@ -275,6 +280,149 @@ def test_a_killed_prepare_resumes_to_the_identical_manifest(archives, prepared, 
     assert _inodes(p for p in finished if not p.name.endswith(".idx")) == \
         {p: v for p, v in finished.items() if not p.name.endswith(".idx")}  # finished files not rewritten
     assert (out / MANIFEST).read_text() == (prepared[layout] / MANIFEST).read_text()
+    assert not (out / STATE).exists() and not list(out.glob(".*"))
+
+
+# --- what a refusal leaves -------------------------------------------------------------------------------
+# Units run longest first: the validation chunk, then n02085620, n02119789, n04592741 (holding the
+# PNG), n01440765; so two or three classes are in place when the damage is found.
+def _damage(src: Path, truth, case: str) -> str:
+    """Damage the train tar in place (its size kept); returns what the refusal says."""
+    train = src / "ILSVRC2012_img_train.tar"
+    if case == "an image that cannot be decoded":
+        png = next(name for name, kind in truth.kinds.items() if kind == "png")
+        overwrite_in_place(train, truth.originals[png], 24, len(truth.originals[png]))  # keeps its signature
+        return f"{png}: cannot be decoded for conversion to RGB JPEG"
+    last = min(name for name, wnid in truth.train.items() if wnid == "n01440765")
+    overwrite_in_place(train, truth.originals[last], -512, 0)  # its tar header
+    return "n01440765.tar: truncated or damaged"
+
+
+def _files(out: Path) -> list[str]:
+    return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+
+
+def _watched(monkeypatch, name: str, out: Path) -> list:
+    """OUT's files as each call of prepare.<name> begins."""
+    seen, original = [], getattr(prepare_module, name)
+
+    def watched(*args):
+        seen.append(_files(out))
+        return original(*args)
+    monkeypatch.setattr(prepare_module, name, watched)
+    return seen
+
+
+@pytest.mark.parametrize("layout, case", [("folder", "an image that cannot be decoded"),
+                                          ("folder", "a damaged class tar"),
+                                          ("tfrecord", "an image that cannot be decoded")])
+def test_archives_found_damaged_while_converting_leave_nothing_prepared(archives, tmp_path, capsys, monkeypatch,
+                                                                        layout, case):
+    src = _copy_archives(archives[0], tmp_path / "src")
+    message = _damage(src, archives[1], case)
+    out = tmp_path / "out"
+    seen = _watched(monkeypatch, "_unit_done", out)
+    err = _error(capsys, ["data", "prepare", str(src), str(out), "--layout", layout, "--workers", "0",
+                          "--train-shards", "4", "--val-shards", "2", "--quiet"])
+    assert message in err and err.endswith(f"; nothing prepared is left in {out}"), err
+    written = seen[-1]
+    if layout == "folder":
+        assert {f.split("/")[1] for f in written if f.startswith("train/")} >= {"n02085620", "n02119789"}
+    else:  # no shard before every class is read: the spooled records were all there was
+        assert any(f.startswith(f"{STATE}/spool/") for f in written)
+    assert not out.exists()
+
+
+def test_archives_found_damaged_on_resume_take_the_earlier_runs_output_with_them(archives, tmp_path, capsys):
+    src = _copy_archives(archives[0], tmp_path / "src")
+    out = tmp_path / "out"
+    _killed(src, out, "folder", "_unit_done", 2)
+    assert [f for f in _files(out) if f.startswith("train/n02085620/")]
+    message = _damage(src, archives[1], "an image that cannot be decoded")
+    err = _error(capsys, ["data", "prepare", str(src), str(out), "--layout", "folder", "--workers", "0",
+                          "--train-shards", "4", "--val-shards", "2", "--quiet"])  # as _killed ran it
+    assert message in err
+    assert list(out.iterdir()) == []  # made by the killed run: kept, emptied
+
+
+def test_damage_found_after_the_shards_removes_them_and_their_indexes(archives, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    original = prepare_module._check_counts
+    seen = []
+
+    def one_val_image_short(per_class, devkit):
+        seen.append(_files(out))
+        wnid = devkit.wnids[0]
+        return original({**per_class, "val": {**per_class["val"], wnid: per_class["val"][wnid] - 1}}, devkit)
+    monkeypatch.setattr(prepare_module, "_check_counts", one_val_image_short)
+    err = _error(capsys, ["data", "prepare", str(archives[0]), str(out), "--workers", "0", "--train-shards", "4",
+                          "--val-shards", "2", "--quiet"])
+    assert f"val class {archives[1].classes[0]}: 2 images written, the devkit's ground truth has 3" in err
+    shards = [f for f in seen[0] if not f.startswith(STATE)]
+    assert len(shards) == 2 * (SHARDS["train"] + SHARDS["val"]) and "validation-00001-of-00002.idx" in shards
+    assert not out.exists()
+
+
+FOLDER_PREPARE = ["--layout", "folder", "--train-shards", "4", "--val-shards", "2", "--quiet"]  # as _killed runs it
+STOPPED_WORKER = """
+import os, signal, sys
+from aiperf_core.cli import main
+from aiperf_core.data import prepare as p
+original = p.run_unit
+def killed_on_one_class(plan, job):
+    if job[1] == "train-n04592741":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(plan, job)
+p.run_unit = killed_on_one_class
+sys.exit(main(["data", "prepare", *sys.argv[1:], "--workers", "2"]))
+"""
+
+
+def _interrupted(how: str, src: Path, out: Path, capsys, monkeypatch) -> None:
+    """A folder prepare of `src` into `out` stopped midway by `how`, as a user sees it."""
+    argv = ["data", "prepare", str(src), str(out), *FOLDER_PREPARE, "--workers", "0"]
+    if how == "SIGTERM":
+        _killed(src, out, "folder", "_unit_done", 2, "SIGTERM")
+    elif how == "a worker process killed":
+        result = subprocess.run([sys.executable, "-c", STOPPED_WORKER, str(src), str(out), *FOLDER_PREPARE],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and "a data worker process died" in result.stderr, result.stderr
+    elif how == "Ctrl-C":
+        original = prepare_module._unit_done
+
+        def interrupted(record, records):
+            original(record, records)
+            if len(records) == 2:
+                raise KeyboardInterrupt
+        with monkeypatch.context() as patch:
+            patch.setattr(prepare_module, "_unit_done", interrupted)
+            assert main(argv) == 130
+        assert capsys.readouterr().err == "aiperf: interrupted\n"
+    else:  # the disk fills in the third class
+        original, calls = prepare_module._write_file, [0]
+
+        def filling(path, data):
+            calls[0] += 1
+            if calls[0] == 20:  # 12 validation images, 7 of n02085620, then n02119789's first
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+            original(path, data)
+        with monkeypatch.context() as patch:
+            patch.setattr(prepare_module, "_write_file", filling)
+            assert f"{out}: cannot write there: No space left on device" in _error(capsys, argv)
+
+
+@pytest.mark.parametrize("how", ["Ctrl-C", "SIGTERM", "a full disk", "a worker process killed"])
+def test_an_interrupted_prepare_keeps_what_a_rerun_resumes(archives, prepared, tmp_path, capsys, monkeypatch, how):
+    src, _ = archives
+    out = tmp_path / "out"
+    _interrupted(how, src, out, capsys, monkeypatch)
+    assert (out / STATE / "settings.json").is_file()
+    if how != "a worker process killed":  # which classes the other worker finished meanwhile varies
+        assert sorted(p.name for p in (out / "train").iterdir()) == ["n02085620"]
+    assert main(["data", "prepare", str(src), str(out), *FOLDER_PREPARE, "--workers", "0"]) == 0
+    resumed = capsys.readouterr().out
+    assert how == "a worker process killed" or "resumed after 2 finished units" in resumed, resumed
+    assert (out / MANIFEST).read_text() == (prepared["folder"] / MANIFEST).read_text()
     assert not (out / STATE).exists() and not list(out.glob(".*"))
 
 

@@ -231,9 +231,9 @@ def _add_prepare(sub) -> None:
 
     from aiperf_core.data.manifest import IMAGE_LAYOUTS  # light: prepare's own module loads numpy
 
-    r = sub.add_parser("prepare", help="prepare ImageNet from the three official ILSVRC2012 archives (TFRecord "
-                                       "shards or a folder tree), or enwik8 from enwik8.zip (byte-level text, "
-                                       "90/5/5 split); with a manifest")
+    summary = ("prepare ImageNet from the three official ILSVRC2012 archives (TFRecord shards or a folder tree), "
+               "or enwik8 from enwik8.zip (byte-level text, 90/5/5 split); with a manifest")
+    r = sub.add_parser("prepare", help=summary, description=summary, epilog=PREPARE_FAILURES)
     r.add_argument("source", metavar="SOURCE", help="a folder holding ILSVRC2012_img_train.tar, "
                                                     "ILSVRC2012_img_val.tar and ILSVRC2012_devkit_t12.tar.gz "
                                                     "(ImageNet), or a zip file holding the file enwik8 (enwik8)")
@@ -252,6 +252,14 @@ def _add_prepare(sub) -> None:
     r.set_defaults(_action=run_prepare)
 
 
+PREPARE_FAILURES = (
+    "After a failure, OUT holds either a prepare to resume or nothing prepared. Resumable: an interruption "
+    "(Ctrl-C, SIGTERM, SIGKILL, a worker process killed) and an error reading SOURCE or writing OUT (a full disk) "
+    "keep the finished files and OUT/.prepare/; the same command continues from them. Not resumable: a damaged "
+    "source (an enwik8 member failing its CRC-32 or ending early, a damaged class tar, an image that cannot be "
+    "decoded, counts contradicting the devkit) removes every split file, shard or class folder this prepare "
+    "wrote, and OUT/.prepare/, since every rerun over that source would fail the same way. A source refused "
+    "before anything is written (a missing or truncated archive, a zip without enwik8) leaves OUT untouched.")
 IMAGENET_ONLY = (("layout", "--layout"), ("train_shards", "--train-shards"), ("val_shards", "--val-shards"))
 
 

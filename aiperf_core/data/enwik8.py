@@ -16,6 +16,9 @@ rename), then recorded (size, SHA-256) under OUT/.prepare/splits/. A rerun over 
 keeps the splits that are recorded and present at their size (the stream still passes through
 them, to hash the whole member), rewrites the others, and throws away a killed run's temporaries;
 a final name never holds a half file. OUT/.prepare/ is removed once the manifest is written.
+A member found damaged (its CRC-32 at its end, a broken deflate stream, bytes that differ from those
+a kept split was written from) is refused with the split files and OUT/.prepare/ removed: no rerun
+over the same zip could finish (prepare_out.py). An error reading the zip or writing OUT keeps them.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ from typing import Callable
 
 from aiperf_core.atomic import write_atomic, write_text_atomic
 from aiperf_core.data.manifest import (BYTE_SPLITS, BYTES, ENWIK8, ENWIK8_BYTES, FileEntry, Manifest, file_sha256,
-                                       read_manifest, write_manifest)
-from aiperf_core.data.prepare import (STATE, PrepareError, _check_out, _duration, _read_json,
-                                      _remove_stale_temporaries)
+                                       write_manifest)
+from aiperf_core.data.prepare_out import (STATE, PrepareError, SourceDamagedError, claim_out,
+                                          discarded_if_source_damaged, read_state_json, remove_stale_temporaries)
 from aiperf_core.data.text_corpus import VOCAB, TextDataError, split_sizes
+from aiperf_core.workflow.duration import format_duration
 
 MEMBER = "enwik8"
 CHUNK = 1 << 20
@@ -48,6 +52,7 @@ CHUNK = 1 << 20
 PUBLISHED_ZIP_BYTES = 36_445_475
 PUBLISHED_ZIP_SHA256 = "547994d9980ebed1288380d652999f38a14fe291a6247c157c3d33d4932534bc"
 SPLIT_RULE = "train: the first N - 2 * (N // 20) bytes, val: the next N // 20, test: the last N // 20"
+SPLIT_FILES = tuple(f"{split}.bin" for split in BYTE_SPLITS)
 _STREAM_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, RuntimeError, OSError)
 
 Progress = Callable[[int, int], None]  # (bytes of the member done, its bytes)
@@ -55,6 +60,18 @@ Progress = Callable[[int, int], None]  # (bytes of the member done, its bytes)
 
 class Enwik8Error(PrepareError):
     pass
+
+
+class DamagedZipError(Enwik8Error, SourceDamagedError):
+    pass
+
+
+def _unreadable(path: Path, exc: Exception, what: str = f"its member {MEMBER} cannot be read") -> Enwik8Error:
+    """An OSError reading the zip may pass (a rerun resumes); anything else zipfile raises is the
+    zip's own damage (a bad CRC-32, a broken deflate stream, a method it cannot read)."""
+    if isinstance(exc, OSError):
+        return Enwik8Error(f"{path}: {what} ({exc.strerror or exc})")
+    return DamagedZipError(f"{path}: {what}: damaged ({exc})")
 
 
 @dataclass
@@ -129,7 +146,7 @@ def _read(stream, size: int, path: Path) -> bytes:
     try:
         return stream.read(size)
     except _STREAM_ERRORS as exc:
-        raise Enwik8Error(f"{path}: its member {MEMBER} cannot be read: damaged ({exc})") from None
+        raise _unreadable(path, exc) from None
 
 
 def _pass(stream, size: int, path: Path, hashes, sink, progress: Callable[[int], None]) -> None:
@@ -138,7 +155,7 @@ def _pass(stream, size: int, path: Path, hashes, sink, progress: Callable[[int],
     while left:
         chunk = _read(stream, min(CHUNK, left), path)
         if not chunk:
-            raise Enwik8Error(f"{path}: its member {MEMBER} ends {left:,} bytes early: damaged")
+            raise DamagedZipError(f"{path}: its member {MEMBER} ends {left:,} bytes early: damaged")
         for digest in hashes:
             digest.update(chunk)
         if sink is not None:
@@ -158,7 +175,7 @@ def _split_done(state: Path, split: str, size: int, sha256: str) -> None:
 
 def _kept(out: Path, state: Path, split: str, size: int) -> dict | None:
     """The record of a split an earlier run finished, if its file is still there at its size."""
-    record = _read_json(_record(state, split))
+    record = read_state_json(_record(state, split))
     if record is None or record.get("size") != size:
         return None
     try:
@@ -190,24 +207,25 @@ def prepare_enwik8(source, out, progress: Progress | None = None) -> TextSummary
         raise Enwik8Error(f"{path}: its member {MEMBER}: {exc}") from None
     settings = _settings(info, sizes)
     out = Path(out)
-    if _check_out(out, settings) is not None:
-        shutil.rmtree(out / STATE, ignore_errors=True)  # left when a run was killed right after its manifest
-        return _summary(out, path, read_manifest(out), already_complete=True)
-    _remove_stale_temporaries(out)
-
     member_hash = hashlib.sha256()
     files: dict[str, FileEntry] = {}
     kept: list[str] = []
-    try:
-        archive = zipfile.ZipFile(path)
-    except _STREAM_ERRORS as exc:
-        raise Enwik8Error(f"{path}: cannot be read ({exc})") from None
-    with archive:
+    with discarded_if_source_damaged(out, SPLIT_FILES):
+        finished = claim_out(out, settings)
+        if finished is not None:
+            shutil.rmtree(out / STATE, ignore_errors=True)  # left when a run was killed right after its manifest
+            return _summary(out, path, finished, already_complete=True)
+        remove_stale_temporaries(out)
         try:
-            stream = archive.open(info)
+            archive = zipfile.ZipFile(path)
         except _STREAM_ERRORS as exc:
-            raise Enwik8Error(f"{path}: its member {MEMBER} cannot be read ({exc})") from None
-        _stream_member(stream, path, out, sizes, info.file_size, member_hash, files, kept, progress)
+            raise _unreadable(path, exc, "cannot be read") from None
+        with archive:
+            try:
+                stream = archive.open(info)
+            except _STREAM_ERRORS as exc:
+                raise _unreadable(path, exc) from None
+            _stream_member(stream, path, out, sizes, info.file_size, member_hash, files, kept, progress)
 
     source_sha256 = file_sha256(path) if zip_bytes == PUBLISHED_ZIP_BYTES else None
     extra = {"dataset": ENWIK8, "vocab": VOCAB, "member": MEMBER, "member_bytes": info.file_size,
@@ -240,8 +258,8 @@ def _stream_member(stream, path: Path, out: Path, sizes: dict[str, int], total: 
             if record is not None:
                 _pass(stream, sizes[split], path, (member_hash, split_hash), None, advance)
                 if split_hash.hexdigest() != record.get("sha256"):
-                    raise Enwik8Error(f"{target}: written by an earlier run from other bytes than {path} holds "
-                                      f"now: remove {out} and prepare again")
+                    raise DamagedZipError(f"{target}: written by an earlier run from other bytes than {path} "
+                                          f"holds now under the same CRC-32: one of them was damaged")
                 kept.append(split)
             else:
                 write_atomic(target, lambda fh: _pass(stream, sizes[split], path, (member_hash, split_hash), fh,
@@ -249,7 +267,7 @@ def _stream_member(stream, path: Path, out: Path, sizes: dict[str, int], total: 
                 _split_done(state, split, sizes[split], split_hash.hexdigest())
             files[target.name] = FileEntry(sizes[split], split_hash.hexdigest())
         if _read(stream, 1, path):  # also where zipfile compares the member's CRC-32 with the zip's
-            raise Enwik8Error(f"{path}: its member {MEMBER} is longer than its zip entry says: damaged")
+            raise DamagedZipError(f"{path}: its member {MEMBER} is longer than its zip entry says: damaged")
 
 
 class BytesProgress:
@@ -275,7 +293,7 @@ class BytesProgress:
         self.last = now
         elapsed = now - self.start[0]
         rate = (done - self.start[1]) / elapsed if elapsed > 0 else 0.0
-        eta = f"ETA {_duration((total - done) / rate)}" if rate > 0 and done < total else ""
+        eta = f"ETA {format_duration((total - done) / rate)}" if rate > 0 and done < total else ""
         line = (f"\rprepare: {MEMBER}: {done / 1e6:,.1f}/{total / 1e6:,.1f} MB ({100.0 * done / max(total, 1):.0f}%)"
                 f"  {rate / 1e6:,.0f} MB/s  {eta}")
         self.stream.write(line.ljust(78) + ("\n" if done >= total else ""))

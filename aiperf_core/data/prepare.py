@@ -21,7 +21,10 @@ Units and outputs. A unit is a train class or a validation chunk; units run on `
 Restart. Every unit records what it wrote (OUT/.prepare/units/*.json, each file's size and
 SHA-256) after its outputs are complete, and every shard its record before the shard appears; a run
 over the same OUT skips what is recorded, so a killed run resumes without redoing finished work or
-leaving a half file. OUT/.prepare/ is removed once the manifest is written.
+leaving a half file. OUT/.prepare/ is removed once the manifest is written. Archives found damaged
+while converting (an inner tar, an image that cannot be decoded, a count that contradicts the
+devkit) are refused with every shard or class folder written removed, and the resume state with
+them: no rerun over the same archives could finish (prepare_out.py).
 
 Content, not names. Each image's format is read from its bytes: a JPEG's components (from its
 frame header: 3 kept, 1 grayscale, 4 CMYK/YCCK) or the PNG signature. Grayscale and CMYK JPEGs and
@@ -51,9 +54,11 @@ from aiperf_core.atomic import write_atomic, write_text_atomic
 from aiperf_core.data import ilsvrc, tfrecord
 from aiperf_core.data.crc32c import masked_crc32c
 from aiperf_core.data.imagenet import INDEX_SUFFIX
-from aiperf_core.data.manifest import FileEntry, Manifest, read_manifest, write_manifest
+from aiperf_core.data.manifest import FileEntry, Manifest, write_manifest
+from aiperf_core.data.prepare_out import (STATE, PrepareError, SourceDamagedError, claim_out,
+                                          discarded_if_source_damaged, read_state_json, remove_stale_temporaries)
 from aiperf_core.data.stream import prefetch_map
-from aiperf_core.errors import AiperfError
+from aiperf_core.workflow.duration import format_duration
 
 LAYOUTS = ("tfrecord", "folder")
 TRAIN, VAL = "train", "val"
@@ -67,12 +72,6 @@ JPEG_QUALITY = 100
 KINDS = ("jpeg", "jpeg_grayscale", "jpeg_cmyk", "png", "other")  # "jpeg": an RGB (YCbCr) JPEG, kept
 CONVERTED = ("jpeg_grayscale", "jpeg_cmyk", "png")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-STATE = ".prepare"  # resume state, hidden: the loaders and the manifest ignore it
-
-
-class PrepareError(AiperfError):
-    pass
-
 
 # -- what an image really is ---------------------------------------------------------------------
 
@@ -125,7 +124,7 @@ def rgb_jpeg(data: bytes, where: str) -> tuple[bytes, int, int]:
         with Image.open(io.BytesIO(data)) as image:
             rgb = image.convert("RGB")
     except Exception as exc:  # Pillow raises OSError, SyntaxError, ValueError... on damaged images
-        raise PrepareError(f"{where}: cannot be decoded for conversion to RGB JPEG ({exc})") from None
+        raise SourceDamagedError(f"{where}: cannot be decoded for conversion to RGB JPEG ({exc})") from None
     out = io.BytesIO()
     rgb.save(out, format="JPEG", quality=JPEG_QUALITY, subsampling=0)
     return out.getvalue(), rgb.height, rgb.width
@@ -164,7 +163,11 @@ class Plan:
         return Path(self.out) / STATE
 
     def shard_name(self, split: str, shard: int) -> str:
-        return f"{SHARD_PREFIX[split]}-{shard:05d}-of-{self.shards[split]:05d}"
+        return shard_name(split, shard, self.shards[split])
+
+
+def shard_name(split: str, shard: int, shards: int) -> str:
+    return f"{SHARD_PREFIX[split]}-{shard:05d}-of-{shards:05d}"
 
 
 def _shard_of(position: int, total: int, shards: int) -> int:
@@ -201,23 +204,17 @@ def _unit_record(plan: Plan, name: str) -> Path:
     return plan.state / "units" / f"{name}.json"
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise PrepareError(f"{path}: damaged resume state ({exc}); remove {path.parent.parent} to start over") from None
-
-
 # -- the units ---------------------------------------------------------------------------------------
 
 
 def _read_span(path: str, offset: int, size: int) -> bytes:
-    with open(path, "rb") as fh:
-        data = os.pread(fh.fileno(), size, offset)
+    try:
+        with open(path, "rb") as fh:
+            data = os.pread(fh.fileno(), size, offset)
+    except OSError as exc:  # the archive, not OUT; perhaps for a moment (a rerun resumes)
+        raise PrepareError(f"{path}: cannot be read ({exc.strerror or exc})") from None
     if len(data) != size:
-        raise PrepareError(f"{path}: truncated: {size:,} bytes expected at offset {offset:,}")
+        raise SourceDamagedError(f"{path}: truncated: {size:,} bytes expected at offset {offset:,}")
     return data
 
 
@@ -225,11 +222,14 @@ def _train_images(plan: Plan, wnid: str, member: ilsvrc.Member) -> list[tuple[st
     """(file name, WNID, bytes, image number in the split) of one class, from its inner tar."""
     where = f"{plan.source[ilsvrc.TRAIN_TAR]}:{member.name}"
     data = _read_span(plan.source[ilsvrc.TRAIN_TAR], member.offset, member.size)
-    members = sorted(ilsvrc.tar_members(io.BytesIO(data), len(data), where), key=lambda m: m.name)
+    try:
+        members = sorted(ilsvrc.tar_members(io.BytesIO(data), len(data), where), key=lambda m: m.name)
+    except ilsvrc.ArchiveError as exc:
+        raise SourceDamagedError(str(exc)) from None
     expected = plan.train_counts[wnid]
     if len(members) != expected:
-        raise PrepareError(f"train class {wnid}: {len(members):,} images in {member.name}, the devkit's "
-                           f"meta.mat says num_train_images = {expected:,}")
+        raise SourceDamagedError(f"train class {wnid}: {len(members):,} images in {member.name}, the devkit's "
+                                 f"meta.mat says num_train_images = {expected:,}")
     first = sum(plan.train_counts[c] for c in plan.classes[:plan.labels[wnid]])
     view = memoryview(data)
     out = []
@@ -251,7 +251,7 @@ def _val_images(plan: Plan, members: list[tuple[int, ilsvrc.Member]]) -> list[tu
 def _file_name(name: str, where: str) -> str:
     base = name.rsplit("/", 1)[-1]
     if not base or base.startswith(".") or "\\" in base:
-        raise PrepareError(f"{where}: {name!r} is not a usable image file name")
+        raise SourceDamagedError(f"{where}: {name!r} is not a usable image file name")
     return base
 
 
@@ -514,34 +514,11 @@ class Summary:
 Progress = Callable[[str, int, int], None]  # (what: "images" or "shards", done, total)
 
 
-def _check_out(out: Path, settings: dict) -> Summary | None:
-    """Refuse an OUT that holds something else; a Summary when it already holds this very dataset."""
-    if out.exists() and not out.is_dir():
-        raise PrepareError(f"{out}: exists and is not a folder")
-    manifest = read_manifest(out) if out.is_dir() else None
-    if manifest is not None:
-        recorded = manifest.extra.get("settings")
-        if recorded != _settings_for_layout(settings):
-            raise PrepareError(f"{out}: already holds a prepared dataset made with other settings or sources")
-        return Summary(str(out), manifest.layout, manifest.images, len(manifest.classes), manifest.conversions,
-                       manifest.digest, already_complete=True)
-    state = _read_json(out / STATE / "settings.json")
-    if state is None:
-        if out.is_dir() and any(p.name != STATE for p in out.iterdir()):
-            raise PrepareError(f"{out}: exists and is not empty (and holds no unfinished prepare): "
-                               f"choose a new or empty folder")
-        write_text_atomic(out / STATE / "settings.json", json.dumps(settings))
-    elif state != settings:
-        differs = sorted(k for k in set(state) | set(settings) if state.get(k) != settings.get(k))
-        raise PrepareError(f"{out}: holds an unfinished prepare with other settings ({', '.join(differs)}); "
-                           f"rerun it with those, or use a new folder")
-    return None
-
-
 def prepare(source, out, layout: str = "tfrecord", workers: int = 1, train_shards: int | None = None,
             val_shards: int | None = None, progress: Progress | None = None) -> Summary:
     """Prepare ImageNet at `out` from the official archives in `source` (shard counts default to
-    DEFAULT_SHARDS). Resumes an unfinished run with the same settings; a finished one is left as it is."""
+    DEFAULT_SHARDS). Resumes an unfinished run with the same settings; a finished one is left as it
+    is; archives found damaged while converting leave nothing prepared (prepare_out.py)."""
     started = time.monotonic()
     train_shards = train_shards or DEFAULT_SHARDS[TRAIN]
     val_shards = val_shards or DEFAULT_SHARDS[VAL]
@@ -563,23 +540,55 @@ def prepare(source, out, layout: str = "tfrecord", workers: int = 1, train_shard
     sources = {name: path.stat().st_size for name, path in paths.items()}
     settings = _settings(layout, shards, sources)
     out = Path(out)
-    done = _check_out(out, settings)
-    if done is not None:
-        return done
+    with discarded_if_source_damaged(out, _outputs(layout, shards)):
+        finished = claim_out(out, settings, _settings_for_layout(settings))
+        if finished is not None:
+            return Summary(str(out), finished.layout, finished.images, len(finished.classes), finished.conversions,
+                           finished.digest, already_complete=True)
+        plan = Plan({k: str(v) for k, v in paths.items()}, str(out), layout, devkit.wnids, devkit.words,
+                    devkit.train_counts, devkit.val_wnids, shards)
+        if layout == "tfrecord":
+            plan.positions = {split: _positions(totals[split], SHUFFLE_SEED, split) for split in SPLITS}
+        remove_stale_temporaries(out)
+        jobs = [(TRAIN, f"train-{wnid}", member) for wnid, member in
+                sorted(classes.items(), key=lambda item: item[1].offset)]
+        jobs += [(VAL, f"val-{k // VAL_CHUNK:05d}", val[k:k + VAL_CHUNK]) for k in range(0, len(val), VAL_CHUNK)]
+        records, resumed = _run_units(plan, jobs, sum(totals.values()), workers, progress)
+        files: dict[str, FileEntry] = {}
+        if layout == "tfrecord":
+            files.update(_write_shards(plan, records, workers, progress))
+        else:
+            _place_val_folders(plan, records)
+            for record in records.values():
+                files.update({path: FileEntry(*entry) for path, entry in record["files"].items()})
+        per_class, conversions = _totals(records, devkit)
 
-    plan = Plan({k: str(v) for k, v in paths.items()}, str(out), layout, devkit.wnids, devkit.words,
-                devkit.train_counts, devkit.val_wnids, shards)
-    if layout == "tfrecord":
-        plan.positions = {split: _positions(totals[split], SHUFFLE_SEED, split) for split in SPLITS}
-    _remove_stale_temporaries(out)
+    manifest = Manifest(layout, list(devkit.wnids), per_class, files, sources, conversions,
+                        {"settings": _settings_for_layout(settings), "jpeg_quality": JPEG_QUALITY,
+                         **({"shuffle_seed": SHUFFLE_SEED} if layout == "tfrecord" else {})})
+    write_manifest(out, manifest)
+    shutil.rmtree(plan.state, ignore_errors=True)
+    return Summary(str(out), layout, manifest.images, len(devkit.wnids), conversions, manifest.digest,
+                   resumed, time.monotonic() - started)
 
-    jobs = [(TRAIN, f"train-{wnid}", member) for wnid, member in
-            sorted(classes.items(), key=lambda item: item[1].offset)]
-    jobs += [(VAL, f"val-{k // VAL_CHUNK:05d}", val[k:k + VAL_CHUNK]) for k in range(0, len(val), VAL_CHUNK)]
+
+def _outputs(layout: str, shards: dict[str, int]) -> list[str]:
+    """What a prepare writes in OUT besides its manifest and its resume state."""
+    if layout == "folder":
+        return [TRAIN, VAL]
+    names = [shard_name(split, shard, shards[split]) for split in SPLITS for shard in range(shards[split])]
+    return names + [name + INDEX_SUFFIX for name in names]
+
+
+def _run_units(plan: Plan, jobs: list[tuple], total_images: int, workers: int,
+               progress: Progress | None) -> tuple[dict, int]:
+    """Every unit's record (those of an earlier run read back, the others made now), and how many
+    were read back."""
+    out = Path(plan.out)
     records, todo = {}, []
     for job in jobs:
-        record = _read_json(_unit_record(plan, job[1]))
-        finished = record is not None and (layout == "tfrecord" or job[0] == VAL
+        record = read_state_json(_unit_record(plan, job[1]))
+        finished = record is not None and (plan.layout == "tfrecord" or job[0] == VAL
                                             or (out / TRAIN / job[1].split("-", 1)[1]).is_dir())
         if finished:
             records[job[1]] = record
@@ -589,7 +598,6 @@ def prepare(source, out, layout: str = "tfrecord", workers: int = 1, train_shard
     # 732): the workers then finish together instead of one of them taking a big unit last.
     todo.sort(key=lambda job: -(plan.train_counts[job[1].split("-", 1)[1]] if job[0] == TRAIN else len(job[2])))
     resumed = len(records)
-    total_images = sum(totals.values())
     already = sum(sum(r["counts"].values()) for r in records.values())
     if progress:
         progress("images", already, total_images)
@@ -598,15 +606,11 @@ def prepare(source, out, layout: str = "tfrecord", workers: int = 1, train_shard
         already += sum(record["counts"].values())
         if progress:
             progress("images", already, total_images)
+    return records, resumed
 
-    files: dict[str, FileEntry] = {}
-    if layout == "tfrecord":
-        files.update(_write_shards(plan, records, workers, progress))
-    else:
-        _place_val_folders(plan, records)
-        for record in records.values():
-            files.update({path: FileEntry(*entry) for path, entry in record["files"].items()})
 
+def _totals(records: dict, devkit: ilsvrc.Devkit) -> tuple[dict[str, dict[str, int]], dict[str, int]]:
+    """(images per split and class, images by kind), the counts checked against the devkit's."""
     per_class = {split: {wnid: 0 for wnid in devkit.wnids} for split in SPLITS}
     conversions = {kind: 0 for kind in KINDS}
     for record in records.values():
@@ -615,13 +619,7 @@ def prepare(source, out, layout: str = "tfrecord", workers: int = 1, train_shard
         for kind, n in record["conversions"].items():
             conversions[kind] += n
     _check_counts(per_class, devkit)
-    manifest = Manifest(layout, list(devkit.wnids), per_class, files, sources, conversions,
-                        {"settings": _settings_for_layout(settings), "jpeg_quality": JPEG_QUALITY,
-                         **({"shuffle_seed": SHUFFLE_SEED} if layout == "tfrecord" else {})})
-    write_manifest(out, manifest)
-    shutil.rmtree(plan.state, ignore_errors=True)
-    return Summary(str(out), layout, manifest.images, len(devkit.wnids), conversions, manifest.digest,
-                   resumed, time.monotonic() - started)
+    return per_class, conversions
 
 
 def _window(workers: int) -> int:
@@ -658,7 +656,7 @@ def _write_shards(plan: Plan, records: dict, workers: int, progress: Progress | 
     waiting: dict[tuple[str, int], int] = defaultdict(int)  # (split, group) -> shards not yet written
     for split in SPLITS:
         for shard in range(plan.shards[split]):
-            record = _read_json(_shard_record(plan, split, shard))
+            record = read_state_json(_shard_record(plan, split, shard))
             if record is not None and (out / plan.shard_name(split, shard)).is_file():
                 _shard_done(record, files)
             else:
@@ -701,28 +699,18 @@ def _check_counts(per_class: dict[str, dict[str, int]], devkit: ilsvrc.Devkit) -
     """The devkit's own figures: num_train_images per class, the ground truth's per-class counts."""
     for wnid in devkit.wnids:
         if per_class[TRAIN][wnid] != devkit.train_counts[wnid]:
-            raise PrepareError(f"train class {wnid}: {per_class[TRAIN][wnid]:,} images written, the devkit's "
-                               f"meta.mat says num_train_images = {devkit.train_counts[wnid]:,}")
+            raise SourceDamagedError(f"train class {wnid}: {per_class[TRAIN][wnid]:,} images written, the devkit's "
+                                     f"meta.mat says num_train_images = {devkit.train_counts[wnid]:,}")
     truth: dict[str, int] = defaultdict(int)
     for wnid in devkit.val_wnids:
         truth[wnid] += 1
     for wnid in devkit.wnids:
         if per_class[VAL][wnid] != truth[wnid]:
-            raise PrepareError(f"val class {wnid}: {per_class[VAL][wnid]:,} images written, the devkit's "
-                               f"ground truth has {truth[wnid]:,}")
+            raise SourceDamagedError(f"val class {wnid}: {per_class[VAL][wnid]:,} images written, the devkit's "
+                                     f"ground truth has {truth[wnid]:,}")
     if sum(per_class[VAL].values()) != len(devkit.val_wnids):
-        raise PrepareError(f"val: {sum(per_class[VAL].values()):,} images written, the ground truth has "
-                           f"{len(devkit.val_wnids):,} lines")
-
-
-def _remove_stale_temporaries(out: Path) -> None:
-    """write_atomic's temporary files left by a killed run (hidden, never a finished file)."""
-    for folder in (out, *(p for p in (out / STATE).rglob("*") if p.is_dir())):
-        for path in folder.glob(".*.tmp"):
-            try:
-                path.unlink()
-            except OSError:
-                pass
+        raise SourceDamagedError(f"val: {sum(per_class[VAL].values()):,} images written, the ground truth has "
+                                 f"{len(devkit.val_wnids):,} lines")
 
 
 class ProgressLine:
@@ -748,7 +736,7 @@ class ProgressLine:
         self.last = now
         elapsed = now - self.start[0]
         rate = (done - self.start[1]) / elapsed if elapsed > 0 else 0.0
-        eta = f"ETA {_duration((total - done) / rate)}" if rate > 0 and done < total else ""
+        eta = f"ETA {format_duration((total - done) / rate)}" if rate > 0 and done < total else ""
         unit = "images" if what == "images" else "files"
         line = (f"\rprepare: {what}: {done:,}/{total:,} {unit} ({100.0 * done / max(total, 1):.0f}%)  "
                 f"{rate:,.0f} {unit}/s  {eta}")
@@ -756,10 +744,3 @@ class ProgressLine:
         if done >= total:
             self.what = ""
         self.stream.flush()
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    if seconds >= 3600:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 60}m{seconds % 60:02d}s"
