@@ -17,8 +17,13 @@ where jax is not installed; availability() then says why not.
 * model: a pure function over a parameter pytree (lowering.py), jit-compiled per model, on the
   devices of its placement (distributed.py).
 * train: SGD with momentum or AdamW, with optional gradient clipping, in a jitted step
-  (training.py); data parallel over TrainConfig.devices (default: every local device) by sharding
-  the batch axis over a mesh of exactly those devices (distributed.py).
+  (training.py), on in-memory arrays, streamed images or streamed text (a TokenStream), with
+  gradient accumulation (TrainConfig.micro_batch) and activation checkpointing per block
+  (TrainConfig.checkpoint_blocks: jax.checkpoint, lowering.py); data parallel over
+  TrainConfig.devices (default: every local device) by sharding the batch axis over a mesh of
+  exactly those devices (distributed.py).
+* device_memory: an accelerator's memory_stats()['bytes_limit'] (None where not reported; the base
+  class's share of RAM on a CPU).
 * native counter: XLA's cost analysis, always compiled for the CPU client of this process, whatever
   the training device (counter.py).
 * logging: XLA's C++ INFO lines are off (TF_CPP_MIN_LOG_LEVEL=1 unless set, 0 under `aiperf --debug`:
@@ -151,6 +156,22 @@ class JaxBackend(Backend):
 
         initialise()
         return local_device(device).device_kind
+
+    def device_memory(self, device: str) -> int | None:
+        """An accelerator's bytes_limit from jax's memory_stats() (the allocator's pool: what XLA
+        lets one process use, after XLA_PYTHON_CLIENT_MEM_FRACTION), None where the device reports
+        none; a CPU device is the base class's share of RAM (jax's CPU client reports no limit)."""
+        if device.split(":")[0] == "cpu":
+            return super().device_memory(device)
+        from aiperf_backends.jax.distributed import local_device
+
+        initialise()
+        try:
+            stats = local_device(device).memory_stats()
+        except Exception:  # a platform without memory_stats raises (not implemented) rather than return None
+            return None
+        limit = (stats or {}).get("bytes_limit")
+        return int(limit) if limit else None
 
     def runs_precision(self, device: str, precision: str) -> bool:
         from aiperf_backends.jax.distributed import local_device

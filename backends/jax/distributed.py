@@ -14,6 +14,12 @@ clip it sets (TrainConfig.grad_clip), and the batch-norm statistics are those of
 batch, exactly as on one device (up to float32 summation order). A batch whose size does not
 divide by the number of devices (the last, short one) is replicated instead of sharded: the same
 computation, done by every device.
+
+Gradient accumulation (TrainConfig.micro_batch, training.make_micro_step): each device runs its
+own rows of a split batch as consecutive micro-batches under shard_map and sums their gradients
+locally, in an accumulator with a leading device axis; the update adds the devices' sums, the one
+all-reduce of the step, then clips and updates as above. A replicated (short) batch accumulates
+like one device's.
 """
 
 from __future__ import annotations
@@ -82,6 +88,15 @@ class Placement:
         import jax
 
         return jax.device_put(tree, self._replicated)
+
+    @property
+    def replicated(self):
+        """The sharding of an array every device holds whole."""
+        return self._replicated
+
+    def splits(self, rows: int) -> bool:
+        """Whether a batch of `rows` is split over several devices (else each holds it whole)."""
+        return self.world > 1 and rows % self.world == 0
 
     def batch_sharding(self, rows: int):
         """How a batch of `rows` images is laid out: its rows split over the devices when they split

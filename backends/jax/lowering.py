@@ -62,6 +62,10 @@ function, never jax's process-wide ``jax_default_matmul_precision``, which the u
   summed in float32 (`add_parameter`); batch-norm statistics, layer norm, lrn, the pools' sums,
   attention's softmax, the output softmax and the loss stay float32.
 
+Activation checkpointing (``checkpoint_blocks``): each block of ``Graph.blocks()`` runs as one
+``jax.checkpoint``'ed function of its input and its nodes' parameters, so the backward pass keeps
+the block's input and recomputes the rest (`apply`).
+
 Input: a float32 batch is taken as already normalised (in-memory datasets); a uint8 batch (streamed
 pixels) is normalised inside the compiled function, `normalised_input`, with exactly the host's
 arithmetic (aiperf_core.data.preprocess.normalise), so only a quarter of the bytes cross to the
@@ -413,12 +417,111 @@ def batch_norm(x, p, s, attrs, training: bool):
     return ((xf - s["moving_mean"]) * scale + p["beta"]).astype(dtype), None
 
 
+def node_value(node, index: int, ins: list, params, state, x, *, training: bool, precision: str,
+               masks: Mapping[str, Any] | None, key):
+    """(the value of one node from its inputs' values, its new BN statistics or None). `index` is the
+    node's position in the graph (it seeds the node's dropout, so a recomputed block draws the same
+    mask); `x` is the graph's input batch."""
+    import jax
+    import jax.numpy as jnp
+
+    op, a = node.op, node.attrs
+    if op == "input":
+        return normalised_input(x), None
+    if op == "token_input":
+        return x, None
+    if op == "conv2d":
+        y = conv2d(ins[0], params[node.id]["kernel"], a, precision)
+        return (add_parameter(y, params[node.id]["bias"]) if a["use_bias"] else y), None
+    if op == "dense":
+        y = dense(ins[0], params[node.id]["kernel"], precision)
+        return (add_parameter(y, params[node.id]["bias"]) if a["use_bias"] else y), None
+    if op == "batch_norm":
+        return batch_norm(ins[0], params[node.id], state[node.id], a, training)
+    if op == "relu":
+        return jax.nn.relu(ins[0]), None
+    if op == "add":
+        dtype = jnp.result_type(*ins)
+        y = ins[0].astype(dtype)
+        for other in ins[1:]:
+            y = y + other.astype(dtype)
+        return y, None
+    if op == "concat":
+        dtype = jnp.result_type(*ins)
+        return jnp.concatenate([v.astype(dtype) for v in ins], axis=-1), None
+    if op == "max_pool":
+        return max_pool(ins[0], a), None
+    if op == "global_avg_pool":
+        return jnp.mean(ins[0].astype(jnp.float32), axis=(1, 2)).astype(ins[0].dtype), None
+    if op == "flatten":
+        return ins[0].reshape(ins[0].shape[0], -1), None
+    if op == "softmax":
+        return jax.nn.softmax(ins[0].astype(jnp.float32), axis=-1), None
+    if op == "avg_pool":
+        return avg_pool(ins[0], a), None
+    if op == "lrn":
+        return lrn(ins[0], a), None
+    if op == "mul_const":
+        return ins[0] * state[node.id]["value"].astype(ins[0].dtype), None
+    if op == "add_const":
+        return ins[0] + state[node.id]["value"].astype(ins[0].dtype), None
+    if op == "channel_shuffle":
+        return channel_shuffle(ins[0], a["groups"]), None
+    if op == "embedding":
+        return jnp.take(params[node.id]["table"], ins[0], axis=0), None
+    if op == "position_embedding":
+        return add_parameter(ins[0], params[node.id]["table"]), None
+    if op == "layer_norm":
+        return layer_norm(ins[0], params[node.id]["gamma"], params[node.id]["beta"], a["epsilon"]), None
+    if op == "attention":
+        return attention(*ins, a, precision), None
+    if op == "gelu":
+        return jax.nn.gelu(ins[0], approximate=True), None
+    if op == "moe":
+        return mixture_of_experts(ins[0], params[node.id], a, precision), None
+    if op == "dropout":
+        y = ins[0]
+        rate = a["rate"]
+        if training and rate > 0.0:
+            if masks is not None and node.id in masks:
+                y = y * masks[node.id].astype(y.dtype)
+            elif key is not None:
+                keep = jax.random.uniform(jax.random.fold_in(key, index), y.shape) >= rate
+                y = jnp.where(keep, y / (1.0 - rate), jnp.zeros((), y.dtype)).astype(y.dtype)
+            else:
+                raise GraphError("training-mode dropout needs masks or a PRNG key", node.id)
+        return y, None
+    raise GraphError(f"op '{op}' is not supported by the jax backend", node.id)  # pragma: no cover
+
+
+def checkpointed_blocks(graph: Graph, stop: str) -> dict:
+    """{first node id: (block, the ids of its nodes read after it)} for Graph.blocks() (activation
+    checkpointing). A block that holds `stop` (where apply ends early) is left out: it runs plain."""
+    found = {}
+    for block in graph.blocks():
+        inside = set(block.nodes)
+        if stop in inside:
+            continue
+        read_after = [n for n in block.nodes
+                      if n == block.output or any(c.id not in inside for c in graph.consumers(n))]
+        found[block.nodes[0]] = (block, tuple(read_after))
+    return found
+
+
 def apply(graph: Graph, params, state, x, *, training: bool = False, logits: bool = False,
-          precision: str = "fp32", masks: Mapping[str, Any] | None = None, key=None):
+          precision: str = "fp32", masks: Mapping[str, Any] | None = None, key=None,
+          checkpoint_blocks: bool = False):
     """Run the graph on x, a float32 (normalised) or uint8 (pixels, normalised here) NHWC batch, a
     float32 sequence batch (N, S, D), or int32 token ids (N, S). Returns (output, new_state);
     new_state holds the BN updates of a training pass (the old statistics where a node was not
-    reached) and is `state` itself in inference."""
+    reached) and is `state` itself in inference.
+
+    checkpoint_blocks (TrainConfig.checkpoint_blocks): each of Graph.blocks() runs as one
+    jax.checkpoint'ed function of its input and its nodes' parameters, so that autodiff keeps only
+    the block's input and recomputes its activations in the backward pass (jax's default remat
+    policy saves nothing inside). The values, dropout masks and precisions are those of the plain
+    pass: the same node functions run, traced once, and their products' precision is recorded in
+    the traced code. A graph without blocks (an image graph) runs as it would without the flag."""
     import jax
     import jax.numpy as jnp
 
@@ -426,81 +529,44 @@ def apply(graph: Graph, params, state, x, *, training: bool = False, logits: boo
     stop = out_node.inputs[0] if logits and out_node.op == "softmax" else graph.output_id
     values: dict[str, Any] = {}
     new_state = dict(state) if training else state
-    for index, node in enumerate(graph.nodes):
-        op, a = node.op, node.attrs
-        ins = [values[i] for i in node.inputs]
-        if op == "input":
-            y = normalised_input(x)
-        elif op == "token_input":
-            y = x
-        elif op == "conv2d":
-            y = conv2d(ins[0], params[node.id]["kernel"], a, precision)
-            if a["use_bias"]:
-                y = add_parameter(y, params[node.id]["bias"])
-        elif op == "dense":
-            y = dense(ins[0], params[node.id]["kernel"], precision)
-            if a["use_bias"]:
-                y = add_parameter(y, params[node.id]["bias"])
-        elif op == "batch_norm":
-            y, upd = batch_norm(ins[0], params[node.id], state[node.id], a, training)
-            if upd is not None:
-                new_state[node.id] = upd
-        elif op == "relu":
-            y = jax.nn.relu(ins[0])
-        elif op == "add":
-            dtype = jnp.result_type(*ins)
-            y = ins[0].astype(dtype)
-            for other in ins[1:]:
-                y = y + other.astype(dtype)
-        elif op == "concat":
-            dtype = jnp.result_type(*ins)
-            y = jnp.concatenate([v.astype(dtype) for v in ins], axis=-1)
-        elif op == "max_pool":
-            y = max_pool(ins[0], a)
-        elif op == "global_avg_pool":
-            y = jnp.mean(ins[0].astype(jnp.float32), axis=(1, 2)).astype(ins[0].dtype)
-        elif op == "flatten":
-            y = ins[0].reshape(ins[0].shape[0], -1)
-        elif op == "softmax":
-            y = jax.nn.softmax(ins[0].astype(jnp.float32), axis=-1)
-        elif op == "avg_pool":
-            y = avg_pool(ins[0], a)
-        elif op == "lrn":
-            y = lrn(ins[0], a)
-        elif op == "mul_const":
-            y = ins[0] * state[node.id]["value"].astype(ins[0].dtype)
-        elif op == "add_const":
-            y = ins[0] + state[node.id]["value"].astype(ins[0].dtype)
-        elif op == "channel_shuffle":
-            y = channel_shuffle(ins[0], a["groups"])
-        elif op == "embedding":
-            y = jnp.take(params[node.id]["table"], ins[0], axis=0)
-        elif op == "position_embedding":
-            y = add_parameter(ins[0], params[node.id]["table"])
-        elif op == "layer_norm":
-            y = layer_norm(ins[0], params[node.id]["gamma"], params[node.id]["beta"], a["epsilon"])
-        elif op == "attention":
-            y = attention(*ins, a, precision)
-        elif op == "gelu":
-            y = jax.nn.gelu(ins[0], approximate=True)
-        elif op == "moe":
-            y = mixture_of_experts(ins[0], params[node.id], a, precision)
-        elif op == "dropout":
-            y = ins[0]
-            rate = a["rate"]
-            if training and rate > 0.0:
-                if masks is not None and node.id in masks:
-                    y = y * masks[node.id].astype(y.dtype)
-                elif key is not None:
-                    keep = jax.random.uniform(jax.random.fold_in(key, index), y.shape) >= rate
-                    y = jnp.where(keep, y / (1.0 - rate), jnp.zeros((), y.dtype)).astype(y.dtype)
-                else:
-                    raise GraphError("training-mode dropout needs masks or a PRNG key", node.id)
-        else:  # pragma: no cover - the IR validates ops
-            raise GraphError(f"op '{op}' is not supported by the jax backend", node.id)
+    order = {n.id: k for k, n in enumerate(graph.nodes)}
+    blocks = checkpointed_blocks(graph, stop) if checkpoint_blocks else {}
+    options = dict(training=training, precision=precision)
+    index = 0
+    while index < len(graph.nodes):
+        node = graph.nodes[index]
+        if node.id in blocks:
+            block, read_after = blocks[node.id]
+            own = lambda tree: {n: tree[n] for n in block.nodes if n in tree}  # noqa: E731
+
+            def run_block(block_params, block_state, block_input, block_masks, block_key,
+                          block=block, read_after=read_after):
+                local = {block.input: block_input}
+                updates = {}
+                for node_id in block.nodes:
+                    inner = graph[node_id]
+                    y, upd = node_value(inner, order[node_id], [local[i] for i in inner.inputs], block_params,
+                                        block_state, None, masks=block_masks, key=block_key, **options)
+                    if upd is not None:
+                        updates[node_id] = upd
+                    local[node_id] = y
+                return {n: local[n] for n in read_after}, updates
+
+            outputs, updates = jax.checkpoint(run_block)(own(params), own(state), values[block.input],
+                                                         None if masks is None else own(masks), key)
+            values.update(outputs)
+            if training:
+                new_state.update(updates)
+            index = order[block.output] + 1
+            continue
+        y, upd = node_value(node, index, [values[i] for i in node.inputs], params, state, x, masks=masks, key=key,
+                            **options)
+        if upd is not None:
+            new_state[node.id] = upd
         values[node.id] = y
         if node.id == stop:
             break
+        index += 1
     out = values[stop]
     if out.dtype != jnp.float32:
         out = out.astype(jnp.float32)

@@ -28,10 +28,27 @@ Every training image is seen once per epoch, in the order np.random.default_rng(
 images are counted exactly and each step's loss is exactly the mean over the images it saw. A
 sequence graph (token ids (N, S), labels (N, S)) is trained the same way: its loss is the mean
 cross-entropy over every position of every sequence, its validation loss and accuracy are over
-every position, and EpochReport's image counts count sequences. With
+every position, and EpochReport's image counts count sequences. Streamed text (a TokenStream,
+aiperf_core.data.text_stream) cuts its own batches: epoch e is data.iterate(TRAIN, e, config.seed,
+...), new windows every epoch, read a batch at a time (never an epoch's arrays), its int32 ids
+sent as they are. With
 several devices the batch axis is sharded over a 1-D mesh (distributed.py); the code is written
 over the global batch, so the gradients and the batch-norm statistics are those of the global
 batch whatever the number of devices.
+
+Gradient accumulation (TrainConfig.micro_batch): where a device's shard of a global batch is
+larger than micro_batch, the step runs as consecutive micro-batches of it (aiperf_core.backend
+.micro_batches), one jitted call each (`make_micro_step`: one executable per global batch shape and
+micro-batch length, so a batch of 8 in micro-batches 3, 3, 2 compiles two), whose gradients of
+summed loss / the global batch's labels add up on the device; then one jitted update
+(`make_update`) clips and updates as the fused step does. The sum is the whole batch's gradient,
+so the update is that of one step on the whole batch (to float32 summation order). With several
+devices each sums its own micro-batches and the update adds the devices' sums: one all-reduce per
+step, not per micro-batch. Batch-norm statistics are per micro-batch (and per device). A shard
+that is one micro-batch runs the fused step.
+
+Activation checkpointing (TrainConfig.checkpoint_blocks): the forward pass runs each of
+Graph.blocks() under jax.checkpoint (lowering.apply), in the fused and the micro step alike.
 
 Feeding the device (issue 17):
 
@@ -53,7 +70,8 @@ from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
-from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, is_streaming
+from aiperf_core.backend import (BackendError, Dataset, EpochReport, StepClock, TrainConfig, is_streaming,
+                                 is_token_stream, micro_batches)
 from aiperf_core.data.stream import TRAIN, VAL, train_batches, val_batches
 
 PROBABILITY_CLIP = 1e-7  # as the NumPy reference, for graphs whose output is not a softmax
@@ -65,7 +83,8 @@ def labels_per_sample(graph) -> int:
     return int(np.prod(graph.output_shape[:-1], dtype=np.int64))
 
 
-def summed_loss(graph, params, state, x, labels, label_smoothing, *, precision="fp32", masks=None, key=None):
+def summed_loss(graph, params, state, x, labels, label_smoothing, *, precision="fp32", masks=None, key=None,
+                checkpoint_blocks: bool = False):
     """(summed cross-entropy over the batch's labels, new BN state), training mode: one label per
     image, or one per position of a sequence.
 
@@ -78,7 +97,7 @@ def summed_loss(graph, params, state, x, labels, label_smoothing, *, precision="
 
     has_logits = graph[graph.output_id].op == "softmax"
     out, new_state = apply(graph, params, state, x, training=True, logits=has_logits, precision=precision,
-                           masks=masks, key=key)
+                           masks=masks, key=key, checkpoint_blocks=checkpoint_blocks)
     classes = out.shape[-1]
     target = jax.nn.one_hot(labels, classes, dtype=jnp.float32) * (1.0 - label_smoothing) + label_smoothing / classes
     if has_logits:
@@ -172,7 +191,22 @@ def step_key(config: TrainConfig) -> tuple:
     key = ("train", config.precision, float(config.momentum), float(config.label_smoothing))
     grad_clip = None if config.grad_clip is None else float(config.grad_clip)
     adamw = adamw_of(config)
-    return key if adamw is None and grad_clip is None else key + (adamw, grad_clip)
+    if adamw is not None or grad_clip is not None:
+        key += (adamw, grad_clip)
+    return key + ("checkpoint_blocks",) if config.checkpoint_blocks else key
+
+
+def update_key(config: TrainConfig, sharded: bool) -> tuple:
+    """The cache key of the update after accumulated micro-batches (`make_update`)."""
+    return ("update", float(config.momentum), adamw_of(config),
+            None if config.grad_clip is None else float(config.grad_clip), sharded)
+
+
+def micro_step_key(config: TrainConfig, placement, sharded: bool) -> tuple:
+    """The cache key of one micro-batch's gradients (`make_micro_step`); a sharded one is bound to
+    its devices' mesh."""
+    return ("micro", config.precision, float(config.label_smoothing), bool(config.checkpoint_blocks),
+            tuple(placement.names()) if sharded else None)
 
 
 def initial_optimizer_state(params, adamw: AdamW | None):
@@ -225,36 +259,154 @@ def adamw_update(params, grads, moments, lr, count, adamw: AdamW):
     return jax.tree_util.tree_map(update, params, first, second), (first, second)
 
 
+def optimizer_update(params, slots, grads, lr, index, momentum: float, adamw: AdamW | None,
+                     grad_clip: float | None):
+    """(params, optimizer state) after one update by the global batch's gradients `grads`."""
+    import jax
+    import jax.numpy as jnp
+
+    if grad_clip is not None:
+        grads = clipped(grads, grad_clip)
+    if adamw is not None:
+        return adamw_update(params, grads, slots, lr, index.astype(jnp.float32) + 1.0, adamw)
+    velocity = jax.tree_util.tree_map(lambda v, g: momentum * v + g, slots, grads)
+    return jax.tree_util.tree_map(lambda w, v: w - lr * v, params, velocity), velocity
+
+
 def make_train_step(graph, precision: str, momentum: float, label_smoothing: float,
-                    adamw: AdamW | None = None, grad_clip: float | None = None) -> Traced:
+                    adamw: AdamW | None = None, grad_clip: float | None = None,
+                    checkpoint_blocks: bool = False) -> Traced:
     """The jitted step (params, state, optimizer state, x, labels, lr, key, step index) -> (params,
     state, optimizer state, summed loss): SGD with momentum (the state: the momentum buffers), or
     AdamW when `adamw` is given (the state: its two moments), with the gradients clipped to
     `grad_clip` when given. x is a float32 (normalised) or uint8 (pixels) batch; dropout draws
     from fold_in(key, step index), and AdamW's bias correction counts step index + 1 steps (the
     index counts the steps since the state was zero). params and the optimizer state are donated:
-    the update happens in place where the device allows."""
+    the update happens in place where the device allows. checkpoint_blocks: the forward pass
+    recomputes each of the graph's blocks in the backward one (lowering.apply)."""
     import jax
-    import jax.numpy as jnp
 
     def step(params, state, slots, x, labels, lr, key, index):
         def loss_fn(p):
             total, new_state = summed_loss(graph, p, state, x, labels, label_smoothing, precision=precision,
-                                           key=jax.random.fold_in(key, index))
+                                           key=jax.random.fold_in(key, index), checkpoint_blocks=checkpoint_blocks)
             return total / labels.size, (total, new_state)
 
         grads, (total, new_state) = jax.grad(loss_fn, has_aux=True)(params)
-        if grad_clip is not None:
-            grads = clipped(grads, grad_clip)
-        if adamw is not None:
-            count = index.astype(jnp.float32) + 1.0
-            params, slots = adamw_update(params, grads, slots, lr, count, adamw)
-            return params, new_state, slots, total
-        velocity = jax.tree_util.tree_map(lambda v, g: momentum * v + g, slots, grads)
-        params = jax.tree_util.tree_map(lambda w, v: w - lr * v, params, velocity)
-        return params, new_state, velocity, total
+        params, slots = optimizer_update(params, slots, grads, lr, index, momentum, adamw, grad_clip)
+        return params, new_state, slots, total
 
     return Traced(step, donate_argnums=(0, 2))
+
+
+# -- gradient accumulation (TrainConfig.micro_batch) ----------------------------------------------
+
+
+def batch_norm_nodes(graph) -> tuple[str, ...]:
+    return tuple(n.id for n in graph.nodes if n.op == "batch_norm")
+
+
+def make_micro_step(graph, precision: str, label_smoothing: float, checkpoint_blocks: bool,
+                    mesh=None) -> Traced:
+    """One micro-batch's share of a step: (params, state, accumulator, x, labels, start, length,
+    divisor, key, index, micro index, first) -> (accumulator, state).
+
+    x and labels are the whole global batch on the devices; the micro-batch is rows [start, start +
+    length) of each device's shard of it, sliced on the device (`length` is static: one executable
+    per global batch shape and micro-batch length, whatever the start). Its gradient is that of its
+    summed loss / `divisor`, the global batch's number of labels: its mean loss weighted by its
+    share of the global batch's samples, so that the micro-batches' gradients add up to the whole
+    batch's. The accumulator is {'grads', 'loss'}; `first` starts it afresh (a select, so that
+    whatever the buffer held, even a NaN, is discarded), and it is donated: the sum is kept in place.
+
+    With a mesh (several devices, the batch sharded) the body runs per device under shard_map, on
+    the device's own rows, and the accumulator has a leading device axis, sharded: each device sums
+    its own micro-batches' gradients and nothing crosses between devices until `make_update` adds
+    the devices' sums, one all-reduce per step. The parameters enter the body as device-varying
+    (lax.pcast), so that autodiff does not reduce their gradients over devices per micro-batch.
+    Batch-norm statistics are then per device micro-batch; the new moving statistics are averaged
+    over the devices to stay replicated."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    def gradients(params, state, x, labels, divisor, key):
+        def loss_fn(p):
+            total, new_state = summed_loss(graph, p, state, x, labels, label_smoothing, precision=precision,
+                                           key=key, checkpoint_blocks=checkpoint_blocks)
+            return total / divisor, (total, new_state)
+
+        grads, (total, new_state) = jax.grad(loss_fn, has_aux=True)(params)
+        return grads, total, new_state
+
+    def accumulated(acc, grads, total, first, widen=lambda v: v):
+        add = lambda a, g: jnp.where(first, widen(g), a + widen(g))  # noqa: E731
+        return {"grads": jax.tree_util.tree_map(add, acc["grads"], grads), "loss": add(acc["loss"], total)}
+
+    if mesh is None:
+        def micro(params, state, acc, x, labels, start, length, divisor, key, index, micro_index, first):
+            xs, ys = (lax.dynamic_slice_in_dim(a, start, length) for a in (x, labels))
+            key = jax.random.fold_in(jax.random.fold_in(key, index), micro_index)
+            grads, total, new_state = gradients(params, state, xs, ys, divisor, key)
+            return accumulated(acc, grads, total, first), new_state
+
+        return Traced(micro, static_argnums=(6,), donate_argnums=(2,))
+
+    from jax.sharding import PartitionSpec as P
+
+    from aiperf_backends.jax.distributed import AXIS
+
+    normalised = batch_norm_nodes(graph)
+
+    def micro(params, state, acc, x, labels, start, length, divisor, key, index, micro_index, first):
+        def local(params, state, acc, x, labels, start, divisor, key, index, micro_index, first):
+            xs, ys = (lax.dynamic_slice_in_dim(a, start, length) for a in (x, labels))
+            key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, index), micro_index),
+                                     lax.axis_index(AXIS))
+            grads, total, new_state = gradients(lax.pcast(params, AXIS, to="varying"), state, xs, ys, divisor, key)
+            new_state = {n: lax.pmean(new_state[n], AXIS) if n in normalised else state[n] for n in state}
+            return accumulated(acc, grads, total, first, widen=lambda v: v[None]), new_state
+
+        sharded, replicated = P(AXIS), P()
+        return jax.shard_map(local, mesh=mesh,
+                             in_specs=(replicated, replicated, sharded, sharded, sharded) + (replicated,) * 6,
+                             out_specs=(sharded, replicated))(params, state, acc, x, labels, start, divisor, key,
+                                                              index, micro_index, first)
+
+    return Traced(micro, static_argnums=(6,), donate_argnums=(2,))
+
+
+def make_update(momentum: float, adamw: AdamW | None, grad_clip: float | None, sharded: bool) -> Traced:
+    """(params, optimizer state, accumulator, lr, index) -> (params, optimizer state, summed loss):
+    the step's update from the accumulated gradients, exactly as one step on the whole batch
+    (`optimizer_update`: the clip on the global norm, then SGD or AdamW). A sharded accumulator
+    (one sum per device) is added over its device axis first: XLA's one all-reduce of the step."""
+    import jax
+    import jax.numpy as jnp
+
+    def update(params, slots, acc, lr, index):
+        grads, loss = acc["grads"], acc["loss"]
+        if sharded:
+            grads = jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0), grads)
+            loss = jnp.sum(loss)
+        params, slots = optimizer_update(params, slots, grads, lr, index, momentum, adamw, grad_clip)
+        return params, slots, loss
+
+    return Traced(update, donate_argnums=(0, 1))
+
+
+def zero_accumulator(placement, params, sharded: bool):
+    """A micro step's accumulator made on the devices: the gradients' shapes (with a leading device
+    axis, sharded, when `sharded`) and the loss."""
+    import jax
+    import jax.numpy as jnp
+
+    if sharded:
+        lead, sharding = (placement.world,), placement.batch_sharding(placement.world)
+    else:
+        lead, sharding = (), placement.replicated
+    grads = jax.tree_util.tree_map(lambda leaf: jnp.zeros(lead + leaf.shape, leaf.dtype, device=sharding), params)
+    return {"grads": grads, "loss": jnp.zeros(lead, jnp.float32, device=sharding)}
 
 
 def predict_fn(model) -> Traced:
@@ -314,6 +466,7 @@ class HostFeed:
 
     def __init__(self, data, placement):
         self.data, self.placement = data, placement
+        self.tokens = is_token_stream(data)
 
     def train(self, epoch: int, seed: int, batch_size: int, clock: StepClock) -> Iterator[tuple]:
         """(x, y on the devices, images, skipped) per global batch; a batch of undecodable images
@@ -323,6 +476,8 @@ class HostFeed:
                 yield None, None, 0, batch.skipped
                 continue
             x, y = batch.x, np.asarray(batch.y, np.int32)
+            if self.tokens:  # ids below the vocab: int32 is exact, and what jax without x64 takes
+                x = np.ascontiguousarray(x, np.int32)
             with clock:  # the copy is issued here, while the devices run the previous step
                 xb, yb = self.placement.put_batch(x, y)
             yield xb, yb, len(y), batch.skipped
@@ -417,10 +572,11 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
         raise BackendError("the graph has no trainable parameters: there is nothing to train")
     key = step_key(config)
     adamw = adamw_of(config)
+    grad_clip = None if config.grad_clip is None else float(config.grad_clip)
     if key not in model.cache:
         model.cache[key] = make_train_step(model.graph, config.precision, float(config.momentum),
-                                           float(config.label_smoothing), adamw,
-                                           None if config.grad_clip is None else float(config.grad_clip))
+                                           float(config.label_smoothing), adamw, grad_clip,
+                                           bool(config.checkpoint_blocks))
     step = model.cache[key]
     evaluate = eval_fn(model, config.label_smoothing)
     # Copies first: the step donates params and its optimizer state, and the model keeps its own
@@ -435,6 +591,33 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
     clock, compiling = StepClock(), CompileClock()
     feed = feed_for(data, placement, compiling, config.batch_size)
     rng_key = placement.replicate(jax.random.PRNGKey(config.seed))
+    accumulator: dict = {"value": None, "sharded": None}
+
+    def accumulated_step(params, state, slots, xb, yb, n, lr, index):
+        """One step as consecutive micro-batches of each device's shard (TrainConfig.micro_batch),
+        or the fused step where the shard is one micro-batch."""
+        sharded = placement.splits(n)
+        spans = micro_batches(n // placement.world if sharded else n, config.micro_batch)
+        if len(spans) == 1:
+            return compiling.call(step, params, state, slots, xb, yb, lr, rng_key, index)
+        micro_key, update_key_ = micro_step_key(config, placement, sharded), update_key(config, sharded)
+        if micro_key not in model.cache:
+            model.cache[micro_key] = make_micro_step(model.graph, config.precision, float(config.label_smoothing),
+                                                     bool(config.checkpoint_blocks),
+                                                     placement.mesh if sharded else None)
+        if update_key_ not in model.cache:
+            model.cache[update_key_] = make_update(float(config.momentum), adamw, grad_clip, sharded)
+        if accumulator["sharded"] is not sharded:
+            accumulator["value"] = None  # one at a time: a short last batch may be laid out otherwise
+            accumulator.update(value=zero_accumulator(placement, params, sharded), sharded=sharded)
+        acc, divisor = accumulator["value"], np.float32(n * positions)
+        for k, (start, stop) in enumerate(spans):
+            acc, state = compiling.call(model.cache[micro_key], params, state, acc, xb, yb, np.int32(start),
+                                        stop - start, divisor, rng_key, index, np.int32(k), np.bool_(k == 0))
+        accumulator["value"] = acc
+        params, slots, total = compiling.call(model.cache[update_key_], params, slots, acc, lr, index)
+        return params, state, slots, total
+
     reports: list[EpochReport] = []
     step_index = 0
     try:
@@ -449,8 +632,8 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
                 if not n:
                     continue
                 with clock:
-                    params, state, slots, total = compiling.call(step, params, state, slots, xb, yb, lr, rng_key,
-                                                                 np.int32(step_index))
+                    params, state, slots, total = accumulated_step(params, state, slots, xb, yb, n, lr,
+                                                                   np.int32(step_index))
                     if in_flight is not None:
                         in_flight[0].block_until_ready()
                 if in_flight is not None:
