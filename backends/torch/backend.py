@@ -20,8 +20,12 @@ where torch is not installed.
 * ops: every op of the IR (lowering.py says how each is lowered), image and sequence graphs alike.
 * train: TrainConfig.devices (default: every local device). One device trains in this process
   (the model moves there); several train data parallel, one spawned process per device
-  (distributed.py). The step is TrainConfig.optimizer's (SGD with momentum or AdamW), after the
-  optional global-norm clip of TrainConfig.grad_clip (training.py).
+  (distributed.py). The step is TrainConfig.optimizer's (SGD with momentum or AdamW; AdamW fused on
+  CUDA), after the optional global-norm clip of TrainConfig.grad_clip, over TrainConfig.micro_batch
+  micro-batches where that is set, with each block's activations recomputed in the backward pass
+  under TrainConfig.checkpoint_blocks (training.py). Streamed text (a TokenStream) is read a batch
+  at a time (feeds.TokenFeed).
+* device_memory: a CUDA device's total memory; a CPU device's share of RAM (the contract's rule).
 """
 
 from __future__ import annotations
@@ -141,6 +145,14 @@ class TorchBackend(Backend):
         if device.split(":")[0] != "cuda":
             return super().device_model(device)
         return _torch().cuda.get_device_name(device)
+
+    def device_memory(self, device: str) -> int | None:
+        """A CUDA device's whole memory (torch.cuda.get_device_properties(i).total_memory; the trial
+        owns the device); a CPU device's share of RAM as the contract says. Unverified on a GPU."""
+        if device.split(":")[0] != "cuda":
+            return super().device_memory(device)
+        torch = _torch()
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
 
     def runs_precision(self, device: str, precision: str) -> bool:
         return _probe_precision(device, precision)

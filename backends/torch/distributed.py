@@ -6,7 +6,13 @@ global batch of `config.batch_size` images is cut into contiguous shards, one pe
 gradients are all-reduced synchronously after every step. Every rank then takes the same training
 step (training.Stepper: SGD with momentum or AdamW) on the all-reduced gradients, after clipping
 them to config.grad_clip where that is set: the clip sees the global batch's gradient norm, not a
-shard's, so k ranks update the weights as one device does on the combined batch.
+shard's, so k ranks update the weights as one device does on the combined batch. With
+config.micro_batch a rank's shard runs as micro-batches under DDP's no_sync, its gradients reduced
+once, in the last one's backward; every rank runs as many micro-batches as the largest shard needs
+(empty ones last), so that the collectives inside a forward pair up across the ranks.
+
+Streamed data (a StreamingDataset of images, a TokenStream of text) travels to the ranks as the
+object itself, pickled: each rank reads only its own shard of every batch.
 
 Batch norm is synchronised across the ranks (the statistics of a training step are those of the
 whole global batch, and the moving averages are updated from them identically on every rank). That
@@ -277,8 +283,8 @@ def _train_rank(rank: int, job: dict) -> None:
     from aiperf_backends.torch.training import Stepper, run_epochs
 
     model, ddp, device, config = _start_rank(rank, job)
-    # Streamed data travels as the StreamingDataset itself (paths and settings); each rank
-    # decodes only its own shard of every batch.
+    # Streamed data travels as the object itself (a StreamingDataset's paths and settings, a
+    # TokenStream's corpus reopened from its path); each rank reads only its own shard of a batch.
     data = job["stream"] if "stream" in job else Dataset(*(t.numpy() for t in job["data"]), classes=job["classes"])
     reports_q, replies_q = job["reports"], job["replies"]
 

@@ -8,6 +8,9 @@ model on the device) or float32 (an in-memory Dataset, already normalised), int6
   when they take at most DEVICE_RESIDENT_BYTES; else they stay in pinned host memory and each
   batch is copied ahead, as below); an epoch's order goes up once as an index tensor, and each
   batch is an index_select on the device.
+* `TokenFeed`, streamed text (aiperf_core.data.text_stream.TokenStream): each shard's windows read
+  from the corpus when its batch is due (`plan` + `load`), int64 token ids; on CUDA pinned and
+  copied one batch ahead (`ahead_to_device`). A batch or two in memory, never an epoch.
 * `SyntheticFeed`, `--data synthetic`: the pool of aiperf_core.data.synthetic goes to the device
   once; each batch is a slice of it. No host work per step.
 * `LoaderFeed`, decoded images: a torch DataLoader whose worker processes decode whole shards
@@ -30,7 +33,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from aiperf_core.backend import batches, is_streaming
+from aiperf_core.backend import batches, is_streaming, is_token_stream
 
 DEVICE_RESIDENT_BYTES = 2 << 30  # in-memory arrays up to this size live on the GPU for the trial
 # Loaded after these, a forked DataLoader worker may inherit their threads or device state broken
@@ -95,6 +98,29 @@ class ArrayFeed(Feed):
         if self.resident:
             return shards()
         return ahead_to_device(shards(), self.device)
+
+
+class TokenFeed(Feed):
+    """A TokenStream's split in batches of `batch_size`: this rank's windows of each global batch of
+    the epoch's plan, loaded when the batch is due. Token ids and next tokens stay integers (int64
+    on the device); nothing is skipped."""
+
+    def __init__(self, data, split: str, seed: int, batch_size: int, device: torch.device, rank: int, world: int):
+        self.data, self.split, self.seed, self.batch_size = data, split, seed, batch_size
+        self.device, self.rank, self.world = device, rank, world
+
+    def epoch(self, epoch: int) -> Iterator[DeviceBatch]:
+        from aiperf_core.data.batch import shard
+
+        pin = self.device.type == "cuda"
+
+        def host() -> Iterator[DeviceBatch]:
+            for offsets in self.data.plan(self.split, epoch, self.seed, self.batch_size):
+                x, y, _, _ = self.data.load(self.split, shard(offsets, self.rank, self.world), epoch, self.seed)
+                x, y = torch.from_numpy(x).to(torch.int64), torch.from_numpy(y).to(torch.int64)
+                yield DeviceBatch(x.pin_memory() if pin else x, y.pin_memory() if pin else y, len(offsets))
+
+        return ahead_to_device(host(), self.device)
 
 
 class SyntheticFeed(Feed):
@@ -272,14 +298,17 @@ def _handed_over(batch: DeviceBatch, done, device) -> DeviceBatch:
 
 # -- which feed --------------------------------------------------------------------------------------
 
-SYNTHETIC, DALI_FEED, NVJPEG, LOADER, ARRAYS = "synthetic", "dali", "nvjpeg", "loader", "arrays"
+SYNTHETIC, DALI_FEED, NVJPEG, LOADER, ARRAYS, TOKENS = "synthetic", "dali", "nvjpeg", "loader", "arrays", "tokens"
 
 
 def feed_kind(data, device: torch.device) -> str:
-    """Which feed trains on `data` on `device`: in-memory arrays, synthetic data on the device,
-    DALI where the run asked for it, nvJPEG on CUDA where torchvision has it, else the DataLoader."""
+    """Which feed trains on `data` on `device`: in-memory arrays, streamed text, synthetic data on
+    the device, DALI where the run asked for it, nvJPEG on CUDA where torchvision has it, else the
+    DataLoader."""
     if not is_streaming(data):
         return ARRAYS
+    if is_token_stream(data):
+        return TOKENS
     from aiperf_core.data.stream import DALI
     from aiperf_core.data.synthetic import is_synthetic
 
@@ -302,6 +331,9 @@ def open_feeds(data, config, device: torch.device, val_batch: int, rank: int = 0
     if kind == ARRAYS:
         return (ArrayFeed(data.x_train, data.y_train, device, config.batch_size, config.seed, rank, world),
                 ArrayFeed(data.x_val, data.y_val, device, val_batch, None, rank, world))
+    if kind == TOKENS:
+        return (TokenFeed(data, TRAIN, config.seed, config.batch_size, device, rank, world),
+                TokenFeed(data, VAL, 0, val_batch, device, rank, world))
     if kind == SYNTHETIC:
         pool = synthetic_pool(data, max(config.batch_size, val_batch), device)
         return (SyntheticFeed(data, TRAIN, pool, config.batch_size, rank, world),

@@ -80,6 +80,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from aiperf_backends.torch import conv_probe
 from aiperf_backends.torch.loss import normalise_pixels, summed_loss
@@ -195,6 +196,61 @@ def attention(q, k, v, heads: int, causal: bool):
     q, k, v = (t.view(n, s, heads, width // heads).transpose(1, 2) for t in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return y.transpose(1, 2).reshape(n, s, width)
+
+
+def run_block(model, block, x):
+    """`block(model, x)` (a function generated for one of the graph's blocks). With the model's
+    `checkpoint_blocks` set, while it trains with gradients on: through torch.utils.checkpoint
+    (use_reentrant=False), which keeps `x` alone for the backward pass and runs the block again
+    there. torch restores its own random state for that second run (CPU and device generators);
+    dropout drawing from a generator of its own (Dropout.source) gets that generator's state back
+    here, so that the recomputed masks are the forward's."""
+    if not (model.checkpoint_blocks and model.training and torch.is_grad_enabled()):
+        return block(model, x)
+    if torch.compiler.is_compiling():  # a compiled step's dropout draws from torch's generator
+        return checkpoint(block, model, x, use_reentrant=False)
+    sources = _dropout_sources(model)
+    if not sources:
+        return checkpoint(block, model, x, use_reentrant=False)
+    start = [_generator_state(s) for s in sources]
+    runs = []
+
+    def replayed(model, x):
+        if runs:  # a recomputation: the forward's masks, and the generators left as they are now
+            now = [_generator_state(s) for s in sources]
+            for s, state in zip(sources, start):
+                _set_generator_state(s, state)
+            try:
+                return block(model, x)
+            finally:
+                for s, state in zip(sources, now):
+                    _set_generator_state(s, state)
+        runs.append(True)
+        return block(model, x)
+
+    return checkpoint(replayed, model, x, use_reentrant=False)
+
+
+def _dropout_sources(model) -> list:
+    """The distinct explicit generators the model's dropout draws from (Dropout.source)."""
+    found = []
+    for m in model.dropouts:
+        if m.source is not None and m.rate > 0 and all(m.source is not s for s in found):
+            found.append(m.source)
+    return found
+
+
+def _generator_state(source):
+    if isinstance(source, np.random.Generator):
+        return source.bit_generator.state
+    return source.get_state()
+
+
+def _set_generator_state(source, state) -> None:
+    if isinstance(source, np.random.Generator):
+        source.bit_generator.state = state
+    else:
+        source.set_state(state)
 
 
 def channel_shuffle(x, groups: int):
@@ -324,7 +380,14 @@ class LoweredModel(nn.Module):
             self.register_buffer("input_mean", torch.from_numpy(MEAN.copy()), persistent=False)
             self.register_buffer("input_inv_std", torch.from_numpy(INV_STD.copy()), persistent=False)
         self.conv_forms: dict[str, str] = {}
+        # Activation checkpointing of the graph's blocks (run_block); the training step sets it from
+        # TrainConfig.checkpoint_blocks for its own duration.
+        self.checkpoint_blocks = False
         self._generate(torch.device("cpu"), probe=False)
+
+    @property
+    def dropouts(self) -> list:
+        return [m for m in self.layers.values() if isinstance(m, Dropout)]
 
     @property
     def has_logits(self) -> bool:
@@ -456,39 +519,114 @@ def _namespace() -> dict[str, Any]:
     place before lowering)."""
     return {"torch": torch, "F": F, "inf": math.inf, "conv2d": conv2d, "add_mixed": add_mixed,
             "concat_mixed": concat_mixed, "attention": attention, "channel_shuffle": channel_shuffle,
-            "normalise_pixels": normalise_pixels, "summed_loss": summed_loss}
+            "normalise_pixels": normalise_pixels, "summed_loss": summed_loss, "run_block": run_block}
 
 
 def generate_source(graph: Graph, module_names: Mapping[str, str], conv_forms: Mapping[str, str],
                     mixed: bool) -> str:
     """Python source of `forward_output(self, x)` (and `forward_logits(self, x)` when the output is
-    a softmax): straight-line code, one statement per node; and of `training_loss`."""
+    a softmax): straight-line code, one statement per node, except that each of the graph's blocks
+    (Graph.blocks, `checkpointed_blocks`) is a function `block_k(self, x)` of its own, which the
+    forward calls through `run_block` (activation checkpointing when the model's
+    `checkpoint_blocks` is set); and of `training_loss`."""
     out_node = graph[graph.output_id]
-    parts = [_function_source("forward_output", graph, graph.output_id, module_names, conv_forms, mixed)]
+    blocks = checkpointed_blocks(graph)
+    parts = [_block_source(f"block_{k}", graph, block, module_names, conv_forms, mixed)
+             for k, block in enumerate(blocks)]
+    parts.append(_function_source("forward_output", graph, graph.output_id, module_names, conv_forms, mixed, blocks))
     if out_node.op == "softmax":
-        parts.append(_function_source("forward_logits", graph, out_node.inputs[0], module_names, conv_forms, mixed))
+        parts.append(_function_source("forward_logits", graph, out_node.inputs[0], module_names, conv_forms, mixed,
+                                      blocks))
     parts.append("def training_loss(self, x, labels, label_smoothing):\n"
                  "    return summed_loss(self, x, labels, label_smoothing)")
     return "\n\n".join(parts) + "\n"
 
 
+def checkpointed_blocks(graph: Graph) -> list:
+    """The graph's blocks (Graph.blocks) that the forward runs as functions of their input: those
+    whose inner nodes (all but the output) nothing after the block reads, and that hold neither the
+    graph's output nor the softmax's input unless as their own output."""
+    order = {n.id: k for k, n in enumerate(graph.nodes)}
+    ends = {graph.output_id}
+    if graph[graph.output_id].op == "softmax":
+        ends.add(graph[graph.output_id].inputs[0])
+    usable = []
+    for block in graph.blocks():
+        inner = set(block.nodes[:-1])
+        last = order[block.output]
+        if inner & ends:
+            continue
+        if any(src in inner for n in graph.nodes[last + 1:] for src in n.inputs):
+            continue
+        usable.append(block)
+    return usable
+
+
+def _block_source(name: str, graph: Graph, block, module_names: Mapping[str, str], conv_forms: Mapping[str, str],
+                  mixed: bool) -> str:
+    nodes = [graph[n] for n in block.nodes]
+    var = {block.input: "v_in", **{n.id: f"v{i}" for i, n in enumerate(nodes)}}
+    # The block's input is what checkpointing keeps for the backward pass: never overwritten.
+    lines = [f"def {name}(self, v_in):", "    L = self.layers"]
+    lines += _statements(graph, nodes, var, module_names, conv_forms, mixed, stop=block.output,
+                         frozen={block.input})
+    lines.append(f"    return {var[block.output]}")
+    return "\n".join(lines)
+
+
 def _function_source(name: str, graph: Graph, stop: str, module_names: Mapping[str, str],
-                     conv_forms: Mapping[str, str], mixed: bool) -> str:
+                     conv_forms: Mapping[str, str], mixed: bool, blocks=()) -> str:
     nodes = graph.nodes[:[n.id for n in graph.nodes].index(stop) + 1]
+    present = {n.id for n in nodes}
+    # A block runs as one call where all of it is in this function (forward_logits stops earlier).
+    calls = {b.nodes[0]: (k, b) for k, b in enumerate(blocks) if all(n in present for n in b.nodes)}
+    inside = {n for _, b in calls.values() for n in b.nodes}
+    items = []
+    for node in nodes:
+        if node.id in calls:
+            items.append(calls[node.id])
+        elif node.id not in inside:
+            items.append(node)
     var = {n.id: f"v{i}" for i, n in enumerate(nodes)}
-    readers: dict[str, int] = {n.id: 0 for n in graph.nodes}
-    last_reader: dict[str, int] = {}
-    for i, node in enumerate(graph.nodes):  # readers over the whole graph: in-place must stay safe
-        for src in node.inputs:
-            readers[src] += 1
-    for i, node in enumerate(nodes):
-        for src in node.inputs:
-            last_reader[src] = i
     lines = [f"def {name}(self, x):", "    L = self.layers"]
     if tuple(graph.input_shape[-1:]) == (3,) and len(graph.input_shape) == 3:
         lines += ["    if x.dtype == torch.uint8:", "        x = normalise_pixels(x, self.input_mean, self.input_inv_std)"]
-    fused = fused_projections(graph, nodes)
-    for i, node in enumerate(nodes):
+    lines += _statements(graph, items, var, module_names, conv_forms, mixed, stop=stop, frozen=set())
+    out = var[stop]
+    shape = graph.shapes[stop]
+    lines.append(f"    return {out}.permute(0, 2, 3, 1)" if len(shape) == 3 else f"    return {out}")
+    return "\n".join(lines)
+
+
+def _statements(graph: Graph, items, var: Mapping[str, str], module_names: Mapping[str, str],
+                conv_forms: Mapping[str, str], mixed: bool, stop: str, frozen: set) -> list[str]:
+    """One statement per item (a node, or (k, block): a call of block_k), each value deleted after
+    its last reader among the items; relu and add in place where that is safe and the value is not
+    in `frozen`."""
+
+    def reads(item):
+        return (item[1].input,) if isinstance(item, tuple) else item.inputs
+
+    readers: dict[str, int] = {n.id: 0 for n in graph.nodes}
+    for node in graph.nodes:  # readers over the whole graph: in-place must stay safe
+        for src in node.inputs:
+            readers[src] += 1
+    last_reader: dict[str, int] = {}
+    for i, item in enumerate(items):
+        for src in reads(item):
+            last_reader[src] = i
+    fused = fused_projections(graph, [item for item in items if not isinstance(item, tuple)])
+    lines = []
+    for i, item in enumerate(items):
+        if isinstance(item, tuple):
+            k, block = item
+            lines.append(f"    {var[block.output]} = run_block(self, block_{k}, {var[block.input]})"
+                         f"  # block {block.nodes[0]} .. {block.output}")
+            dead = [var[block.input]] if last_reader[block.input] == i else []
+            if dead:
+                lines.append(f"    del {', '.join(dead)}")
+            continue
+        node = item
         if node.id in fused:
             group = fused[node.id]
             if group and node.id == group[0]:
@@ -502,7 +640,8 @@ def _function_source(name: str, graph: Graph, stop: str, module_names: Mapping[s
         inplace = -1
         if node.op in ("relu", "add"):
             for k, src in enumerate(node.inputs):
-                if readers[src] == 1 and graph[src].op in _INPLACE_SAFE_PRODUCERS and src != graph.output_id:
+                if (readers[src] == 1 and graph[src].op in _INPLACE_SAFE_PRODUCERS and src != graph.output_id
+                        and src not in frozen):
                     inplace = k
                     break
         layer = f"L.{module_names[node.id]}" if node.id in module_names else None
@@ -511,10 +650,7 @@ def _function_source(name: str, graph: Graph, stop: str, module_names: Mapping[s
         dead = [var[s] for s in dict.fromkeys(node.inputs) if last_reader[s] == i]
         if dead and node.id != stop:
             lines.append(f"    del {', '.join(dead)}")
-    out = var[stop]
-    shape = graph.shapes[stop]
-    lines.append(f"    return {out}.permute(0, 2, 3, 1)" if len(shape) == 3 else f"    return {out}")
-    return "\n".join(lines)
+    return lines
 
 
 def fused_projections(graph: Graph, nodes) -> dict[str, tuple[str, ...]]:

@@ -16,7 +16,12 @@ update then run on those averaged gradients, identically in every rank: k ranks 
 one device takes on the global batch.
 
 Batches reach the device through a feed (feeds.py); streamed images arrive as uint8 pixels and
-the model normalises them on the device, inside the step.
+the model normalises them on the device, inside the step; streamed text (a TokenStream) arrives as
+int64 token ids, a batch at a time.
+
+With TrainConfig.micro_batch a step runs as micro-batches whose gradients add up to the global
+batch's before the one update (Stepper), and with TrainConfig.checkpoint_blocks the model
+recomputes each block's activations in the backward pass (lowering.run_block).
 
 Compiling the step (torch.compile) is the policy `compile` (TrainConfig.compile: auto, always or
 never); see `compiles` for what auto means and docs/backends/torch.md for the measurements.
@@ -24,6 +29,7 @@ never); see `compiles` for what auto means and docs/backends/torch.md for the me
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
@@ -35,7 +41,8 @@ import torch
 from aiperf_backends.torch.feeds import open_feeds, stream_loader  # noqa: F401  (stream_loader: benchmarks)
 from aiperf_backends.torch.loss import summed_eval, summed_loss
 from aiperf_backends.torch.precision import autocast, float32_math, math_scope
-from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, is_streaming
+from aiperf_core.backend import (BackendError, Dataset, EpochReport, StepClock, TrainConfig, is_streaming,
+                                 micro_batches)
 from aiperf_core.optim import is_decayed
 
 PREDICT_BATCH = 256
@@ -106,24 +113,40 @@ class preserved:
         return False
 
 
+def adamw_kernel(params: list) -> dict:
+    """How AdamW updates `params`: fused (one CUDA kernel for every tensor's whole update) where they
+    are all floating-point CUDA tensors; else foreach, the multi-tensor update (torch's default only
+    on CUDA). On a CPU the per-tensor loop is three small multithreaded ops a tensor, and a GPT
+    lowered from the IR has more (separate Q, K, V) tensors than a hand-written one
+    (docs/performance.md)."""
+    if params and all(p.device.type == "cuda" and p.is_floating_point() for p in params):
+        return {"fused": True}
+    return {"foreach": True}
+
+
 def make_optimizer(params: list, config: TrainConfig) -> torch.optim.Optimizer:
     """config.optimizer over `params` at the schedule's first rate (set_lr sets each epoch's)."""
-    # foreach: the multi-tensor update on every device (torch's default only on CUDA). On a CPU the
-    # per-tensor loop is three small multithreaded ops a tensor, and a GPT lowered from the IR has
-    # more (separate Q, K, V) tensors than a hand-written one (docs/performance.md).
     if config.optimizer == "sgd-momentum":
         return torch.optim.SGD(params, lr=config.schedule.initial, momentum=config.momentum, foreach=True)
     # Two groups, because torch's weight_decay is per group and the contract decays matrices only.
     groups = [{"params": [p for p in params if is_decayed(p)], "weight_decay": config.weight_decay},
               {"params": [p for p in params if not is_decayed(p)], "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=config.schedule.initial,
-                             betas=tuple(config.betas), eps=config.adam_epsilon, foreach=True)
+                             betas=tuple(config.betas), eps=config.adam_epsilon, **adamw_kernel(params))
 
 
 class Stepper:
     """config.optimizer (make_optimizer) after an optional global-norm gradient clip, the precision's
     scope, loss scaling for fp16, and the loss compiled with torch.compile when `compile` is set (a
-    single-device LoweredModel only; the update itself runs eager)."""
+    single-device LoweredModel only; the update itself runs eager).
+
+    Gradient accumulation (config.micro_batch): a shard larger than micro_batch runs as consecutive
+    micro-batches (aiperf_core.backend.micro_batches), each one's summed loss scaled by
+    world / global batch and its backward adding into the same gradients, so that they are the
+    global batch's before the one clip, unscale and update. A data-parallel model reduces its
+    gradients over the ranks once, in the last micro-batch's backward (DDP's no_sync before it).
+    Batch norm normalises each micro-batch by its own statistics. Activation checkpointing
+    (config.checkpoint_blocks) is the model's `checkpoint_blocks` during the step (lowering.run_block)."""
 
     def __init__(self, model, device, config: TrainConfig, compile: bool = False):
         params = [p for p in model.parameters() if p.requires_grad]
@@ -137,12 +160,15 @@ class Stepper:
         self.label_smoothing = config.label_smoothing
         self.params = params
         self.grad_clip = config.grad_clip
+        self.micro_batch = config.micro_batch
+        self.checkpoint_blocks = config.checkpoint_blocks
         # torch's AdamW skips a parameter without a gradient (no decay, no moment decay, its own step
         # count held back); the contract's rule gives it a zero gradient and updates it.
         self.zero_missing_grads = config.optimizer == "adamw"
         self.optimizer = make_optimizer(params, config)
         self.scaler = torch.amp.GradScaler(self.device.type) if config.precision == "fp16" else None
         self.compiled = None
+        self.cuda_graphs = False
         self.compiled_batch: int | None = None  # the shard size the compiled loss runs at
         # Compile time: the first compiled step's time less the second's ("first", "second", "done").
         self._compile_timing = "first" if compile else "done"
@@ -152,7 +178,11 @@ class Stepper:
         if compile:
             if hasattr(model, "module"):
                 raise BackendError("the step of a data-parallel model is not compiled")
-            mode = "reduce-overhead" if self.device.type == "cuda" and CUDA_GRAPHS else "default"
+            # Not for an accumulated step: a graph's replay for the next micro-batch would overwrite
+            # the previous one's outputs, among them gradients that autograd may keep as .grad.
+            graphs = self.device.type == "cuda" and CUDA_GRAPHS and config.micro_batch is None
+            mode = "reduce-overhead" if graphs else "default"
+            self.cuda_graphs = graphs
             self.compiled = torch.compile(model._training_loss, dynamic=False, mode=mode)
 
     def set_lr(self, lr: float) -> None:
@@ -165,7 +195,7 @@ class Stepper:
             if self.compiled_batch is None:
                 self.compiled_batch = len(y)
             if len(y) == self.compiled_batch:  # another size (a short last batch) runs eager: no recompile
-                if self.device.type == "cuda" and CUDA_GRAPHS:
+                if self.cuda_graphs:
                     torch.compiler.cudagraph_mark_step_begin()
                 self._used_compiled = True
                 return self.compiled(self.model, x, y, self.label_smoothing)
@@ -180,33 +210,64 @@ class Stepper:
         if self.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, global_batch: int, world: int = 1) -> torch.Tensor:
-        """One synchronous training step on this rank's shard (x: uint8 pixels or float32, moved to
-        the step's device if it is not there); returns the shard's summed loss (detached, on the
-        device)."""
+    def _micro_batches(self, length: int, largest_shard: int | None) -> list[tuple[int, int]]:
+        """[start, stop) of each micro-batch of this shard. With `largest_shard` (several ranks),
+        as many as that shard needs, empty ones last: every rank then runs the same number of
+        forward passes, whose collectives (synchronised batch norm, DDP's buffer broadcast) pair up."""
+        parts = micro_batches(length, self.micro_batch)
+        if largest_shard is not None:
+            parts += [(length, length)] * (len(micro_batches(largest_shard, self.micro_batch)) - len(parts))
+        return parts
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, global_batch: int, world: int = 1,
+             largest_shard: int | None = None) -> torch.Tensor:
+        """One synchronous training step on this rank's shard (x: uint8 pixels, float32 or token
+        ids, moved to the step's device if it is not there) of a global batch of `global_batch`
+        samples, whose largest shard over the ranks has `largest_shard` (default: global_batch
+        split evenly); returns the shard's summed loss (detached, on the device)."""
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
-        with float32_math(self.device, self.precision == "tf32"):
-            with autocast(self.device, self.precision):
-                total = self._loss(x, y)
-            loss = total * (world / global_batch)
-            if self.scaler is not None:
-                self.scaler.scale(loss).backward()
-                if self.grad_clip is not None:
-                    # The ceiling is on the true gradients' norm, not the scaled ones'; scaler.step
-                    # does not unscale twice, and still skips the step if they overflowed.
-                    self.scaler.unscale_(self.optimizer)
-                self._prepare_grads()
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
-            else:
-                loss.backward()
-                self._prepare_grads()
-                self.optimizer.step()
-        if self._used_compiled and self._compile_timing != "done":
+        if world > 1 and largest_shard is None:
+            largest_shard = -(-global_batch // world)
+        parts = self._micro_batches(len(y), largest_shard if world > 1 else None)
+        base = getattr(self.model, "module", self.model)
+        no_sync = getattr(self.model, "no_sync", None)  # DistributedDataParallel's
+        base.checkpoint_blocks = self.checkpoint_blocks
+        total, compiled = None, False
+        try:
+            with float32_math(self.device, self.precision == "tf32"):
+                for k, (a, b) in enumerate(parts):
+                    reduces = k == len(parts) - 1 or no_sync is None
+                    with contextlib.nullcontext() if reduces else no_sync():
+                        with autocast(self.device, self.precision):
+                            part = self._loss(x[a:b], y[a:b])
+                        compiled |= self._used_compiled
+                        loss = part * (world / global_batch)
+                        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+                    # A copy: a CUDA graph's output is overwritten by its next replay.
+                    total = part.detach().clone() if total is None else total + part.detach()
+                    del part, loss
+                self._update()
+        finally:
+            base.checkpoint_blocks = False
+        if compiled and self._compile_timing != "done":
             self._time_compile(start)
-        return total.detach()
+        return total
+
+    def _update(self) -> None:
+        """The update on the accumulated gradients: (unscale,) clip, step."""
+        if self.scaler is not None:
+            if self.grad_clip is not None:
+                # The ceiling is on the true gradients' norm, not the scaled ones'; scaler.step
+                # does not unscale twice, and still skips the step if they overflowed.
+                self.scaler.unscale_(self.optimizer)
+            self._prepare_grads()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self._prepare_grads()
+            self.optimizer.step()
 
     def _time_compile(self, start: float) -> None:
         if self.device.type == "cuda":
@@ -265,8 +326,9 @@ def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int =
 
     Per epoch: the learning rate config.schedule.rate(epoch, epochs); every training image once,
     in the order np.random.default_rng(config.seed + epoch).permutation(n) (streamed data: the
-    dataset's plan), in batches of config.batch_size (the last one short, never dropped); then the
-    validation set in eval mode. The report's loss is the mean training loss over the epoch's
+    dataset's plan; a TokenStream's epoch `epoch` is new windows of its text, data.train_images of
+    them), in batches of config.batch_size (the last one short, never dropped), each a step of
+    config.micro_batch micro-batches where it is set (Stepper); then the validation set in eval mode. The report's loss is the mean training loss over the epoch's
     images (as each step saw it), and val_loss the same cross-entropy (label smoothing included)
     on the validation images. With several ranks, the number of images that decoded in each global
     batch is summed over the ranks before the step, so the loss is still the global batch's mean
@@ -301,7 +363,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int =
                     if held == 0:  # every image of the global batch was corrupt
                         continue
                     with clock:
-                        loss_sum += stepper.step(batch.x, batch.y, held, world)
+                        loss_sum += stepper.step(batch.x, batch.y, held, world, largest_shard=-(-batch.size // world))
                     clock.count(held)
                     images += held
                 with clock:  # waits for the queued steps on an asynchronous device
