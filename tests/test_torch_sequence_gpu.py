@@ -2,7 +2,7 @@
 by `make test`), at every precision the GPU declares: each op forward and backward and a 2-layer GPT
 against the NumPy reference with the kit's tolerances per precision (conformance/defaults.json), the
 native counter on the GPU's fused attention kernels, and a GPT's training step in each precision,
-eager and compiled. tests/test_torch_sequence.py checks the same at fp32 on a CPU.
+eager and compiled. tests/test_backend_sequence.py checks the same at fp32 on a CPU.
 
 Each test prints its measured errors, in units of the precision's u, before it asserts: a run on a lent
 GPU is short, and the figures are what a tolerance is set from.
@@ -24,8 +24,8 @@ from aiperf_core.builders import gpt
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_numpy.executor import backward, forward, loss_and_grads, run
 from aiperf_opcount import count
-from test_torch_sequence import (CASES, _assert_gradients, _inputs, _labels, _normwise, _op_graph, _relative,
-                                 _weights, _with_head)
+from test_backend_sequence import (CASES, _assert_gradients, _inputs, _labels, _normwise, _op_graph, _relative,
+                                   _weights, _with_head)
 
 pytestmark = pytest.mark.gpu
 TOLERANCES = {p: {k: v["value"] for k, v in levels.items()}
