@@ -166,7 +166,8 @@ class Replica:
         self.workload = workloads.get(self.policy["workload"])
         self._backend = backend
         self._dataset = dataset
-        self.history = SharedHistory(self.run_dir, replica=replica_id)  # its own trials join as they end
+        self.history = SharedHistory(self.run_dir, replica=replica_id,  # its own trials join as they end
+                                     workload=self.workload.name)
         self._parent_graphs: dict[str, Graph] = {}
         self._distances = nas.DistanceCache()
         self._rejected: set[str] = set()  # trials whose files failed their checks

@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 
 from aiperf_core.rundir import GENESIS, RunDir, chain_head, read_events, sha256_file, verify_chain
-from aiperf_core.search.history import HISTORY_NAME, PUBLISHED, PUBLISHED_FIELDS, published_fields, usable_end
+from aiperf_core.search.history import (HISTORY_NAME, LEGACY_WORKLOAD, PUBLISHED, PUBLISHED_FIELDS, as_published,
+                                        published_fields, usable_end)
 
 PRIMARY_LOG = "primary/events.jsonl"
 
@@ -29,7 +30,7 @@ def verify_run(run_dir: str | os.PathLike | RunDir, withheld: frozenset[str] = f
     home): trial file names, and HISTORY_NAME. Their absence is no problem; their recorded hashes
     still stand in the logs."""
     run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-    run.read_run()  # a missing or malformed run.json is an error, not a finding
+    workload = run.read_run().get("workload", LEGACY_WORKLOAD)  # a missing or malformed run.json is an error
     problems: list[str] = []
     replicas = run.replica_ids()
     logs = [(PRIMARY_LOG, run.primary_log)]
@@ -70,11 +71,11 @@ def verify_run(run_dir: str | os.PathLike | RunDir, withheld: frozenset[str] = f
                     problems += _check_file(run, hashes, reported, event.get("trial"), name, digest,
                                             "trial_end.files", withheld)
     if run.history_file.exists():
-        problems += _check_history(run, usable, ended=run_end is not None)
+        problems += _check_history(run, usable, ended=run_end is not None, workload=workload)
     return problems
 
 
-def _check_history(run: RunDir, usable: dict[str, tuple[int, dict]], ended: bool) -> list[str]:
+def _check_history(run: RunDir, usable: dict[str, tuple[int, dict]], ended: bool, workload: str) -> list[str]:
     """The published history against the replica logs and trial.json files (a missing history is
     no finding: replicas run without a primary, or by an aiperf before it, read the logs)."""
     problems = [f"{HISTORY_NAME}: line {p.line}: {p.message}" for p in verify_chain(run.history_file)]
@@ -88,7 +89,7 @@ def _check_history(run: RunDir, usable: dict[str, tuple[int, dict]], ended: bool
                 raw = (run.trial_dir(trial) / "trial.json").read_bytes()
             except OSError:
                 raw = b""
-            expected_of[trial] = published_fields(trial, replica, raw, end["files"])
+            expected_of[trial] = published_fields(trial, replica, raw, end["files"], workload)
         return expected_of[trial]
 
     for number, line in enumerate(read_events(run.history_file), start=1):
@@ -108,8 +109,8 @@ def _check_history(run: RunDir, usable: dict[str, tuple[int, dict]], ended: bool
         fields = expected(trial)
         if fields is None:
             problems.append(f"{where}: trial {trial}: its trial.json is not the one its trial_end recorded")
-        elif {key: line.get(key) for key in PUBLISHED_FIELDS} != fields:
-            differing = [key for key in PUBLISHED_FIELDS if line.get(key) != fields[key]]
+        elif (shown := as_published(line, workload)) != fields:
+            differing = [key for key in PUBLISHED_FIELDS if shown[key] != fields[key]]
             problems.append(f"{where}: trial {trial}: {', '.join(differing)} differ from its trial_end and "
                             "trial.json (the line was forged or altered)")
     if ended:

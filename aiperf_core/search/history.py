@@ -12,6 +12,11 @@ the run has: two opens and one per own trial ended since the last refresh (docs/
 
 A run directory without that file (replicas run without a primary: tests, `aiperf replica` by
 hand) is read as before it existed: every replica's log, and each new trial's trial.json.
+
+A run begun by an aiperf before `hpo_point` (2026-11-27) wrote the cnn's point as two fields
+(LEGACY_POINT); a cnn run reads them as its point. A published trial that cannot be read (that
+form in a run of another workload, a line without a point, a damaged field) is set aside: never a
+parent, never HPO data. The primary says which, once, when it opens the file (`set_aside_note`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,12 @@ PUBLISHED = "trial"  # the event of every line of the published history
 # The fields of a published line besides event, time, seq and prev: what a replica reads of a trial.
 PUBLISHED_FIELDS = ("trial", "replica", "round", "target", "best_val_accuracy", "hpo_point", "arch", "signature",
                     "files")
+# Lines and trial.json files written before hpo_point, when the cnn was the only workload, carry its
+# point as these two fields: top-level in a published line, under `hyper` in trial.json. They are
+# the cnn's HPO dimensions (workloads/cnn.py HpoSpace), so the cnn reads them exactly as its point;
+# another workload has other dimensions and cannot.
+LEGACY_POINT = ("batch_size", "kernel_size")
+LEGACY_WORKLOAD = "cnn"
 # The primary reads a replica's log again after this fraction of the time since its current trial
 # was seen to start, and at least every PUBLISH_DELAY_MAX_S: about 12 reads in a trial's first
 # 10 minutes, then one every 5, so some 17 for a 36-minute trial and 26 for a 78-minute one (each
@@ -96,23 +107,37 @@ def _arch_bytes(arch: Any) -> tuple[bytes, bytes]:
     return layers, skips
 
 
-def published_fields(trial: str, replica: int, raw: bytes, files: dict[str, str]) -> dict[str, Any] | None:
-    """What the history publishes of a usable trial, from its trial.json bytes and its trial_end's
-    files; None when the bytes do not hash to files["trial.json"] or are not a trial.json this
-    aiperf wrote. The one definition the publisher, the fallback reader and --verify share."""
+def published_fields(trial: str, replica: int, raw: bytes, files: dict[str, str],
+                     workload: str = LEGACY_WORKLOAD) -> dict[str, Any] | None:
+    """What the history publishes of a usable trial of a `workload` run, from its trial.json bytes
+    and its trial_end's files; None when the bytes do not hash to files["trial.json"] or are not a
+    trial.json an aiperf wrote for that workload. The one definition the publisher, the fallback
+    reader and --verify share."""
     if sha256_bytes(raw) != files.get("trial.json"):
         return None  # changed since its trial ended: not trusted
     try:
         info = json.loads(raw)
         fields = {"trial": trial, "replica": replica, "round": int(info["round"]), "target": float(info["target"]),
                   "best_val_accuracy": float(info["best_val_accuracy"]),
-                  "hpo_point": _point(info["hpo_point"]),
+                  "hpo_point": _hpo_point(info, info.get("hyper"), workload),
                   "arch": encode_arch(info["arch"]), "signature": str(info["signature"]), "files": dict(files)}
-    except (ValueError, KeyError, TypeError, AiperfError):
+    except (ValueError, KeyError, TypeError, AttributeError, AiperfError):
         return None
     if not all(np.isfinite([fields["target"], fields["best_val_accuracy"]])):
         return None  # not JSON: a trial with weights always has both
     return fields
+
+
+def as_published(line: dict[str, Any], workload: str = LEGACY_WORKLOAD) -> dict[str, Any]:
+    """The PUBLISHED_FIELDS of a line, an old line's hpo_point read from LEGACY_POINT where the
+    run's workload reads them: what --verify compares with published_fields."""
+    shown = {key: line.get(key) for key in PUBLISHED_FIELDS}
+    if "hpo_point" not in line:
+        try:
+            shown["hpo_point"] = _hpo_point(line, line, workload)
+        except (ValueError, TypeError):
+            pass  # left None: it differs from trial.json's, and --verify names the field
+    return shown
 
 
 def _point(value: Any) -> dict[str, float]:
@@ -125,19 +150,52 @@ def _point(value: Any) -> dict[str, float]:
     return point
 
 
-def records_of(lines: list[dict[str, Any]]) -> list[tuple[TrialRecord, np.ndarray]]:
-    """(record, arch summary) of every published line (or published_fields) that is one, in order.
-    The architecture codes are decoded together: one array for all, one view per record."""
+class _Unread(ValueError):
+    """Why a published trial cannot be read, in words for the set-aside note."""
+
+
+def _hpo_point(fields: dict[str, Any], legacy: Any, workload: str) -> dict[str, float]:
+    """fields' hpo_point; without one, the cnn's point from LEGACY_POINT in `legacy` (the line
+    itself, or trial.json's hyper). _Unread when neither gives a point of `workload`."""
+    if "hpo_point" in fields:
+        return _point(fields["hpo_point"])
+    if not isinstance(legacy, dict) or not all(name in legacy for name in LEGACY_POINT):
+        raise _Unread("no hpo_point, nor the batch_size and kernel_size of an aiperf before it")
+    if workload != LEGACY_WORKLOAD:
+        raise _Unread(f"batch_size and kernel_size (written before hpo_point, the {LEGACY_WORKLOAD}'s point) in a "
+                      f"{workload} run")
+    return {name: int(value) for name, value in _point({name: legacy[name] for name in LEGACY_POINT}).items()}
+
+
+def _why_unread(exc: Exception) -> str:
+    if isinstance(exc, _Unread):
+        return str(exc)
+    if isinstance(exc, KeyError):
+        return f"no {exc.args[0]}"
+    return f"a field this aiperf cannot read ({exc})"
+
+
+def records_of(lines: list[dict[str, Any]], workload: str = LEGACY_WORKLOAD,
+               set_aside: dict[str, str] | None = None) -> list[tuple[TrialRecord, np.ndarray]]:
+    """(record, arch summary) of every published line (or published_fields) of a `workload` run
+    that is one, in order; `set_aside`, when given, gets trial -> why for each line with a trial
+    id that is none. The architecture codes are decoded together: one array for all, one view per
+    record."""
     kept, layer_bytes, skip_bytes = [], [], []
     for fields in lines:
         try:
             files = fields["files"]
-            if not isinstance(fields["trial"], str) or not isinstance(files, dict):
-                continue
+            if not isinstance(fields["trial"], str):
+                continue  # nothing to name it by
+            if not isinstance(files, dict):
+                raise _Unread("files that are not an object")
             values = (int(fields["replica"]), int(fields["round"]), float(fields["target"]),
-                      float(fields["best_val_accuracy"]), _point(fields["hpo_point"]), str(fields["signature"]))
+                      float(fields["best_val_accuracy"]), _hpo_point(fields, fields, workload),
+                      str(fields["signature"]))
             layers, skips = _arch_bytes(fields["arch"])
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError) as exc:
+            if set_aside is not None and isinstance(fields.get("trial"), str):
+                set_aside.setdefault(fields["trial"], _why_unread(exc))
             continue
         kept.append((fields["trial"], values, dict(files)))
         layer_bytes.append(layers)
@@ -179,11 +237,13 @@ def _read(tail: LogTail) -> list[dict[str, Any]]:
 
 class SharedHistory:
     """The history as one replica sees it. `replica`: whose own log is read directly, so that its
-    trials join as soon as they end; None for a reader that is no replica (tools, benchmarks)."""
+    trials join as soon as they end; None for a reader that is no replica (tools, benchmarks).
+    `workload`: the run's (run.json `workload`), which decides what an old trial's fields mean."""
 
-    def __init__(self, run_dir: RunDir | None, replica: int | None = None):
+    def __init__(self, run_dir: RunDir | None, replica: int | None = None, workload: str = LEGACY_WORKLOAD):
         self.run_dir = run_dir
         self.replica = replica
+        self.workload = workload
         self.records: list[TrialRecord] = []
         self._known: set[str] = set()
         self._summaries: list[np.ndarray] = []
@@ -200,7 +260,7 @@ class SharedHistory:
         if self._published.exists:
             fresh = [event for event in published
                      if event.get("event") == PUBLISHED and event.get("trial") not in self._known]
-            for record, summary in records_of(fresh):
+            for record, summary in records_of(fresh, self.workload):
                 if record.trial not in self._known:  # published twice: the first counts
                     self._join(record, joined, summary)
         else:  # nobody publishes: read every replica's log
@@ -228,19 +288,19 @@ class SharedHistory:
             tail = self._logs[replica] = _log_tail(self.run_dir, replica)
         for event in _read(tail):
             if usable_end(event) and event["trial"] not in self._known:
-                fields = _load(self.run_dir, replica, event)
+                fields = _load(self.run_dir, replica, event, self.workload)
                 if fields is not None:
-                    for record, summary in records_of([fields]):
+                    for record, summary in records_of([fields], self.workload):
                         self._join(record, joined, summary)
 
 
-def _load(run_dir: RunDir, replica: int, event: dict[str, Any]) -> dict[str, Any] | None:
+def _load(run_dir: RunDir, replica: int, event: dict[str, Any], workload: str) -> dict[str, Any] | None:
     """published_fields of a usable trial_end, read from its trial.json; None if it is not trusted."""
     try:
         raw = (run_dir.trial_dir(event["trial"]) / "trial.json").read_bytes()
     except OSError:
         return None
-    return published_fields(event["trial"], replica, raw, event["files"])
+    return published_fields(event["trial"], replica, raw, event["files"], workload)
 
 
 class HistoryPublisher:
@@ -250,12 +310,16 @@ class HistoryPublisher:
     A log is read again after PUBLISH_DELAY_FRACTION of the time since its replica's current trial
     was seen to start, and at least every PUBLISH_DELAY_MAX_S: a bounded number of reads per trial
     whatever its length, where reading every log at every poll would cost the primary, and the
-    filesystem, one open per replica every few seconds. `publish_all` reads every log to its end."""
+    filesystem, one open per replica every few seconds. `publish_all` reads every log to its end.
+    `workload`: the run's, as for SharedHistory."""
 
-    def __init__(self, run_dir: RunDir, replicas: int, clock: Clock = SYSTEM_CLOCK, lease=None):
+    def __init__(self, run_dir: RunDir, replicas: int, clock: Clock = SYSTEM_CLOCK, lease=None,
+                 workload: str = LEGACY_WORKLOAD):
         self.run_dir = run_dir
+        self.workload = workload
         self.log = EventLog(run_dir.history_file, clock, lease=lease)
         self.published: set[str] = set()
+        self.set_aside: dict[str, str] = {}  # trial -> why: published lines no replica of this run can read
         self._tails = [_log_tail(run_dir, replica) for replica in range(replicas)]
         self._since: list[float | None] = [None] * replicas  # when the current trial was seen to start
         self._due: list[tuple[float, int]] = []  # heap of (time of the next read, replica)
@@ -263,12 +327,17 @@ class HistoryPublisher:
     def open(self, now: float) -> None:
         """Continue the history a primary before this one wrote, after checking its hash chain
         (RunDirError when a line was changed: replicas may have planned on it); a line torn by a
-        crash is cut off and its trial published again. Every log is then read from its start."""
+        crash is cut off and its trial published again. Every log is then read from its start.
+        `set_aside` then names the lines that replicas will not read (an older or damaged form):
+        they stay, since the chain forbids changing them, and their trials are not published again."""
         path = self.run_dir.history_file
         for problem in ([] if not path.exists() else verify_chain(path)):
             raise RunDirError(f"{path}: line {problem.line}: {problem.message}: the published history was changed "
                               "(move the file aside to have every trial published anew)")
-        self.published = {event.get("trial") for event in read_events(path) if event.get("event") == PUBLISHED}
+        lines = [event for event in read_events(path) if event.get("event") == PUBLISHED]
+        self.published = {event.get("trial") for event in lines}
+        self.set_aside = {}
+        records_of(lines, self.workload, self.set_aside)
         self.log.open()
         self._due = [(now, replica) for replica in range(len(self._tails))]
 
@@ -298,7 +367,7 @@ class HistoryPublisher:
             if kind in ("trial_start", "trial_end", "replica_start"):
                 self._since[replica] = now
             if kind == "trial_end" and usable_end(event) and event["trial"] not in self.published:
-                fields = _load(self.run_dir, replica, event)
+                fields = _load(self.run_dir, replica, event, self.workload)
                 if fields is not None:
                     self.log.append(PUBLISHED, **fields)
                     self.published.add(event["trial"])
@@ -306,3 +375,20 @@ class HistoryPublisher:
         if self._since[replica] is None:
             self._since[replica] = now  # nothing started yet: read less often as the wait goes on
         return count
+
+
+SET_ASIDE_NAMED = 5  # trials a note names for each reason; the primary's log names them all
+
+
+def set_aside_note(set_aside: dict[str, str]) -> str:
+    """One line for the terminal: how many published trials no replica reads, and why."""
+    by_reason: dict[str, list[str]] = {}
+    for trial, why in set_aside.items():
+        by_reason.setdefault(why, []).append(trial)
+    parts = []
+    for why, trials in by_reason.items():
+        named = ", ".join(trials[:SET_ASIDE_NAMED]) + (f" and {len(trials) - SET_ASIDE_NAMED} more"
+                                                        if len(trials) > SET_ASIDE_NAMED else "")
+        parts.append(f"{len(trials)} with {why} ({named})")
+    return (f"{HISTORY_NAME}: {len(set_aside)} published trial(s) set aside, not parents or HPO data for this run: "
+            + "; ".join(parts))

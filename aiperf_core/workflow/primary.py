@@ -28,7 +28,7 @@ from aiperf_core.atomic import write_text_atomic
 from aiperf_core.clock import SYSTEM_CLOCK, Clock
 from aiperf_core.errors import AiperfError
 from aiperf_core.rundir import LEASE_RENEW_S, EventLog, Lease, LeaseHeld, RunDir, chain_head, read_events
-from aiperf_core.search.history import HistoryPublisher
+from aiperf_core.search.history import LEGACY_WORKLOAD, HistoryPublisher, set_aside_note
 from aiperf_core.workflow.duration import format_duration
 from aiperf_core.workflow.executors.base import (Executor, ProcessEnd, ReplicaCommand, ReplicaHandle, log_tail,
                                                  replica_argv)
@@ -114,7 +114,8 @@ class Primary:
         self.slots = [ReplicaSlot(i) for i in range(int(run["replicas"]))]
         self.lease = Lease(run_dir.primary_lease, "primary")
         self.log = EventLog(run_dir.primary_log, clock, lease=self.lease)
-        self.publisher = HistoryPublisher(run_dir, len(self.slots), clock, lease=self.lease)
+        self.publisher = HistoryPublisher(run_dir, len(self.slots), clock, lease=self.lease,
+                                          workload=run.get("workload", LEGACY_WORKLOAD))
         self._interrupted: int | None = None
         self._lease_lost = False
 
@@ -164,6 +165,9 @@ class Primary:
             lease_from = {key: taken.get(key) for key in ("host", "pid", "verdict")} if taken else None
             self.log.append("run_start", resume=self.resume, pid=os.getpid(), host=socket.gethostname(),
                             lease_taken_from=lease_from)
+            if self.publisher.set_aside:  # a history an older aiperf wrote: said once, not silently lost
+                self.log.append("history_set_aside", trials=self.publisher.set_aside)
+                self.notify(set_aside_note(self.publisher.set_aside))
             self._recover(history)
             if self.resume:
                 self.executor.end_strays({slot.handle.job for slot in self.slots if slot.handle is not None})
