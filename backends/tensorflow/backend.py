@@ -36,6 +36,11 @@ The contract:
   strategy (a model whose variables live on another device is trained as a copy there); several
   train data parallel with MirroredStrategy over exactly those devices and synchronised batch norm
   (distributed.py). Predict, evaluation and every batch run on the model's (or the first) device.
+* TrainConfig.micro_batch (gradient accumulation) and checkpoint_blocks (tf.recompute_grad per
+  block): training.py. Streamed text (a TokenStream) trains through the host feed, a global batch at
+  a time.
+* device_memory: a GPU's memory as TF's runtime sizes it (gpu_memory_limits; not yet run on a GPU),
+  a CPU's share of RAM as the base class says.
 * XLA: see lowering.use_xla (AIPERF_TF_XLA; unset: on GPUs, off on CPUs; a bad value is refused
   when the backend starts).
 """
@@ -201,6 +206,39 @@ def tf_device_name(device: str) -> str:
     return f"/device:{kind.upper()}:{index or 0}"
 
 
+_gpu_memory: dict[str, int] | None = None
+
+
+def gpu_memory_limits() -> dict[str, int]:
+    """Bytes one process may use on each GPU ('/device:GPU:i'), read once a process: the device's
+    total memory, times per_process_gpu_memory_fraction where the process set one, or a logical
+    GPU's configured memory_limit.
+
+    TensorFlow has no public call for it: tf.config.experimental.get_memory_info gives the bytes in
+    use and their peak, get_device_details the name and compute capability. The runtime's device
+    factory knows it, and device_lib.list_local_devices asks that factory again under a given
+    config. Left at its default fraction (0) the factory would size a device by the memory free at
+    the time of asking, which is next to nothing once TensorFlow's allocator has taken the device's
+    memory; a fraction of 1 makes it the device's total instead. The factory reuses the process's
+    allocators, so asking allocates no device memory. Not yet run on a GPU (docs/backends/
+    tensorflow.md): an error reading it gives no figures (nothing is filtered), never a guess."""
+    global _gpu_memory
+    if _gpu_memory is None:
+        framework()
+        try:
+            from tensorflow.python.client import device_lib
+            from tensorflow.python.eager import context
+
+            config = context.context().config  # a copy, with the process's logical devices
+            if not config.gpu_options.per_process_gpu_memory_fraction:
+                config.gpu_options.per_process_gpu_memory_fraction = 1.0
+            _gpu_memory = {d.name: int(d.memory_limit) for d in device_lib.list_local_devices(config)
+                           if d.device_type == "GPU" and d.memory_limit > 0}
+        except Exception:  # private modules that may move
+            _gpu_memory = {}
+    return _gpu_memory
+
+
 def _compute_capability(device: str) -> tuple[int, int]:
     tf = framework()
     index = int(device.partition(":")[2] or 0)
@@ -268,6 +306,13 @@ class TensorFlowBackend(Backend):
         tf = framework()
         gpu = tf.config.list_physical_devices("GPU")[int(device.partition(":")[2] or 0)]
         return tf.config.experimental.get_device_details(gpu).get("device_name")
+
+    def device_memory(self, device: str) -> int | None:
+        """A GPU: its memory as TensorFlow's runtime sizes it (gpu_memory_limits); None when that
+        cannot be read. A CPU: the base class's share of RAM."""
+        if not device.startswith("gpu"):
+            return super().device_memory(device)
+        return gpu_memory_limits().get(tf_device_name(device))
 
     def runs_precision(self, device: str, precision: str) -> bool:
         return _probe_precision(device, precision)

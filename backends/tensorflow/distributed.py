@@ -14,6 +14,12 @@ are those of the whole global batch and the moving averages are updated identica
 replica: data-parallel training is mathematically the same as single-device training on the
 global batch, whatever the number of devices. Validation runs in inference mode on the first
 device. The data-parallel step is not compiled with XLA (the all-reduces sit inside it).
+
+With TrainConfig.micro_batch, a replica whose shard is larger runs it as micro-batches and the
+gradients are all-reduced once, after the last of them (training.Trainer._accumulated_gradients);
+batch norm then normalises each micro-batch by its own statistics, unsynchronised. Streamed data
+(an image stream, a TokenStream) is read in this process, one global batch at a time, and cut into
+the replicas' shards on their devices: nothing is copied to other processes.
 """
 
 from __future__ import annotations

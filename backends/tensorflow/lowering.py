@@ -58,6 +58,13 @@ for images):
   joined again. Under jit_compile (on GPUs by default) XLA fuses the scale, the mask and the softmax.
 * gelu: ``tf.nn.gelu(approximate=True)`` (the IR's tanh form); softmax over the last axis of (S, classes).
 
+Activation checkpointing (``call(..., checkpoint=True)``, training only): each of the graph's blocks
+(Graph.blocks: two residual sub-layers of a transformer) runs as one function under
+``tf.recompute_grad``, whose custom gradient keeps only the block's input and runs the block's forward
+again in the backward pass (the variables it reads are found by the custom gradient's variable
+watcher and get their gradients from the recomputation). A dropout inside a block draws its mask
+from a stateless seed drawn outside it, so that the recomputation draws the same mask.
+
 Input: a float32 batch is taken as it is (in-memory arrays, already normalised); a uint8 batch is
 pixels (streamed and synthetic data) and is normalised first, on the model's device inside the
 traced step, with exactly the host's arithmetic `(float32(x) - MEAN) * INV_STD`
@@ -168,7 +175,7 @@ def make_variable(value, name: str, trainable: bool) -> tf.Variable:
 class LoweredModel(tf.Module):
     """An IR graph as a tf.Module.
 
-    ``call(x, training, logits=False, masks=None)`` returns ``(output, updates)``: the graph's
+    ``call(x, training, logits=False, masks=None, ...)`` returns ``(output, updates)``: the graph's
     output (or the softmax's input with logits=True, when the output node is a softmax) and the
     list of (moving variable, new value) pairs of a training pass (empty in inference).
     ``predict_fn()`` is a tf.function of the inference forward at the model's precision, with a None
@@ -199,6 +206,11 @@ class LoweredModel(tf.Module):
         for i, node in enumerate(graph.nodes):
             for src in node.inputs:
                 self._last_reader[src] = i
+        self._order = {node.id: i for i, node in enumerate(graph.nodes)}
+        # Activation checkpointing's blocks by their first node.
+        self.blocks = {block.nodes[0]: block for block in graph.blocks()}
+        # Moving statistics (batch norm's), which a training pass updates.
+        self.moving_variables = [v for ps in self.params.values() for k, v in ps.items() if k.startswith("moving_")]
         self._predict_fns: dict[str, Any] = {}
         # Labels per sample: one for an image, one per position of a sequence output (N, S, classes).
         self.labels_per_sample = int(np.prod(graph.output_shape[:-1], dtype=np.int64))
@@ -223,33 +235,80 @@ class LoweredModel(tf.Module):
         return self.logits_id is not None
 
     # -- forward ------------------------------------------------------------
-    def call(self, x, training: bool, logits: bool = False, masks: Mapping[str, Any] | None = None):
+    def call(self, x, training: bool, logits: bool = False, masks: Mapping[str, Any] | None = None,
+             checkpoint: bool = False, moving: Mapping[Any, Any] | None = None, synchronise: bool = True):
+        """(output, moving-statistics updates) of a forward pass (see the class's docstring).
+
+        checkpoint (training only): each of the graph's blocks (Graph.blocks) runs under
+        tf.recompute_grad, so the backward pass keeps only the block's input and recomputes the
+        rest. moving: the moving statistics a training pass starts from, by variable ref(), instead
+        of the variables' values (gradient accumulation chains its micro-batches' updates).
+        synchronise=False: batch statistics of this replica's batch alone, even under several
+        replicas (a micro-batch's, which the peers' micro-batches need not line up with)."""
         g = self.graph
         stop = self.logits_id if logits and self.logits_id is not None else g.output_id
+        run = _Pass(training, masks, moving, synchronise)
         values: dict[str, Any] = {}
-        updates: list[tuple[tf.Variable, Any]] = []
-        cd = self.compute_dtype
+        blocks = self.blocks if checkpoint and training else {}
+        skip_to = -1  # index of the last node computed by the checkpointed block just run
         for i, node in enumerate(g.nodes):
+            if i <= skip_to:
+                continue
             if node.op == "token_input":
                 values[node.id] = x if x.dtype == tf.int64 else tf.cast(x, tf.int64)
                 continue
             if node.op == "input":
                 x = device_input(x)
-                values[node.id] = tf.cast(x, cd) if cd != tf.float32 and len(g.input_shape) == 3 else x
+                values[node.id] = tf.cast(x, self.compute_dtype) if self.compute_dtype != tf.float32 and \
+                    len(g.input_shape) == 3 else x
                 continue
-            ins = [values[s] for s in node.inputs]
-            values[node.id] = self._op(node, ins, training, updates, masks)
+            block = blocks.get(node.id)
+            if block is not None and stop not in block.nodes:
+                skip_to = self._order[block.output]
+                readers = [self._order[n] for n in block.nodes]
+                values.update(self._checkpointed(block, values[block.input], run))
+            else:
+                skip_to, readers = i, [i]
+                values[node.id] = self._op(node, [values[s] for s in node.inputs], run)
             if node.id == stop:
                 break
-            for s in node.inputs:  # free values after their last reader (eager mode)
-                if self._last_reader.get(s) == i and s != stop:
-                    values.pop(s, None)
+            for k in readers:  # free values after their last reader (eager mode)
+                for s in g.nodes[k].inputs:
+                    if self._last_reader.get(s) == k and s != stop:
+                        values.pop(s, None)
         out = values[stop]
         if out.dtype != tf.float32:
             out = tf.cast(out, tf.float32)
-        return out, updates
+        return out, run.updates
 
-    def _op(self, node: Node, ins, training, updates, masks):
+    def _checkpointed(self, block, x, run: "_Pass") -> dict[str, Any]:
+        """The values of `block` that nodes after it read, computed under tf.recompute_grad. Its
+        dropout masks come from seeds drawn here, outside it, so that the recomputation draws the
+        same ones; its moving-statistics updates are the forward pass's (the recomputation's are
+        the same values and are dropped)."""
+        g = self.graph
+        last = self._order[block.output]
+        exported = [n for n in block.nodes if n == block.output or self._last_reader.get(n, -1) > last]
+        seeds = {n: tf.random.uniform([2], 0, 2 ** 31 - 1, tf.int32) for n in block.nodes
+                 if g[n].op == "dropout" and g[n].attrs["rate"] > 0 and (run.masks is None or n not in run.masks)}
+        forward_updates: list = []
+
+        def forward(h):
+            inner = _Pass(run.training, run.masks, run.moving, run.synchronise, seeds)
+            vals = {block.input: h}
+            for nid in block.nodes:
+                node = g[nid]
+                vals[nid] = self._op(node, [vals[s] for s in node.inputs], inner)
+            if not forward_updates:
+                forward_updates.append(inner.updates)
+            outs = [vals[n] for n in exported]
+            return outs[0] if len(outs) == 1 else outs
+
+        outs = tf.recompute_grad(forward)(x)
+        run.updates.extend(forward_updates[0])
+        return dict(zip(exported, [outs] if len(exported) == 1 else outs))
+
+    def _op(self, node: Node, ins, run: "_Pass"):
         a, op, cd = node.attrs, node.op, self.compute_dtype
         if op == "conv2d":
             return self._conv2d(node, ins[0])
@@ -266,7 +325,7 @@ class LoweredModel(tf.Module):
                 y = tf.nn.bias_add(y, tf.cast(p["bias"], cd))
             return y
         if op == "batch_norm":
-            return self._batch_norm(node, ins[0], training, updates)
+            return self._batch_norm(node, ins[0], run)
         if op == "relu":
             return tf.nn.relu(ins[0])
         if op == "add":
@@ -292,11 +351,14 @@ class LoweredModel(tf.Module):
             return tf.nn.softmax(tf.cast(ins[0], tf.float32), axis=-1)
         if op == "dropout":
             x, rate = ins[0], a["rate"]
-            if not training or rate == 0:
+            if not run.training or rate == 0:
                 return x
-            if masks is not None and node.id in masks:
-                return x * tf.cast(masks[node.id], x.dtype)
-            keep = tf.random.uniform(tf.shape(x)) >= rate
+            if run.masks is not None and node.id in run.masks:
+                return x * tf.cast(run.masks[node.id], x.dtype)
+            if node.id in run.seeds:  # inside a checkpointed block: the same mask when recomputed
+                keep = tf.random.stateless_uniform(tf.shape(x), run.seeds[node.id]) >= rate
+            else:
+                keep = tf.random.uniform(tf.shape(x)) >= rate
             return x * tf.cast(keep, x.dtype) * tf.cast(1.0 / (1.0 - rate), x.dtype)
         if op == "lrn":
             x = ins[0]
@@ -407,24 +469,24 @@ class LoweredModel(tf.Module):
         out = tf.matmul(probs, v)  # (N, A, S, d)
         return tf.reshape(tf.transpose(out, [0, 2, 1, 3]), [n, seq, heads * dim])
 
-    def _batch_norm(self, node: Node, x, training: bool, updates):
+    def _batch_norm(self, node: Node, x, run: "_Pass"):
         p = self.params[node.id]
         eps = node.attrs["epsilon"]
         out_dtype = x.dtype
         x = tf.cast(x, tf.float32)
         axes = list(range(len(x.shape) - 1))
-        if not training:
+        if not run.training:
             scale = p["gamma"] * tf.math.rsqrt(p["moving_variance"] + eps)
             return tf.cast(x * scale + (p["beta"] - p["moving_mean"] * scale), out_dtype)
         momentum = node.attrs["momentum"]
         ctx = tf.distribute.get_replica_context()
-        sync = _in_replicas()
+        sync = run.synchronise and _in_replicas()
         if not sync and len(x.shape) == 4 and eps >= FUSED_MIN_EPSILON:
             # One kernel forward and backward, as Keras does: the written-out form below was 4-6%
             # slower on ResNet-50 (docs/performance.md). It returns the unbiased batch variance.
             y, mean, unbiased = tf.compat.v1.nn.fused_batch_norm(
                 x, p["gamma"], p["beta"], epsilon=eps, data_format="NHWC", is_training=True)
-            self._moving_updates(p, momentum, mean, unbiased, updates)
+            run.moving_updates(p, momentum, mean, unbiased)
             return tf.cast(y, out_dtype)
         count = tf.cast(tf.size(x) // tf.shape(x)[-1], tf.float32)
         total_x = tf.reduce_sum(x, axis=axes)
@@ -438,14 +500,8 @@ class LoweredModel(tf.Module):
         var = sq / count
         y = centred * (p["gamma"] * tf.math.rsqrt(var + eps)) + p["beta"]
         unbiased = var * (count / tf.maximum(count - 1.0, 1.0))
-        self._moving_updates(p, momentum, mean, unbiased, updates)
+        run.moving_updates(p, momentum, mean, unbiased)
         return tf.cast(y, out_dtype)
-
-    @staticmethod
-    def _moving_updates(p, momentum: float, mean, unbiased, updates) -> None:
-        updates.append((p["moving_mean"], momentum * p["moving_mean"] + (1.0 - momentum) * tf.stop_gradient(mean)))
-        updates.append((p["moving_variance"],
-                        momentum * p["moving_variance"] + (1.0 - momentum) * tf.stop_gradient(unbiased)))
 
     # -- weights ------------------------------------------------------------
     def load_canonical(self, weights: Mapping[str, Mapping[str, np.ndarray]]) -> None:
@@ -470,6 +526,21 @@ class LoweredModel(tf.Module):
             value = np.zeros(var.shape, np.float32) if g is None else np.asarray(tf.convert_to_tensor(g), np.float32)
             out[node_id][pname] = np.ascontiguousarray(value)
         return out
+
+
+class _Pass:
+    """One forward pass's settings (LoweredModel.call) and the moving-statistics updates it makes."""
+
+    def __init__(self, training: bool, masks=None, moving=None, synchronise: bool = True, seeds=None):
+        self.training, self.masks, self.moving, self.synchronise = training, masks, moving, synchronise
+        self.seeds = seeds or {}  # dropout node -> stateless seed (inside a checkpointed block)
+        self.updates: list[tuple[tf.Variable, Any]] = []
+
+    def moving_updates(self, p, momentum: float, mean, unbiased) -> None:
+        for name, batch in (("moving_mean", mean), ("moving_variance", unbiased)):
+            var = p[name]
+            old = var if self.moving is None else self.moving.get(var.ref(), var)
+            self.updates.append((var, momentum * old + (1.0 - momentum) * tf.stop_gradient(batch)))
 
 
 def _in_replicas() -> bool:

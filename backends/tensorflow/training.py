@@ -39,11 +39,28 @@ batch trains whole on the first device in the strategy's cross-replica context i
 with respect to the first replica's copies, every copy updated): the same computation on the
 global batch.
 
+Gradient accumulation (TrainConfig.micro_batch). A device whose part of a global batch (the whole
+batch, or its shard under a strategy) is larger than micro_batch runs it as consecutive
+micro-batches (aiperf_core.backend.micro_batches) inside the one traced step: each micro-batch's
+summed loss is divided by the *global* batch's labels, as a shard's is, so that the gradients summed
+over the micro-batches (and then all-reduced, once, over the replicas) are the global batch's, and
+the clip, the fp16 unscaling and the update that follow are those of one step on the whole batch,
+the uneven last batch of an epoch included. Batch norm normalises each micro-batch by its own
+statistics (on each device, not synchronised: the replicas' micro-batches need not line up), and its
+moving statistics take one update per micro-batch, in order (under data parallelism, the first
+replica's). Validation batches are then at most micro_batch too.
+
+Activation checkpointing (TrainConfig.checkpoint_blocks): the forward runs each of the graph's
+blocks (Graph.blocks) under tf.recompute_grad (lowering.LoweredModel.call), so the backward pass
+keeps only a block's input and recomputes its activations; the gradients are those of plain
+training. An image graph has no blocks: the flag changes nothing there.
+
 Feeding the device (issue 17). Every batch reaches a step as a `Placed` batch, already on the
 training device(s): float32 images (in-memory arrays, already normalised) or uint8 pixels
 (streamed and synthetic data, normalised on the device inside the step, lowering.device_input).
 
-* in-memory arrays and the host pipelines (`data.iterate`: generated data, DALI on the CPU): each
+* in-memory arrays and the host pipelines (`data.iterate`: generated data, DALI on the CPU, and a
+  TokenStream's text, int32 token ids read one global batch at a time, new windows every epoch): each
   batch is copied to the device(s) one batch ahead (`_ahead`), so the copy of batch k+1 is issued
   before step k runs (on a CPU the arrays are passed as they are: there is nothing to copy);
 * ImageFolder and TFRecord with the native loader: tf.data decodes and augments to uint8 pixels
@@ -66,7 +83,8 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
-from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, batches, is_streaming
+from aiperf_core.backend import (BackendError, Dataset, EpochReport, StepClock, TrainConfig, batches, is_streaming,
+                                 is_token_stream)
 from aiperf_core.optim import CLIP_EPSILON, is_decayed
 from aiperf_backends.tensorflow.backend import framework
 from aiperf_backends.tensorflow.lowering import make_variable, precision_scope, use_xla
@@ -84,13 +102,14 @@ def targets(labels, classes: int, label_smoothing: float):
     return y
 
 
-def summed_loss(model, x, labels, label_smoothing: float, training: bool = True, masks=None):
+def summed_loss(model, x, labels, label_smoothing: float, training: bool = True, masks=None, **options):
     """(summed categorical cross-entropy of the batch, over every image or every token of every
-    sequence, batch-norm updates, output used).
+    sequence, batch-norm updates, output used). `options`: LoweredModel.call's (checkpoint, moving,
+    synchronise).
 
     With a softmax output the loss comes from its logits (a stable log-softmax); otherwise the
     output is read as probabilities, clipped to [1e-7, 1 - 1e-7] as the reference does."""
-    out, updates = model.call(x, training, logits=True, masks=masks)
+    out, updates = model.call(x, training, logits=True, masks=masks, **options)
     out = tf.cast(out, tf.float32)
     y = targets(labels, model.graph.output_shape[-1], label_smoothing)
     if model.has_logits:
@@ -199,28 +218,78 @@ class Trainer:
         # optim.is_decayed's rule, asked of a zero-copy array of each variable's shape (a variable
         # itself would be read to the host).
         self.decayed = [is_decayed(np.broadcast_to(np.float32(0), tuple(v.shape))) for v in model.trainables]
-        # By (input dtype, sharded) only: the optimizer's fields are fixed for this Trainer's life.
-        self._steps: dict[tuple[tf.DType, bool], Any] = {}
+        # By (input dtype, sharded, accumulating) only: the optimizer's fields are fixed for this
+        # Trainer's life.
+        self._steps: dict[tuple[tf.DType, bool, bool], Any] = {}
         self._evals: dict[tf.DType, Any] = {}
 
     # -- the traced functions ---------------------------------------------------------------------
-    def _replica_step(self, x, y, lr, global_n, world: int):
-        """The step of one replica (world: the replicas in sync), or of the whole model on one device
-        (world 1: no strategy, or its cross-replica context)."""
+    def _gradients(self, x, y, global_n, sources, **options):
+        """(summed loss, gradients, moving-statistics updates) of one pass over x: the gradients of
+        its summed loss over the *global* batch's labels (times the fp16 loss scale), so that the
+        shards' and micro-batches' gradients add up to the global batch's. `options`: call's."""
         model, scaling = self.model, self.loss_scale
-        # In a strategy's cross-replica context the mirrored variables are read from, and their
-        # gradients taken with respect to, the first replica's copies.
-        sources = model.trainables if self.strategy is None or world > 1 else \
-            [self.strategy.experimental_local_results(v)[0] for v in model.trainables]
-        smoothing = float(self.config.label_smoothing)
         with tf.GradientTape() as tape:
-            total, updates, _ = summed_loss(model, x, y, smoothing, True)
+            total, updates, _ = summed_loss(model, x, y, float(self.config.label_smoothing), True,
+                                            checkpoint=self.config.checkpoint_blocks, **options)
             loss = total / (global_n * model.labels_per_sample)
             if scaling is not None:
                 loss = loss * scaling.scale
         grads = tape.gradient(loss, sources)
         grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, sources)]
-        if world > 1:
+        return total, grads, updates
+
+    def _accumulated_gradients(self, x, y, global_n, sources):
+        """_gradients of x as consecutive micro-batches of config.micro_batch (aiperf_core.backend.
+        micro_batches), summed. x's batch dimension is static (the accumulating step is traced per
+        batch shape), so every micro-batch is a slice of static size: the full ones in a
+        tf.while_loop that runs one at a time (one micro-batch's activations live at once), the
+        short last one after it. Batch norm normalises each micro-batch by its own statistics, also
+        under data parallelism (the replicas' micro-batches need not line up), and its moving
+        statistics take one update per micro-batch, in order, as a run of micro-batch forwards would."""
+        micro, n = int(self.config.micro_batch), int(x.shape[0])
+        refs = [v.ref() for v in self.model.moving_variables]
+
+        def pass_over(xk, yk, moving):
+            total, grads, updates = self._gradients(xk, yk, global_n, sources, moving=dict(zip(refs, moving)),
+                                                    synchronise=False)
+            new = {var.ref(): value for var, value in updates}
+            return total, grads, [new.get(r, m) for r, m in zip(refs, moving)]
+
+        def part(t, start, size):
+            return tf.slice(t, [start] + [0] * (len(t.shape) - 1), [size] + list(t.shape[1:]))
+
+        full, rest = divmod(n, micro)
+        total = tf.zeros([], tf.float32)
+        grads = [tf.zeros(v.shape, tf.float32) for v in sources]
+        moving = [tf.identity(v) for v in self.model.moving_variables]
+        if full:
+            def body(k, total, grads, moving):
+                t, g, m = pass_over(part(x, k * micro, micro), part(y, k * micro, micro), moving)
+                return k + 1, total + t, [a + b for a, b in zip(grads, g)], m
+
+            _, total, grads, moving = tf.while_loop(lambda k, *_: k < full, body, (tf.constant(0), total, grads, moving),
+                                                    parallel_iterations=1)
+        if rest:
+            with tf.control_dependencies([total]):  # after the loop's micro-batches, not beside them
+                t, g, moving = pass_over(part(x, full * micro, rest), part(y, full * micro, rest), moving)
+            total, grads = total + t, [a + b for a, b in zip(grads, g)]
+        updates = list(zip(self.model.moving_variables, moving))
+        return total, grads, updates
+
+    def _replica_step(self, x, y, lr, global_n, world: int, accumulate: bool = False):
+        """The step of one replica (world: the replicas in sync), or of the whole model on one device
+        (world 1: no strategy, or its cross-replica context); `accumulate`: over micro-batches."""
+        model, scaling = self.model, self.loss_scale
+        # In a strategy's cross-replica context the mirrored variables are read from, and their
+        # gradients taken with respect to, the first replica's copies.
+        sources = model.trainables if self.strategy is None or world > 1 else \
+            [self.strategy.experimental_local_results(v)[0] for v in model.trainables]
+        if accumulate:
+            total, grads, updates = self._accumulated_gradients(x, y, global_n, sources)
+        else:
+            total, grads, updates = self._gradients(x, y, global_n, sources)
+        if world > 1:  # once a step, after any accumulation
             grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
         if scaling is None:
             self._apply(grads, lr)
@@ -282,23 +351,26 @@ class Trainer:
         return [tf.TensorSpec([None] + list(graph.input_shape), dtype),
                 tf.TensorSpec([None] + list(graph.output_shape[:-1]), tf.int64)]  # a label per image or token
 
-    def _step_fn(self, dtype, sharded: bool):
+    def _step_fn(self, dtype, sharded: bool, accumulate: bool):
         """The step for batches of `dtype`: over the replicas when `sharded`, else on one device (no
-        strategy, or the strategy's cross-replica context for a batch smaller than its replicas)."""
-        key = (dtype, sharded)
+        strategy, or the strategy's cross-replica context for a batch smaller than its replicas).
+        An accumulating step is traced per batch (shard) shape, for its static micro-batches: two
+        traces a trial at most, the full batches' and the short last one's."""
+        key = (dtype, sharded, accumulate)
         if key not in self._steps:
             spec = self._spec(dtype) + [tf.TensorSpec([], tf.float32), tf.TensorSpec([], tf.float32)]
             if not sharded:
                 def whole(x, y, lr, global_n):
-                    return self._replica_step(x, y, lr, global_n, world=1)
+                    return self._replica_step(x, y, lr, global_n, world=1, accumulate=accumulate)
 
-                self._steps[key] = tf.function(whole, input_signature=spec, jit_compile=self.xla)
+                self._steps[key] = tf.function(whole, input_signature=None if accumulate else spec,
+                                               jit_compile=self.xla)
             else:
                 strategy, world = self.strategy, self.world
 
-                @tf.function(reduce_retracing=True)
+                @tf.function(reduce_retracing=not accumulate)
                 def distributed(x, y, lr, global_n):
-                    per_replica = strategy.run(self._replica_step, args=(x, y, lr, global_n, world))
+                    per_replica = strategy.run(self._replica_step, args=(x, y, lr, global_n, world, accumulate))
                     return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
                 self._steps[key] = distributed
@@ -349,9 +421,16 @@ class Trainer:
             return Placed(tf.identity(x), tf.identity(_labels(y)), n)
 
     # -- running ----------------------------------------------------------------------------------
+    def accumulates(self, batch: Placed) -> bool:
+        """Whether a device's part of this global batch is larger than config.micro_batch."""
+        micro = self.config.micro_batch
+        largest = -(-batch.n // self.world) if batch.sharded else batch.n  # np.array_split's first shard
+        return micro is not None and largest > micro
+
     def step(self, batch: Placed, lr: float):
         """One synchronous optimizer step on a placed global batch; returns its summed loss (a tensor)."""
-        fn = self._step_fn(_dtype(batch.x, self.strategy if batch.sharded else None), batch.sharded)
+        accumulate = self.accumulates(batch)
+        fn = self._step_fn(_dtype(batch.x, self.strategy if batch.sharded else None), batch.sharded, accumulate)
         with precision_scope(self.precision):
             if batch.sharded:
                 return self.compiling.call(fn, batch.x, batch.y, tf.constant(lr, tf.float32),
@@ -359,6 +438,9 @@ class Trainer:
             # Under a strategy, its scope is the cross-replica context: assignments reach every copy.
             scope = self.strategy.scope() if self.strategy is not None else tf.device(self.device)
             with scope, tf.device(self.device):
+                if accumulate:  # no input signature: scalars as tensors, so a new rate is no new trace
+                    return self.compiling.call(fn, batch.x, batch.y, tf.constant(lr, tf.float32),
+                                               tf.constant(batch.n, tf.float32))
                 return self.compiling.call(fn, batch.x, batch.y, np.float32(lr), np.float32(batch.n))
 
     def evaluate(self, batch: Placed):
@@ -402,10 +484,13 @@ def _ahead(items: Iterable, put: Callable[[Any], Placed | None]) -> Iterator[Pla
 
 
 class Feed:
-    """The training and validation batches of one trial, placed for `trainer`."""
+    """The training and validation batches of one trial, placed for `trainer`. Validation batches
+    hold PREDICT_BATCH samples, or at most TrainConfig.micro_batch where it is set: a device never
+    takes more samples through one forward pass than a micro-batch trains on."""
 
     def __init__(self, trainer: Trainer, data, config: TrainConfig):
         self.trainer, self.data, self.config = trainer, data, config
+        self.eval_batch = PREDICT_BATCH if config.micro_batch is None else min(PREDICT_BATCH, config.micro_batch)
 
     def train(self, epoch: int) -> Iterator[Placed]:
         raise NotImplementedError
@@ -432,19 +517,21 @@ class ArrayFeed(Feed):
         return _ahead(order, lambda idx: self.trainer.put(self.x_train[idx], self.y_train[idx]))
 
     def val(self):
-        order = batches(len(self.y_val), PREDICT_BATCH)
+        order = batches(len(self.y_val), self.eval_batch)
         return _ahead(order, lambda idx: self.trainer.put_eval(self.x_val[idx], self.y_val[idx]))
 
 
 class HostStreamFeed(Feed):
-    """Batches from the shared host pipeline (data.iterate: generated data, DALI on the CPU)."""
+    """Batches from the shared host pipeline (data.iterate: generated data, DALI on the CPU), and a
+    TokenStream's windows (int32 token ids, widened to int64 on the device by the graph's
+    token_input): one global batch read at a time, never an epoch's arrays."""
 
     def train(self, epoch):
         stream = self.data.iterate("train", epoch, self.config.seed, self.config.batch_size)
         return _ahead(stream, lambda b: self.trainer.put(b.x, b.y) if len(b.y) else None)
 
     def val(self):
-        stream = self.data.iterate("val", 0, 0, PREDICT_BATCH)
+        stream = self.data.iterate("val", 0, 0, self.eval_batch)
         return _ahead(stream, lambda b: self.trainer.put_eval(b.x, b.y) if len(b.y) else None)
 
 
@@ -461,7 +548,7 @@ class TFDataFeed(Feed):
         return _ahead(ds, lambda b: self.trainer.put(b[0], b[1]))
 
     def val(self):
-        ds = tf_input(self.data, "val", 0, 0, PREDICT_BATCH, None if self.trainer.on_cpu else self.trainer.device)
+        ds = tf_input(self.data, "val", 0, 0, self.eval_batch, None if self.trainer.on_cpu else self.trainer.device)
         return _ahead(ds, lambda b: self.trainer.put_eval(b[0], b[1]))
 
 
@@ -505,7 +592,7 @@ class SyntheticFeed(Feed):
             yield Placed(x, y, n, sharded=True)
 
     def val(self):
-        for window in self.synthetic.windows(self.data, "val", PREDICT_BATCH):
+        for window in self.synthetic.windows(self.data, "val", self.eval_batch):
             with tf.device(self.trainer.device):
                 x, y = self._slice(0, window)
             yield Placed(x, y, window.length)
@@ -517,6 +604,8 @@ def open_feed(trainer: Trainer, data, config: TrainConfig) -> Feed:
     from aiperf_core.data import synthetic
     from aiperf_core.data.stream import NATIVE
 
+    if is_token_stream(data):
+        return HostStreamFeed(trainer, data, config)
     if synthetic.is_synthetic(data):
         return SyntheticFeed(trainer, data, config)
     if data.source.layout in ("imagefolder", "tfrecord") and getattr(data, "loader", NATIVE) == NATIVE:
