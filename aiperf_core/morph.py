@@ -60,13 +60,24 @@ class CapExceeded(GraphError):
 
 
 @dataclass(frozen=True)
+class MemoryCheck:
+    """The memory estimate as a cap (opcount.memory): `needs(graph)` is the bytes a child's smallest
+    training step needs a device where that is over `limit`, None where it fits."""
+
+    needs: Callable[[Graph], int | None]
+    limit: int
+
+
+@dataclass(frozen=True)
 class MorphCaps:
     """Upper bounds on a child. max_params counts trainable parameters;
-    max_ops_per_image is training ops per image (FP + BP, paper convention)."""
+    max_ops_per_image is training ops per image (FP + BP, paper convention); memory is the device's
+    (a child whose step cannot fit it is skipped as one over a cap is)."""
 
     max_nodes: int | None = None
     max_params: int | None = None
     max_ops_per_image: int | None = None
+    memory: MemoryCheck | None = None
 
     def __post_init__(self):
         for name in ("max_nodes", "max_params", "max_ops_per_image"):
@@ -92,6 +103,10 @@ class MorphCaps:
                 ops_per_image = count(graph).total
             if ops_per_image > self.max_ops_per_image:
                 raise CapExceeded("max_ops_per_image", ops_per_image, self.max_ops_per_image)
+        if self.memory is not None:
+            needed = self.memory.needs(graph)
+            if needed is not None:
+                raise CapExceeded("device_memory", needed, self.memory.limit)
 
 
 @dataclass(frozen=True)

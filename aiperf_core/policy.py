@@ -115,6 +115,14 @@ def _betas(value: Any) -> str | None:
     return None
 
 
+def _auto_or_int(low: int) -> Callable[[Any], str | None]:
+    def check(value: Any) -> str | None:
+        if value == "auto":
+            return None
+        return None if _int_range(low)(value) is None else f"must be auto or an integer >= {low}"
+    return check
+
+
 WORKLOADS = ("cnn", "lm")
 _SAME = object()  # an item whose LM default is its CNN default
 
@@ -151,16 +159,16 @@ ITEMS: tuple[PolicyItem, ...] = (
                _choice("bayesian")),
     PolicyItem("dataset", "imagenet", True, "the scored dataset (lm: enwik8, or the embedded corpus)",
                _choice("imagenet", "digits", "synthetic"), lm="enwik8", lm_check=_choice("enwik8", "embedded")),
-    PolicyItem("initial_architecture", "resnet50", True, "the search starts from ResNet-50 (lm: from a GPT, "
-               "aiperf_core.workloads.lm.SEEDS)", _choice("resnet50", "resnet_small"), lm="gpt_small",
-               lm_check=_choice("gpt_small", "gpt_tiny")),
+    PolicyItem("initial_architecture", "resnet50", True, "the search starts from ResNet-50 (lm: from GPT-2 small's "
+               "shape, aiperf_core.workloads.lm.SEEDS; embedded corpus: gpt_small unless set)",
+               _choice("resnet50", "resnet_small"), lm="gpt2_small", lm_check=_choice("gpt2_small", "gpt_small", "gpt_tiny")),
     PolicyItem("min_precision", "fp16", True, "no training precision below this", _choice("fp16")),
     PolicyItem("max_error", 0.30, True, "a valid run reaches at most this validation error",
                _number_range(0.0, 1.0, low_open=True), CNN),
     PolicyItem("max_bits_per_byte", 4.0, True, "a valid run reaches at most this many validation bits per byte "
                "(docs/scoring.md)", _number_range(0.0, 8.0, low_open=True), LM),
-    PolicyItem("seq_len", 128, True, "tokens (bytes) per training and validation sequence", _int_range(2, 4096),
-               LM),
+    PolicyItem("seq_len", 1024, True, "tokens (bytes) per training and validation sequence (embedded corpus: 128 "
+               "unless set)", _int_range(2, 4096), LM),
     PolicyItem("epoch_tokens", 1_048_576, True, "training tokens in one epoch: an epoch is this many tokens of the "
                "training split, whatever the sequence length (embedded corpus: 16,384 unless set)",
                _int_range(2), LM),
@@ -173,8 +181,8 @@ ITEMS: tuple[PolicyItem, ...] = (
     # Paper Table 4, default (customizable) rows.
     PolicyItem("initial_weights", "he", False, "initialisation of the initial network (He et al.)",
                _choice("he")),
-    PolicyItem("batch_size", 448, False, "batch size (images or sequences) of rounds before HPO starts",
-               _int_range(1), lm=16),
+    PolicyItem("batch_size", 448, False, "global batch size (images or sequences) of rounds before HPO starts "
+               "(lm: embedded corpus 16 unless set)", _int_range(1), lm=32),
     PolicyItem("optimizer", "sgd-momentum", False, "sgd-momentum (the cnn's only one), or adamw (decoupled weight "
                "decay on matrices)", _choice("sgd-momentum"), lm="adamw", lm_check=_choice("sgd-momentum", "adamw")),
     PolicyItem("momentum", 0.9, False, "SGD momentum", _number_range(0.0, 1.0)),
@@ -182,10 +190,10 @@ ITEMS: tuple[PolicyItem, ...] = (
     PolicyItem("weight_decay", 0.1, False, "AdamW's decoupled weight decay", _number_range(0.0, 1.0), LM),
     PolicyItem("grad_clip", 1.0, False, "the gradients' global 2-norm is clipped to this (0: no clipping)",
                _number_range(0.0, 1e6), LM),
-    PolicyItem("learning_rate", 0.1, False, "learning rate at the reference batch size",
-               _number_range(0.0, 10.0, low_open=True), lm=0.005),
-    PolicyItem("reference_batch_size", 448, False, "batch size at which learning_rate applies unscaled",
-               _int_range(1), lm=16),
+    PolicyItem("learning_rate", 0.1, False, "learning rate at the reference batch size (lm: embedded corpus 0.005 "
+               "unless set)", _number_range(0.0, 10.0, low_open=True), lm=0.001),
+    PolicyItem("reference_batch_size", 448, False, "batch size at which learning_rate applies unscaled "
+               "(lm: embedded corpus 16 unless set)", _int_range(1), lm=32),
     PolicyItem("lr_schedule", "linear", False, "the rate's decay after warm-up: linear or cosine",
                _choice("linear", "cosine"), lm="cosine"),
     PolicyItem("lr_warmup_epochs", 0, False, "epochs of linear learning-rate warm-up at the start of each trial",
@@ -209,8 +217,8 @@ ITEMS: tuple[PolicyItem, ...] = (
                _int_list(1), lm=[1, 1, 2]),
     PolicyItem("patience_min", 3, False, "early-stopping patience in round 1", _int_range(1)),
     PolicyItem("patience_max", 10, False, "early-stopping patience ceiling", _int_range(1)),
-    PolicyItem("hpo_batch_size_bounds", [16, 512], False, "HPO search range of the batch size", _int_pair(1),
-               lm=[8, 128]),
+    PolicyItem("hpo_batch_size_bounds", [16, 512], False, "HPO search range of the global batch size "
+               "(lm: embedded corpus [8, 128] unless set)", _int_pair(1), lm=[16, 256]),
     PolicyItem("hpo_kernel_sizes", [3, 5, 7], False, "HPO choices of a morph-added conv's kernel size",
                _odd_kernels, CNN),
     PolicyItem("max_layers", 24, False, "no grown GPT has more blocks (attention layers) than this", _int_range(1),
@@ -221,6 +229,11 @@ ITEMS: tuple[PolicyItem, ...] = (
                _int_range(2), LM),
     PolicyItem("hpo_lr_scale_bounds", [0.25, 2.0], False, "HPO search range of the factor on the learning rate",
                _int_pair_range(0.0), LM),
+    PolicyItem("micro_batch", "auto", False, "gradient accumulation: the most sequences one device takes through one "
+               "forward and backward pass; auto: the whole shard where the memory estimate fits it, else the "
+               "largest that fits (docs/search.md, \"Memory\")", _auto_or_int(1), LM),
+    PolicyItem("activation_checkpointing", "auto", False, "recompute each block's activations in the backward pass: "
+               "auto (where the memory estimate needs it), always or never", _choice("auto", "always", "never"), LM),
     PolicyItem("nas_candidates", 8, False, "morph candidates generated and scored per round", _int_range(1)),
     PolicyItem("nas_acquisition", "ucb", False, "acquisition function of the architecture GP",
                _choice("ucb", "ei")),

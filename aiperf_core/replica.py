@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -121,6 +121,8 @@ class Plan:
     weights: Weights
     proposal: hpo.Proposal
     nas: dict | None  # the NAS selection's figures, for trial.json
+    # Children the memory estimate kept out of this round's candidates (trial_start.over_memory).
+    over_memory: list = field(default_factory=list)
 
 
 def _seed(*entropy: int) -> int:
@@ -339,12 +341,20 @@ class Replica:
             del self._parent_graphs[trial]  # keep only the graphs of current parents in memory
         wanted = self.policy["nas_candidates"]
         candidates = []  # (parent record, parent graph, MorphResult without weights)
+        over_memory: list[dict] = []
+        memory = self._memory_check(proposal.batch_size, over_memory)
         for k, parent in enumerate(parents):
             graph = self._parent_graph(parent)
             share = wanted // len(parents) + (1 if k < wanted % len(parents) else 0)
             for result in morphs.generate_candidates(graph, None, max(share, 1),
-                                                     _seed(self.spec.seed, self.id, round_number, k), self.policy):
+                                                     _seed(self.spec.seed, self.id, round_number, k), self.policy,
+                                                     memory):
                 candidates.append((parent, graph, result))
+        if over_memory:
+            print(f"replica {self.id}: round {round_number}: {len(over_memory)} grown child(ren) skipped: their "
+                  f"smallest step needs {min(c['estimate_bytes'] for c in over_memory) / 2**30:.2f} GiB or more "
+                  f"a device, over its {over_memory[0]['budget_bytes'] / 2**30:.2f} GiB",
+                  file=sys.stderr, flush=True)
         known = {r.signature for r in self.history.records}
         fresh = [c for c in candidates if signature_hash(c[2].graph) not in known] or candidates
         if not fresh:
@@ -357,7 +367,58 @@ class Replica:
         record = morphs.tune_morph(dict(chosen.record), proposal)
         child = morphs.replay(parent_graph, self._parent_weights(parent, parent_graph), record)
         return Plan(round_number, parent.trial, child.record, child.graph, child.weights, proposal,
-                    selection.describe())
+                    selection.describe(), over_memory)
+
+    # -- memory (opcount.memory; the lm policy's micro_batch and activation_checkpointing) ---------
+    def _device_shard(self, batch_size: int) -> int:
+        """The samples of a global batch one device takes: data parallelism splits it evenly."""
+        return -(-batch_size // len(self.backend.devices()))
+
+    def memory_plan(self, graph: Graph, batch_size: int):
+        """How each device runs its shard of a global batch (micro-batches, checkpointing), chosen by
+        the memory estimate against the device's memory; None for a workload without those policy
+        items (the cnn trains every shard whole). A ReplicaError where nothing fits."""
+        if "micro_batch" not in self.policy:
+            return None
+        from aiperf_opcount.memory import plan_memory
+
+        device = self.backend.devices()[0]
+        budget = self.backend.device_memory(device)
+        plan = plan_memory(graph, self._device_shard(batch_size), budget, self.precision, self.policy["optimizer"],
+                           self.policy["micro_batch"], self.policy["activation_checkpointing"])
+        if plan is None:
+            raise ReplicaError(f"the graph does not fit {device}'s {budget / 2**30:.2f} GiB even one sample at a time "
+                               f"(policy micro_batch {self.policy['micro_batch']}, activation_checkpointing "
+                               f"{self.policy['activation_checkpointing']})")
+        return plan
+
+    def _memory_check(self, batch_size: int, over_memory: list):
+        """The candidate filter's memory test (workloads' Morphs.generate_candidates): the estimate of
+        a child's smallest step the policy allows against the device's memory, each child over it
+        noted in `over_memory`; None where the workload has no memory policy or the device cannot
+        tell its memory."""
+        if "micro_batch" not in self.policy:
+            return None
+        budget = self.backend.device_memory(self.backend.devices()[0])
+        if budget is None:
+            return None
+        from aiperf_opcount.memory import MEMORY_HEADROOM, estimate
+
+        smallest = 1 if self.policy["micro_batch"] == "auto" else min(self.policy["micro_batch"],
+                                                                       self._device_shard(batch_size))
+        checkpoint = self.policy["activation_checkpointing"] != "never"
+
+        def needs(graph: Graph) -> int | None:
+            """The bytes over the budget this child's smallest step needs; None when it fits."""
+            total = estimate(graph, smallest, self.precision, self.policy["optimizer"], checkpoint).total
+            if total <= budget * MEMORY_HEADROOM:
+                return None
+            over_memory.append({"estimate_bytes": total, "budget_bytes": budget, "params": graph.num_params()})
+            return total
+
+        from aiperf_core.morph import MemoryCheck
+
+        return MemoryCheck(needs, int(budget * MEMORY_HEADROOM))
 
     def _parent_graph(self, parent: TrialRecord) -> Graph:
         graph = self._parent_graphs.get(parent.trial)
@@ -395,15 +456,27 @@ class Replica:
                  "learning_rate": self.workload.hpo.learning_rate(policy, plan.proposal),
                  "patience": policy.patience_for(plan.round), "label_smoothing": policy["label_smoothing"],
                  "precision": self.precision}
+        memory, memory_error = None, None
+        try:
+            memory = self.memory_plan(plan.graph, hyper["batch_size"])
+        except ReplicaError as exc:
+            memory_error = exc
+        extra = {"memory": memory.to_dict()} if memory is not None else {}
+        if plan.over_memory:
+            extra["over_memory"] = plan.over_memory
         self._append("trial_start", trial=trial, round=plan.round, parent=plan.parent, morph=plan.morph,
-                     hyper=hyper, graph_sha256=files["graph.json"])
+                     hyper=hyper, graph_sha256=files["graph.json"], **extra)
         self._state.update(state="training", trial=trial, round=plan.round, epoch=None)
         on_start()
         watch = _EpochWatch(self, trial, hyper["patience"])
         trial_seed = _seed(self.spec.seed, self.id, plan.round, 1 << 20)
         config = train_config(policy, hyper, trial_seed)
+        if memory is not None:
+            config = replace(config, micro_batch=memory.micro_batch, checkpoint_blocks=memory.checkpoint_blocks)
         weights = None
         try:
+            if memory_error is not None:
+                raise memory_error
             data = self.workload.data.trial_data(self._dataset, policy, trial_seed)
             model = self.backend.lower(plan.graph, plan.weights, hyper["precision"])
             plan.weights = None  # the backend holds them now; free the copy during training

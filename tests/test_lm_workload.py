@@ -31,7 +31,7 @@ def corpus():
 def test_the_lm_policy_has_its_own_defaults_items_and_fixed_rules():
     lm, cnn = Policy({"workload": "lm"}), Policy()
     assert (lm["optimizer"], lm["lr_schedule"], lm["grad_clip"], lm["weight_decay"]) == ("adamw", "cosine", 1.0, 0.1)
-    assert (lm["dataset"], lm["initial_architecture"], lm["seq_len"]) == ("enwik8", "gpt_small", 128)
+    assert (lm["dataset"], lm["initial_architecture"], lm["seq_len"]) == ("enwik8", "gpt2_small", 1024)
     assert (cnn["optimizer"], cnn["dataset"], cnn["workload"]) == ("sgd-momentum", "imagenet", "cnn")
     assert "seq_len" not in cnn and "image_size" not in lm and "hpo_kernel_sizes" not in lm
     assert lm.overridden_fixed() == [] and Policy({"workload": "lm", "seq_len": 64}).overridden_fixed() == ["seq_len"]
@@ -48,12 +48,17 @@ def test_an_epoch_is_a_fixed_number_of_tokens_and_validation_a_fixed_prefix(corp
     data = workloads.get("lm").data
     policy = Policy(TINY)
     one, again, other = (data.trial_data(corpus, policy, seed) for seed in (1, 1, 2))
-    assert one.x_train.shape == (1024 // 32, 32) and one.x_train.dtype == np.int32
-    assert np.array_equal(one.x_train, again.x_train) and not np.array_equal(one.x_train, other.x_train)
-    assert np.array_equal(one.x_val, other.x_val) and one.x_val.shape == (2048 // 32, 32)
+    epoch = [one.load("train", b)[0] for b in one.plan("train", 0, 1, 8)]
+    assert sum(len(x) for x in epoch) == one.train_images == 1024 // 32 and epoch[0].dtype == np.int32
+    assert np.array_equal(np.concatenate([b for b in again.plan("train", 0, 1, 8)]),
+                          np.concatenate([b for b in one.plan("train", 0, 1, 8)]))
+    assert not np.array_equal(np.concatenate(list(other.plan("train", 0, 2, 8))),
+                              np.concatenate(list(one.plan("train", 0, 1, 8))))
+    x_val, y_val = (np.concatenate(part) for part in zip(*[(b.x, b.y) for b in one.iterate("val", 0, 0, 16)]))
+    assert x_val.shape == (2048 // 32, 32) and one.val_images == 2048 // 32
     # y is x shifted by one byte: next-byte labels, from the same split.
-    assert np.array_equal(one.x_val.reshape(-1)[1:], one.y_val.reshape(-1)[:-1])
-    assert np.array_equal(one.x_val[0], np.asarray(corpus.val[:32]))
+    assert np.array_equal(x_val.reshape(-1)[1:], y_val.reshape(-1)[:-1])
+    assert np.array_equal(x_val[0], np.asarray(corpus.val[:32]))
     assert one.classes == 256 and data.digest(corpus, {}) == corpus.digest
 
 
@@ -151,7 +156,7 @@ def _lm_package(tmp_path, kit: dict):
     from test_score import RunBuilder
     from test_submission import system_description, write_monitors
 
-    b = RunBuilder(tmp_path / "lm-run", model="gpt_small", dataset={"name": "enwik8", "vocab": 256},
+    b = RunBuilder(tmp_path / "lm-run", model="gpt2_small", dataset={"name": "enwik8", "vocab": 256},
                    policy=Policy({"workload": "lm"}).to_json(), workload="lm")
     seed = gpt(layers=1, hidden=32, heads=2, seq_len=16, vocab=256)
     for replica in (0, 1):
@@ -180,7 +185,7 @@ def test_an_lm_submission_needs_the_lm_certification_and_ranks_in_its_own_list(p
     lm_package = _lm_package(tmp_path / "b", lm_only)
     verdict = check_submission(lm_package)
     assert verdict.accepted and verdict.workload == "lm", verdict.rejections
-    assert verdict.official, verdict.rule_reasons  # enwik8, the small GPT, 1.443 bits per byte
+    assert verdict.official, verdict.rule_reasons  # enwik8, gpt2_small, 1.443 bits per byte
     assert main(["rank", str(package), str(lm_package), "--json"]) == 0
     lists = json.loads(capsys.readouterr().out)["lists"]
     assert [(ranked["workload"], [e["file"] for e in ranked["entries"]]) for ranked in lists] == \
@@ -209,7 +214,7 @@ def test_the_lm_policy_caps_bound_the_growth():
 def test_a_prepared_text_that_is_not_the_real_enwik8_makes_the_run_unofficial():
     from aiperf_core.scoring.rules import validity_reasons
 
-    run = {"model": "gpt_small", "policy": Policy({"workload": "lm"}).to_json(),
+    run = {"model": "gpt2_small", "policy": Policy({"workload": "lm"}).to_json(),
            "dataset": {"name": "enwik8", "official": True, "digest": None}}
     assert validity_reasons(run, [], 2.0 / 8) == []
     run["dataset"]["official"] = False

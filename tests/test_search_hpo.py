@@ -58,12 +58,13 @@ def test_the_lm_tunes_the_batch_size_and_a_learning_rate_factor_on_a_log_scale()
     policy = Policy({"workload": "lm", "hpo_lr_scale_bounds": [0.5, 2.0]})
     space = get("lm").hpo
     warmup = propose(policy, 1, [], [0, 0], space.dimensions(policy))
-    assert warmup.point == {"batch_size": 16, "lr_scale": 1.0}
+    assert warmup.point == {"batch_size": policy["batch_size"], "lr_scale": 1.0}
     assert space.learning_rate(policy, warmup) == policy["learning_rate"]
     # The best quality lies at a factor of 1.5: the proposals lean above 1.
-    observations = [Observation({"batch_size": 16, "lr_scale": s}, 1.0 - abs(np.log2(s / 1.5)))
+    observations = [Observation({"batch_size": 32, "lr_scale": s}, 1.0 - abs(np.log2(s / 1.5)))
                     for s in (0.5, 0.7, 1.0, 1.4, 2.0)]
     picks = [propose(policy, r, observations, [0, 0], space.dimensions(policy)) for r in range(4, 10)]
     assert all(0.5 <= p.point["lr_scale"] <= 2.0 and isinstance(p.point["lr_scale"], float) for p in picks)
-    assert all(8 <= p.batch_size <= 128 for p in picks)
+    low, high = policy["hpo_batch_size_bounds"]
+    assert all(low <= p.batch_size <= high for p in picks)
     assert np.median([p.point["lr_scale"] for p in picks]) > 1.0

@@ -19,7 +19,8 @@ from aiperf_core.rundir import RunDirError
 
 MIN_PRECISION = BY_NAME["min_precision"].default
 # How the reasons name the official dataset and seed of each workload.
-OFFICIAL_NAMES = {"imagenet": "ImageNet", "resnet50": "ResNet-50", "enwik8": "enwik8", "gpt_small": "the small GPT"}
+OFFICIAL_NAMES = {"imagenet": "ImageNet", "resnet50": "ResNet-50", "enwik8": "enwik8",
+                  "gpt2_small": "GPT-2 small's shape"}
 
 
 def official(workload: str) -> dict[str, Any]:

@@ -7,7 +7,8 @@ replica, the search and the scoring ask the run's workload, never `if workload =
 - Distance: the architecture code NAS measures distances on (search.arch.encode covers both
   families: convolutions, attention and mixture-of-experts layers are layers of their own kinds).
 - HpoSpace: the dimensions the tuner searches, and the learning rate a proposal trains at.
-- Data: the run's data opened once per replica, and the Dataset one trial trains on.
+- Data: the run's data opened once per replica, and what one trial trains on: a Dataset, or streamed
+  data (images, or the trial's stream of text) that backend.train() reads batch by batch.
 - Validity: an epoch's error (what -ln(error) x OPS regulates, and what the search maximises
   1 - error of), and the run's quality rule.
 """
@@ -28,7 +29,8 @@ class Seed(Protocol):
 
 
 class Morphs(Protocol):
-    def generate_candidates(self, graph: Graph, weights, n: int, seed: int, policy: Policy) -> list: ...
+    def generate_candidates(self, graph: Graph, weights, n: int, seed: int, policy: Policy,
+                            memory: Any = None) -> list: ...
 
     def replay(self, graph: Graph, weights, record: Mapping) -> Any: ...
 
@@ -46,7 +48,7 @@ class Data(Protocol):
 
     def open(self, spec: Mapping[str, Any], policy: Policy) -> Any: ...
 
-    def trial_data(self, opened: Any, policy: Policy, seed: int) -> Dataset: ...
+    def trial_data(self, opened: Any, policy: Policy, seed: int) -> Dataset | Any: ...
 
     def digest(self, opened: Any, spec: Mapping[str, Any]) -> str | None: ...
 

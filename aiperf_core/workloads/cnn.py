@@ -21,10 +21,10 @@ class Seed:
 
 
 class Morphs:
-    def generate_candidates(self, graph: Graph, weights, n: int, seed: int, policy: Policy) -> list:
+    def generate_candidates(self, graph: Graph, weights, n: int, seed: int, policy: Policy, memory=None) -> list:
         from aiperf_core import morph
 
-        return morph.generate_candidates(graph, weights, n, seed)
+        return morph.generate_candidates(graph, weights, n, seed, morph.MorphCaps(memory=memory))
 
     def replay(self, graph: Graph, weights, record: Mapping):
         from aiperf_core import morph

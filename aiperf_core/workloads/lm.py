@@ -2,11 +2,11 @@
 (aiperf_core.transformer_morph) on byte-level text (enwik8, or the embedded corpus), validation
 bits per byte as quality.
 
-An epoch is `epoch_tokens` training tokens, whatever the sequence length or the corpus: the
-trial's windows of `seq_len` bytes (and the byte after each), drawn at seeded random offsets of
-the training split, a new draw for every trial. Validation reads the first `val_tokens` bytes of
-the validation split as consecutive windows, the same for every trial of every run on that corpus,
-so that bits per byte compare across trials and runs.
+An epoch is `epoch_tokens` training tokens, whatever the sequence length or the corpus: the next
+windows of `seq_len` bytes (and the byte after each) of the trial's seeded stream over the whole
+training split, new text every epoch (aiperf_core.data.text_stream). Validation reads the first
+`val_tokens` bytes of the validation split as consecutive windows, the same for every trial of every
+run on that corpus, so that bits per byte compare across trials and runs.
 
 The error is bits per byte over 8, the fraction of a byte's 8 bits the model still needs:
 1 for a model that knows nothing (uniform over 256 values), 0 for a perfect one. So -ln(error) is
@@ -18,9 +18,6 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-import numpy as np
-
-from aiperf_core.backend import Dataset
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph
 from aiperf_core.policy import Policy
@@ -28,10 +25,14 @@ from aiperf_core.search.hpo import Dimension, Proposal
 from aiperf_core.workloads.base import Workload
 
 BITS_PER_BYTE = 8  # a byte-level vocabulary of 256
-# The seeds of policy item initial_architecture: gpt_small is the official one (about 0.4 M
-# parameters: one replica trains it usefully on one CPU); gpt_tiny is for smoke tests.
-SEEDS = {"gpt_small": {"layers": 2, "hidden": 128, "heads": 4},
+# The seeds of policy item initial_architecture. gpt2_small, GPT-2 small's shape (12 blocks of width
+# 768, 12 heads of 64; 85 M parameters at a byte vocabulary), is the official one: sized for an
+# accelerator node (docs/search.md, "The official LM track"). gpt_small (2 blocks of 128, 0.4 M) is
+# the embedded corpus's default, sized for one CPU; gpt_tiny is for smoke tests.
+SEEDS = {"gpt2_small": {"layers": 12, "hidden": 768, "heads": 12},
+         "gpt_small": {"layers": 2, "hidden": 128, "heads": 4},
          "gpt_tiny": {"layers": 1, "hidden": 32, "heads": 2}}
+OFFICIAL_SEED = "gpt2_small"
 
 
 class Seed:
@@ -42,12 +43,14 @@ class Seed:
 
 
 class Morphs:
-    def generate_candidates(self, graph: Graph, weights, n: int, seed: int, policy: Policy) -> list:
-        """Children within the policy's caps (TransformerCaps): a parent at a cap grows otherwise."""
+    def generate_candidates(self, graph: Graph, weights, n: int, seed: int, policy: Policy, memory=None) -> list:
+        """Children within the policy's caps (TransformerCaps) and the device's memory (`memory`, a
+        morph.MemoryCheck, or None): a parent at a cap grows otherwise."""
         from aiperf_core import transformer_morph
 
         caps = transformer_morph.TransformerCaps(max_layers=policy["max_layers"], max_width=policy["max_width"],
-                                                 max_heads=policy["max_heads"], max_experts=policy["max_experts"])
+                                                 max_heads=policy["max_heads"], max_experts=policy["max_experts"],
+                                                 memory=memory)
         return transformer_morph.generate_candidates(graph, weights, n, seed, caps)
 
     def replay(self, graph: Graph, weights, record: Mapping):
@@ -89,18 +92,11 @@ class Data:
             return text_corpus.open_prepared(spec["path"])
         raise AiperfError(f"dataset.name: {name!r} is not text (the lm workload reads enwik8 or embedded)")
 
-    def trial_data(self, corpus, policy: Policy, seed: int) -> Dataset:
-        seq_len = policy["seq_len"]
-        windows = max(1, policy["epoch_tokens"] // seq_len)
-        x_train, y_train = corpus.batches("train", seq_len, windows, seed)
-        held_out = np.asarray(corpus.val[:policy["val_tokens"] + 1])
-        count = (len(held_out) - 1) // seq_len
-        if count < 1:
-            raise AiperfError(f"{corpus.name}: its validation split ({len(corpus.val):,} bytes) is shorter than one "
-                              f"window of seq_len {seq_len} and its next byte")
-        x_val = held_out[:count * seq_len].reshape(count, seq_len).astype(np.int32)
-        y_val = held_out[1:count * seq_len + 1].reshape(count, seq_len).astype(np.int32)
-        return Dataset(x_train.astype(np.int32), y_train.astype(np.int32), x_val, y_val, corpus.vocab)
+    def trial_data(self, corpus, policy: Policy, seed: int):
+        """The trial's TokenStream: its epochs' windows are drawn from the trial seed as it trains."""
+        from aiperf_core.data.text_stream import TokenStream
+
+        return TokenStream(corpus, policy["seq_len"], policy["epoch_tokens"], policy["val_tokens"])
 
     def digest(self, corpus, spec: Mapping[str, Any]) -> str:
         """The digest of the corpus this node read: its manifest's, or the embedded corpus's own."""
