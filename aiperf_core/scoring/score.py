@@ -127,8 +127,9 @@ def epoch_ops(per_image: tuple[int, int], train_images: int, val_images: int) ->
 
 
 def regulated(ops_per_s: float, error: float | None) -> float:
-    """-ln(error) * OPS; before any validation result the error is taken as 1, so this is 0."""
-    return 0.0 if error is None else -math.log(error) * ops_per_s
+    """-ln(error) * OPS; before any validation result the error is taken as 1, so this is 0 (never
+    -0.0: an error of exactly 1, a model that knows nothing, prints as 0)."""
+    return 0.0 if error is None or error >= 1.0 else -math.log(error) * ops_per_s
 
 
 def end_of_scoring(ledger: RunLedger, now: float | None) -> float:
