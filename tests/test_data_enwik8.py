@@ -28,6 +28,7 @@ from aiperf_core.data.prepare_out import STATE
 from aiperf_core.data.stage import verify_folder
 from aiperf_core.data.text_corpus import (TextDataError, embedded_bytes, embedded_corpus, open_prepared,
                                           split_sizes)
+from aiperf_core.data.text_stream import TokenStream
 
 ROOT = Path(__file__).resolve().parents[1]
 ENWIK8_BYTES = 100_000_000
@@ -115,7 +116,7 @@ def test_the_standard_split_its_digest_and_official(source, prepared):
     data = open_prepared(prepared)
     assert (data.name, data.official, data.digest, data.vocab) == ("enwik8", True, manifest.digest, 256)
     assert data.split_bytes == OFFICIAL_SPLIT_BYTES and isinstance(data.train, np.memmap)
-    x, y = data.batches("val", 128, 4, np.random.default_rng(1))
+    x, y, _, _ = TokenStream(data, 128, epoch_tokens=512, val_tokens=512).load("val", np.array([0, 128, 256, 384]))
     assert x.shape == y.shape == (4, 128) and x.dtype == np.int32 and np.array_equal(x[:, 1:], y[:, :-1])
 
 
@@ -454,19 +455,15 @@ def test_the_embedded_corpus_is_deterministic_and_split_by_the_rule():
         split_sizes(19)
 
 
-def test_batches_are_next_byte_pairs_and_seeded():
+def test_stream_windows_are_next_byte_pairs_of_their_split():
     data = embedded_corpus()
-    x, y = data.batches("train", 64, 8, np.random.default_rng(0))
+    stream = TokenStream(data, 64, epoch_tokens=512, val_tokens=512)
+    offsets = stream.plan("train", 0, 0, 8)[0]
+    x, y, _, _ = stream.load("train", offsets)
     assert x.shape == y.shape == (8, 64) and x.dtype == y.dtype == np.int32
     assert np.array_equal(x[:, 1:], y[:, :-1])
     train = bytes(data.train)
     for row_x, row_y in zip(x, y):  # each row a window of the split, y its continuation by one byte
         assert bytes(np.append(row_x, row_y[-1]).astype(np.uint8)) in train
-    again = data.batches("train", 64, 8, np.random.default_rng(0))
-    assert all(np.array_equal(a, b) for a, b in zip((x, y), again))
-    assert all(np.array_equal(a, b) for a, b in zip(data.batches("val", 16, 4, 7), data.batches("val", 16, 4, 7)))
-    assert not np.array_equal(data.batches("train", 64, 8, 1)[0], x)
-    with pytest.raises(TextDataError, match="too few for a window"):
-        data.batches("test", len(data.test), 1, 0)
     with pytest.raises(TextDataError, match="split: 'dev' is not one of train, val, test"):
-        data.batches("dev", 8, 1, 0)
+        data.split("dev")

@@ -1,6 +1,6 @@
 """Byte-level text for the language-model workload: a prepared enwik8 folder (`aiperf data prepare
-enwik8.zip OUT`, aiperf_core/data/enwik8.py) or the embedded corpus, as a TokenData, and a seeded
-batch sampler. NumPy only: the backends turn the batches into their own tensors.
+enwik8.zip OUT`, aiperf_core/data/enwik8.py) or the embedded corpus, as a TokenData; a trial reads
+it through aiperf_core.data.text_stream.TokenStream. NumPy only.
 
 Tokens are bytes: vocabulary 256, every byte value a token, nothing to learn or store.
 
@@ -78,22 +78,6 @@ class TokenData:
     @property
     def split_bytes(self) -> dict[str, int]:
         return {split: int(len(self.split(split))) for split in BYTE_SPLITS}
-
-    def batches(self, split: str, seq_len: int, batch: int, rng) -> tuple[np.ndarray, np.ndarray]:
-        """One batch of `batch` windows of `seq_len` bytes from `split`, each starting at a uniform
-        random offset drawn from `rng` (a numpy Generator, or a seed for one): (x, y), int32, shape
-        (batch, seq_len), y the byte after each of x's (x[i, t + 1] == y[i, t])."""
-        if seq_len < 1 or batch < 1:
-            raise TextDataError(f"seq_len and batch must be at least 1, got {seq_len} and {batch}")
-        data = self.split(split)
-        if len(data) < seq_len + 1:
-            raise TextDataError(f"{self.name} {split}: {len(data):,} bytes, too few for a window of seq_len "
-                                f"{seq_len} and its next byte")
-        if not isinstance(rng, np.random.Generator):
-            rng = np.random.default_rng(rng)
-        starts = rng.integers(0, len(data) - seq_len, size=batch)
-        windows = np.asarray(data[starts[:, None] + np.arange(seq_len + 1)], dtype=np.int32)
-        return windows[:, :-1], windows[:, 1:]
 
     def describe(self) -> dict:
         return {"name": self.name, "path": self.path, "layout": BYTES, "vocab": self.vocab,
