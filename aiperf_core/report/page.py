@@ -9,7 +9,7 @@ from typing import Any
 from aiperf_core.report.svg import Bar, Series, line_chart, timeline_chart
 from aiperf_core.scoring.ledger import RunLedger
 from aiperf_core import workloads
-from aiperf_core.scoring.rules import official
+from aiperf_core.scoring.rules import quality_rules, run_policy
 from aiperf_core.scoring.score import ScoreResult
 from aiperf_core.scoring.units import format_ops, ops_prefix
 from aiperf_core.workflow.auto_precision import describe as describe_precision_probe
@@ -171,7 +171,7 @@ def _validity(result: ScoreResult) -> str:
 
 def _score_charts(result: ScoreResult, run: dict[str, Any]) -> str:
     workload = workloads.of_run(run)
-    validity, rules = workload.validity, official(workload.name)
+    validity, rules = workload.validity, quality_rules(run_policy(run))
     hours = [t / 3600 for t, _, _, _ in result.samples]
     top = max([s[1] for s in result.samples + result.curve] + [s[2] for s in result.samples + result.curve] + [0.0])
     divisor, prefix = ops_prefix(top)

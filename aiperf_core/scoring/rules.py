@@ -28,6 +28,16 @@ def official(workload: str) -> dict[str, Any]:
     return {item.name: item.default_for(workload) for item in items_of(workload) if item.fixed}
 
 
+def quality_rules(policy: Policy) -> dict[str, Any]:
+    """The rules a run's quality is judged by: its workload's official ones, with the quality limit
+    the run's own. A corpus sized for a CPU has its own (the embedded text's 4 bits per byte,
+    aiperf_core.workflow.plan.EMBEDDED_LM_DEFAULTS), and any limit other than the official one is
+    itself a reason (a changed fixed item), so no run passes as official on an easier rule."""
+    workload = workloads.get(policy["workload"])
+    item = workload.validity.limit_item
+    return {**official(workload.name), item: policy[item]}
+
+
 def run_policy(run: dict[str, Any]) -> Policy:
     """The policy recorded in run.json; a malformed one is an error naming the item."""
     values = run.get("policy", {})
@@ -107,7 +117,7 @@ def validity_reasons(run: dict[str, Any], trials: Iterable[Any], best_error: flo
         reasons.append(f"{what} ({MIN_PRECISION} or above required): {len(ids)} trial(s), "
                        f"e.g. {', '.join(sorted(ids)[:3])}")
 
-    reasons += workload.validity.reasons(rules, best_error)
+    reasons += workload.validity.reasons(quality_rules(policy), best_error)
 
     overridden = set(policy.overridden_fixed())
     recorded = run.get("policy_overridden_fixed") or []

@@ -56,6 +56,7 @@ class Data(Protocol):
 class Validity(Protocol):
     quality: str  # what the error measures, for reports: "accuracy" or "bits per byte"
     unit: str  # the unit display() gives the error in: "error (%)" or "bits per byte"
+    limit_item: str  # the fixed policy item holding the quality limit ("max_error", "max_bits_per_byte")
 
     def display(self, error: float) -> float: ...
 

@@ -70,6 +70,7 @@ class Data:
 class Validity:
     quality = "accuracy"
     unit = "error (%)"
+    limit_item = "max_error"  # the policy item limit() reads
 
     def display(self, error: float) -> float:
         return 100.0 * error

@@ -111,6 +111,7 @@ def bits_per_byte(val_loss: float) -> float:
 class Validity:
     quality = "bits per byte"
     unit = "bits per byte"
+    limit_item = "max_bits_per_byte"  # the policy item limit() reads
 
     def display(self, error: float) -> float:
         return error * BITS_PER_BYTE
