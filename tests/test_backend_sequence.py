@@ -74,7 +74,7 @@ def _tolerance(backend, key: str, precision: str) -> float:
 _relative, _normwise = relative_error, normwise_error
 
 
-def _assert_gradients(graph: Graph, grads, want, error=relative_error, tol: float = 1e-4) -> None:
+def _assert_gradients(graph: Graph, grads, want, error, tol: float) -> None:
     """Every trainable parameter's gradient within `tol` of the reference's by `error`; but a key
     projection's bias adds q . b to every score of a query's row, which the softmax over keys ignores:
     its gradient is zero in exact arithmetic, so its rounding is measured against the largest gradient.
