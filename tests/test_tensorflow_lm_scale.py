@@ -147,7 +147,7 @@ def _step_ops(backend, graph, checkpoint: bool) -> dict[str, int]:
     """Op types and their counts in the traced training step (its nested functions included)."""
     model = backend.lower(graph)
     trainer = Trainer(model, TrainConfig(epochs=1, batch_size=4, schedule=Schedule(0.01), checkpoint_blocks=checkpoint))
-    step = trainer._step_fn(tf.int64, False, False)
+    step = trainer._step_fn(tf.int64, False)
     concrete = step.get_concrete_function(*trainer._spec(tf.int64), tf.TensorSpec([], tf.float32),
                                           tf.TensorSpec([], tf.float32))
     counts: dict[str, int] = {}

@@ -351,11 +351,17 @@ class Trainer:
         return [tf.TensorSpec([None] + list(graph.input_shape), dtype),
                 tf.TensorSpec([None] + list(graph.output_shape[:-1]), tf.int64)]  # a label per image or token
 
-    def _step_fn(self, dtype, sharded: bool, accumulate: bool):
+    def _step_fn(self, dtype, sharded: bool):
         """The step for batches of `dtype`: over the replicas when `sharded`, else on one device (no
-        strategy, or the strategy's cross-replica context for a batch smaller than its replicas).
-        An accumulating step is traced per batch (shard) shape, for its static micro-batches: two
-        traces a trial at most, the full batches' and the short last one's."""
+        strategy, or the strategy's cross-replica context for a batch smaller than its replicas)."""
+        return self._traced_step(dtype, sharded, accumulate=False)
+
+    def _accumulating_step_fn(self, dtype, sharded: bool):
+        """_step_fn's step over micro-batches, traced per batch (shard) shape, for its static
+        micro-batches: two traces a trial at most, the full batches' and the short last one's."""
+        return self._traced_step(dtype, sharded, accumulate=True)
+
+    def _traced_step(self, dtype, sharded: bool, accumulate: bool):
         key = (dtype, sharded, accumulate)
         if key not in self._steps:
             spec = self._spec(dtype) + [tf.TensorSpec([], tf.float32), tf.TensorSpec([], tf.float32)]
@@ -430,7 +436,8 @@ class Trainer:
     def step(self, batch: Placed, lr: float):
         """One synchronous optimizer step on a placed global batch; returns its summed loss (a tensor)."""
         accumulate = self.accumulates(batch)
-        fn = self._step_fn(_dtype(batch.x, self.strategy if batch.sharded else None), batch.sharded, accumulate)
+        dtype = _dtype(batch.x, self.strategy if batch.sharded else None)
+        fn = (self._accumulating_step_fn if accumulate else self._step_fn)(dtype, batch.sharded)
         with precision_scope(self.precision):
             if batch.sharded:
                 return self.compiling.call(fn, batch.x, batch.y, tf.constant(lr, tf.float32),
