@@ -238,8 +238,8 @@ def test_checkpointing_changes_nothing_for_an_image_graph(backend):
     trained = []
     for checkpoint in (False, True):
         model = backend.lower(graph)
-        backend.train(model, Dataset(x, y, x[:2], y[:2], 3), TrainConfig(epochs=1, batch_size=4, schedule=Schedule(0.01),
-                                                                          checkpoint_blocks=checkpoint))
+        config = TrainConfig(epochs=1, batch_size=4, schedule=Schedule(0.01), checkpoint_blocks=checkpoint)
+        backend.train(model, Dataset(x, y, x[:2], y[:2], 3), config)
         trained.append(backend.export_weights(model))
     assert _worst(trained[1], trained[0]) == 0.0
 

@@ -268,8 +268,8 @@ class Trainer:
                 t, g, m = pass_over(part(x, k * micro, micro), part(y, k * micro, micro), moving)
                 return k + 1, total + t, [a + b for a, b in zip(grads, g)], m
 
-            _, total, grads, moving = tf.while_loop(lambda k, *_: k < full, body, (tf.constant(0), total, grads, moving),
-                                                    parallel_iterations=1)
+            start = (tf.constant(0), total, grads, moving)
+            _, total, grads, moving = tf.while_loop(lambda k, *_: k < full, body, start, parallel_iterations=1)
         if rest:
             with tf.control_dependencies([total]):  # after the loop's micro-batches, not beside them
                 t, g, moving = pass_over(part(x, full * micro, rest), part(y, full * micro, rest), moving)
