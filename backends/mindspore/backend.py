@@ -24,10 +24,14 @@ backends work where it is not installed; availability() then says why not.
 * train: SGD with momentum (nn.Momentum) or AdamW (torch's arithmetic, written out in MindSpore
   ops), with an optional global gradient-norm clip (training.py), in this process on
   TrainConfig.devices (default: every device); with several devices, data parallel with one
-  process per device (distributed.py: HCCL on Ascend), and a single accelerator other than this
-  process's in one worker bound to it.
-  Streamed batches arrive as uint8 pixels and are normalised on the device (lowering.py);
-  synthetic data is uploaded once and sliced on the device (training.py).
+  process per device (distributed.py: HCCL on Ascend; the cluster is started once per process and
+  reused by every trial), and a single accelerator other than this process's in one worker bound
+  to it. Streamed batches arrive as uint8 pixels and are normalised on the device (lowering.py);
+  synthetic data is uploaded once and sliced on the device (training.py); a TokenStream is read a
+  batch at a time, by every rank. Gradient accumulation over TrainConfig.micro_batch (training.py)
+  and activation checkpointing of the graph's blocks with mindspore.recompute (lowering.py).
+* device memory: a CPU device's share of the node's RAM (the contract's); a GPU's total memory and
+  the bound Ascend NPU's, from mindspore.hal.get_device_properties (unverified: no such device here).
 * native counter: MindSpore's own ``flops_collection`` (graph mode), per conv, dense and attention node
   (counter.py).
 """
@@ -115,6 +119,23 @@ class MindSporeBackend(Backend):
 
         return matmul_seconds(device, precision, size, repeats)
 
+    def device_memory(self, device: str) -> int | None:
+        """A CPU device's share of RAM (the contract's rule); an accelerator's total memory from
+        mindspore.hal.get_device_properties: any GPU, and on Ascend this process's own NPU once it is
+        initialised (the API answers for the current device only, and 0 before). None where it
+        cannot tell: another NPU, or an API that fails (it is marked for deprecation)."""
+        kind, _, index = device.partition(":")
+        if kind.lower() == "cpu":
+            return super().device_memory(device)
+        ms = _ms()
+        if kind == "Ascend" and not runs_in_this_process(device):
+            return None
+        try:
+            total = int(getattr(ms.hal.get_device_properties(int(index or 0), kind), "total_memory", 0) or 0)
+        except Exception:  # a removed or failing API means it cannot tell, never a failed trial
+            return None
+        return total or None
+
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True,
                            notes="DATA_PARALLEL over HCCL (Ascend) or MCCL (CPU workers), gradients_mean, synchronised batch norm")
@@ -189,7 +210,7 @@ class MindSporeBackend(Backend):
         from aiperf_backends.mindspore.training import run_epochs
 
         devices = self.train_devices(config)
-        with model.computing_in(config.precision):
+        with model.computing_in(config.precision), model.checkpointing(config.checkpoint_blocks):
             if len(devices) > 1 or not runs_in_this_process(devices[0]):
                 from aiperf_backends.mindspore.distributed import train_data_parallel
 

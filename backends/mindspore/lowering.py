@@ -60,6 +60,14 @@ host's arithmetic (`normalised_pixels`), so a quarter of the bytes cross to the 
 Mixed precision (fp16 / bf16): conv, dense and attention's two products run in the compute dtype
 on cast copies of the float32 master weights; batch norm (statistics included), lrn, layer norm,
 the softmaxes (attention's included) and the loss stay float32.
+
+Activation checkpointing (TrainConfig.checkpoint_blocks; ``LoweredCell.checkpointing``): in
+training, each block of ``Graph.blocks()`` runs through ``mindspore.recompute(...,
+use_reentrant=False)``, MindSpore's PyNative recomputation: the autograd tape keeps the block's
+input instead of its activations and runs the block's forward pass again when the backward pass
+reaches it. Its dropout masks are tensors passed in, so the replay is the same computation, and
+the gradients are those of the plain pass (tests/test_mindspore_lm_scale.py). A Cell's own
+``recompute()`` is a graph-mode setting; this backend runs PyNative.
 """
 
 from __future__ import annotations
@@ -473,6 +481,7 @@ class LoweredCell(nn.Cell):
             if cell is not None:
                 self.layer_of[node.id] = len(self.layers)
                 self.layers.append(cell)
+        self.checkpoint_blocks = False  # set by `checkpointing`
         self._build_plan()
 
     @staticmethod
@@ -529,6 +538,19 @@ class LoweredCell(nn.Cell):
         out_node = g[g.output_id]
         self.logits_index = index[out_node.inputs[0]] if out_node.op == "softmax" else None
         self.n_values = len(g.nodes)
+        # Checkpointed blocks, by the plan position of their first node: (that of their last, the
+        # value index of their input). A block whose inner values something outside it reads (or
+        # that holds the output or the logits) is run plainly.
+        at = {node_id: k for k, (_, node_id, *_rest) in enumerate(self.plan)}
+        self.block_spans: dict[int, tuple[int, int]] = {}
+        for block in g.blocks():
+            inside = set(block.nodes)
+            inner = [n for n in block.nodes if n != block.output]
+            read_outside = any(reader.id not in inside for n in inner for reader in g.consumers(n))
+            ends = {self.output_index, self.logits_index} & {index[n] for n in inner}
+            first, last = at[block.nodes[0]], at[block.output]
+            if not read_outside and not ends and last - first + 1 == len(block.nodes):
+                self.block_spans[first] = (last, index[block.input])
 
     @property
     def has_logits(self) -> bool:
@@ -538,24 +560,69 @@ class LoweredCell(nn.Cell):
         stop = self.logits_index if logits and self.logits_index is not None else self.output_index
         values: list[Any] = [None] * self.n_values
         values[self.input_index] = x
-        for i, node_id, op, inputs, free, layer, rate in self.plan:
-            if layer >= 0:
-                y = self.layers[layer](*[values[j] for j in inputs])
-            elif op == "dropout":
-                y = values[inputs[0]]
-                if self.training and rate > 0.0:
-                    if masks is None or node_id not in masks:
-                        raise GraphError("training-mode dropout needs a mask", node_id)
-                    y = y * masks[node_id].astype(y.dtype)
-            else:
-                y = _FUNCTIONS[op]([values[j] for j in inputs])
-            values[i] = y
+        spans = self.block_spans if self.checkpoint_blocks and self.training else {}
+        k = 0
+        while k < len(self.plan):
+            if k in spans:  # a checkpointed block: only its input is kept for the backward pass
+                last, block_input = spans[k]
+                entries = self.plan[k:last + 1]
+                values[entries[-1][0]] = ms.recompute(self._block(entries, block_input, masks), values[block_input],
+                                                      use_reentrant=False)
+                if any(block_input in free for *_head, free, _layer, _rate in entries):
+                    values[block_input] = None
+                k = last + 1
+                continue
+            entry = self.plan[k]
+            i, free = entry[0], entry[4]
+            values[i] = self._node(entry, [values[j] for j in entry[3]], masks)
             if i == stop:
                 break
             for j in free:
                 values[j] = None
+            k += 1
         out = values[stop]
         return out if out.dtype == ms.float32 else out.astype(ms.float32)
+
+    def _node(self, entry, args: list, masks):
+        """One plan entry's output from its inputs' values."""
+        _, node_id, op, _, _, layer, rate = entry
+        if layer >= 0:
+            return self.layers[layer](*args)
+        if op == "dropout":
+            y = args[0]
+            if self.training and rate > 0.0:
+                if masks is None or node_id not in masks:
+                    raise GraphError("training-mode dropout needs a mask", node_id)
+                y = y * masks[node_id].astype(y.dtype)
+            return y
+        return _FUNCTIONS[op](args)
+
+    def _block(self, entries: tuple, block_input: int, masks):
+        """A block's forward pass as a function of its input (what mindspore.recompute replays)."""
+
+        def forward(x):
+            values = {block_input: x}
+            for entry in entries:
+                values[entry[0]] = self._node(entry, [values[j] for j in entry[3]], masks)
+            return values[entries[-1][0]]
+
+        return forward
+
+    def checkpointing(self, enabled: bool):
+        """Context manager: activation checkpointing of the graph's blocks in training-mode passes
+        inside it (TrainConfig.checkpoint_blocks), restored on exit."""
+        from contextlib import contextmanager
+
+        @contextmanager
+        def scope():
+            saved = self.checkpoint_blocks
+            self.checkpoint_blocks = bool(enabled)
+            try:
+                yield
+            finally:
+                self.checkpoint_blocks = saved
+
+        return scope()
 
     def computing_in(self, precision: str):
         """Context manager: conv, dense and attention compute in `precision` inside the block (training

@@ -23,11 +23,22 @@ optimizer's learning-rate parameter for nn.Momentum, the float AdamW reads each 
 
 Every training image is seen once per epoch, in the order np.random.default_rng(seed + epoch)
 .permutation(n), in batches of config.batch_size (aiperf_core.data.stream.train_batches, which
-also streams datasets that do not fit in memory); the last batch is short and never dropped, so
-images are counted exactly. With data parallelism (distributed.py) every rank draws the same
-order, cuts the same global batches and takes its own contiguous shard of each; a rank's loss is
-its shard's summed cross-entropy scaled by world / global batch, and the gradient reducer averages
-over the ranks, so the gradients are exactly those of the global batch's mean loss.
+also streams datasets that do not fit in memory, and a TokenStream's new windows of each epoch);
+the last batch is short and never dropped, so images are counted exactly. With data parallelism
+(distributed.py) every rank draws the same order, cuts the same global batches and takes its own
+contiguous shard of each; a rank's loss is its shard's summed cross-entropy scaled by world /
+global batch, and the gradient reducer averages over the ranks, so the gradients are exactly
+those of the global batch's mean loss.
+
+Gradient accumulation (config.micro_batch): a global batch is cut into consecutive micro-batches
+of micro_batch * world samples (aiperf_core.backend.micro_batches), each sharded over the ranks as
+a global batch is, so that no device takes more than micro_batch samples through one pass and
+every rank runs the same number of passes (a synchronised batch norm all-reduces in each). Each
+micro-batch's gradient (its summed loss scaled by world / the global batch's samples, as above) is
+added up on the device (Stepper.accumulate); the sum is all-reduced, unscaled, clipped and applied
+once (Stepper.apply): the step of the whole batch. Batch-norm statistics are those of each
+micro-batch (over the ranks), and the moving statistics are updated once per micro-batch.
+Activation checkpointing (config.checkpoint_blocks) is the lowering's (LoweredCell.checkpointing).
 
 fp16 scales the loss (mindspore.amp.DynamicLossScaler) and skips a step whose gradients are not
 finite (AdamW's step count does not advance, as under torch's GradScaler); bf16 has float32's range
@@ -59,7 +70,7 @@ import numpy as np
 import mindspore as ms
 from mindspore import Tensor, nn, ops
 
-from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, one_hot
+from aiperf_core.backend import BackendError, Dataset, EpochReport, StepClock, TrainConfig, micro_batches, one_hot
 from aiperf_core.optim import CLIP_EPSILON, is_decayed
 from aiperf_backends.mindspore import lowering  # noqa: F401  (settles MindSpore's NumPy bridge first)
 
@@ -199,6 +210,7 @@ class Stepper:
         self.reducer = reducer
         self.scaler = ms.amp.DynamicLossScaler(scale_value=2.0 ** 16, scale_factor=2, scale_window=1000) \
             if model.precision == "fp16" else None
+        self.pending = None  # the gradients accumulated since the last update
 
     def set_lr(self, lr: float) -> None:
         if isinstance(self.optimizer, AdamW):
@@ -209,10 +221,24 @@ class Stepper:
     def step(self, x, target: Tensor, global_batch: int, world: int = 1, masks=None) -> float:
         """One synchronous training step on this rank's shard: `x` an NHWC batch as to_cell_layout takes
         it, `target` its one-hot (smoothed) rows (`targets`); returns the shard's summed loss."""
+        total = self.accumulate(x, target, global_batch, world, masks)
+        self.apply()
+        return total
+
+    def accumulate(self, x, target: Tensor, global_batch: int, world: int = 1, masks=None) -> float:
+        """Add the gradient of this rank's part of a (micro-)batch to the pending ones: its summed loss
+        scaled by world / global_batch (the samples of the whole global batch, whose mean loss the
+        update descends); returns that part's summed loss."""
         scale = world / global_batch
         if self.scaler is not None:
             scale *= float(self.scaler.scale_value.asnumpy())
         (_, total), grads = self.grad_fn(self.model.to_cell_layout(x), target, masks, Tensor(np.float32(scale)))
+        self.pending = grads if self.pending is None else tuple(a + g for a, g in zip(self.pending, grads))
+        return float(total.asnumpy())
+
+    def apply(self) -> None:
+        """The update with the accumulated gradients: all-reduced, unscaled (fp16), clipped, stepped."""
+        grads, self.pending = self.pending, None
         if self.reducer is not None:
             grads = self.reducer(grads)
         if self.scaler is not None:
@@ -220,11 +246,10 @@ class Stepper:
             finite = ms.amp.all_finite(grads)
             self.scaler.adjust(finite)
             if not bool(finite):
-                return float(total.asnumpy())
+                return
         if self.grad_clip is not None:  # on the reduced, unscaled gradient: the global batch's own
             grads = clip_gradients(grads, self.grad_clip)
         self.optimizer(grads)
-        return float(total.asnumpy())
 
 
 def evaluate(model, x: np.ndarray, labels: np.ndarray, label_smoothing: float) -> tuple[float, int, int]:
@@ -297,16 +322,17 @@ class DeviceSynthetic:
 def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, world: int = 1,
                all_reduce: Callable[[list[float]], list[float]] | None = None, reducer=None,
                on_epoch: Callable[[EpochReport], bool | None] | None = None) -> list[EpochReport]:
-    """The epoch loop over in-memory arrays or a StreamingDataset (aiperf_core.data.stream).
+    """The epoch loop over in-memory arrays, a StreamingDataset (aiperf_core.data.stream) or a
+    TokenStream (aiperf_core.data.text_stream; a data-parallel rank reads it too).
     `all_reduce` sums a list of floats over the ranks (None when world == 1), `reducer` averages
     gradients over them; `on_epoch` returns True to stop and must give every rank the same answer.
 
     The report's loss is the mean training loss over the epoch's images (as each step saw it), and
     val_loss the same cross-entropy (label smoothing included) on the validation images."""
-    from aiperf_core.backend import is_streaming
+    from aiperf_core.backend import is_streaming, is_token_stream
 
-    if world > 1 and is_streaming(data):
-        raise BackendError("the mindspore backend trains a streaming dataset on one device only")
+    if world > 1 and is_streaming(data) and not is_token_stream(data):
+        raise BackendError("the mindspore backend trains a streamed image dataset on one device only")
     stepper = Stepper(model, config, reducer)
     classes = model.graph.output_shape[-1]
     per_sample = positions(model.graph)
@@ -322,26 +348,36 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
     compile_seconds = 0.0 if str(ms.get_context("device_target")) == "CPU" else None
     reports: list[EpochReport] = []
     clock = StepClock()
+    # Micro-batches of the global batch: each rank's shard of one holds at most micro_batch samples.
+    micro = None if config.micro_batch is None else config.micro_batch * world
     try:
         for epoch in range(config.epochs):
             stepper.set_lr(config.schedule.rate(epoch, config.epochs))
             model.set_train(True)
             loss_sum = 0.0
             images = skipped = 0
-            for xb, target, n, split, batch_skipped in _train_steps(model, data, synthetic, config, epoch, rank,
-                                                                    world, classes):
+            for xb, labels, n, batch_skipped in _global_batches(data, synthetic, config, epoch):
                 skipped += batch_skipped
                 if not n:
                     continue
-                if world > 1:
-                    from aiperf_backends.mindspore.distributed import synchronise_batch_norm
+                for start, stop in micro_batches(n, micro):
+                    # Data parallel: each rank takes its contiguous shard of the (micro-)batch; one
+                    # smaller than the world is computed whole by every rank (local statistics).
+                    split = 1 < world <= stop - start
+                    lo, hi = _shard(start, stop, rank, world) if split else (start, stop)
+                    target = labels[lo:hi] if isinstance(labels, Tensor) else \
+                        targets(labels[lo:hi], classes, config.label_smoothing)
+                    if world > 1:
+                        from aiperf_backends.mindspore.distributed import synchronise_batch_norm
 
-                    synchronise_batch_norm(model, split)
-                masks = model.masks_from(dropout_rng, len(xb)) if has_dropout else None
-                with clock:  # from the batch's transfer (the step's first use of it) to its loss
-                    total = stepper.step(xb, target, n, world if split else 1, masks)
+                        synchronise_batch_norm(model, split)
+                    masks = model.masks_from(dropout_rng, hi - lo) if has_dropout else None
+                    with clock:  # from the batch's transfer (the pass's first use of it) to its loss
+                        total = stepper.accumulate(xb[lo:hi], target, n, world if split else 1, masks)
+                    loss_sum += total if split or world == 1 else total / world  # summed over the ranks below
+                with clock:
+                    stepper.apply()
                 clock.count(n)
-                loss_sum += total if split or world == 1 else total / world  # summed over the ranks below
                 images += n
             val_loss, correct, val_total, val_skipped = _validate(model, data, synthetic, config, rank, world, clock)
             skipped += val_skipped
@@ -362,47 +398,36 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
     return reports
 
 
-def _train_steps(model, data, synthetic: DeviceSynthetic | None, config: TrainConfig, epoch: int, rank: int,
-                 world: int, classes: int):
-    """(x, target, global batch images, split over the ranks, skipped) for each step of the epoch:
-    device windows of synthetic data, or this rank's shard of a host batch (x NHWC as it came:
-    uint8 pixels or normalised floats; target its one-hot Tensor)."""
+def _global_batches(data, synthetic: DeviceSynthetic | None, config: TrainConfig, epoch: int):
+    """(x, labels, images, skipped) for each global batch of the epoch: device windows of synthetic
+    data (x uint8 pixels and labels their one-hot targets, Tensors), or a host batch (x NHWC as it
+    came: uint8 pixels or normalised floats, or token ids; labels int64)."""
     from aiperf_core.data.stream import train_batches
 
     if synthetic is not None:
         for pixels, target in synthetic.train(config.batch_size):
-            yield pixels, target, len(pixels), False, 0
+            yield pixels, target, len(pixels), 0
         return
     for batch in train_batches(data, epoch, config.seed, config.batch_size):
-        n = len(batch.y)
-        if not n:
-            yield None, None, 0, False, batch.skipped
-            continue
-        # Data parallel: each rank takes its contiguous shard of the global batch; a batch
-        # smaller than the world is computed whole by every rank (local statistics).
-        split = 1 < world <= n
-        xb, yb = batch.x, batch.y
-        if split:
-            part = np.array_split(np.arange(n), world)[rank]
-            xb, yb = xb[part], yb[part]
-        yield xb, targets(np.asarray(yb, np.int64), classes, config.label_smoothing), n, split, batch.skipped
+        yield batch.x, np.asarray(batch.y, np.int64), len(batch.y), batch.skipped
+
+
+def _shard(start: int, stop: int, rank: int, world: int) -> tuple[int, int]:
+    """[lo, hi) of rank's contiguous shard of [start, stop): np.array_split's rule."""
+    size, extra = divmod(stop - start, world)
+    lo = start + rank * size + min(rank, extra)
+    return lo, lo + size + (rank < extra)
 
 
 def _validate(model, data, synthetic: DeviceSynthetic | None, config: TrainConfig, rank: int, world: int,
               clock: StepClock) -> tuple[float, int, int, int]:
     """(summed loss, correct, images, skipped) of this rank's part of the validation set: all of it
-    on one device, a contiguous slice per rank with data parallelism (the sums are then reduced)."""
+    on one device, its shard of every validation batch with data parallelism (the sums are then
+    reduced)."""
     from aiperf_core.data.stream import val_batches
 
-    if world > 1:
-        part = np.array_split(np.arange(len(data.y_val)), world)[rank]
-        if not len(part):
-            return 0.0, 0, 0, 0
-        xv, yv = data.x_val[part], data.y_val[part]
-        with clock:
-            return evaluate(model, xv, yv, config.label_smoothing) + (0,)
     batches = synthetic.val() if synthetic is not None else \
-        ((b.x, b.y, b.skipped) for b in val_batches(data, PREDICT_BATCH))
+        ((b.x, b.y, b.skipped) for b in val_batches(data, PREDICT_BATCH, rank, world))
     total, correct, count, skipped = 0.0, 0, 0, 0
     for xv, yv, batch_skipped in batches:
         skipped += batch_skipped
