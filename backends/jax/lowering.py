@@ -218,7 +218,7 @@ def add_parameter(x, p):
     bfloat16 accumulator (XLA's reduce keeps its operand's type), so at bf16 a dense layer's bias
     over a sequence summed N * S values in 8 bits of mantissa: 0.56% off over 1024 positive
     values, and a conv bias over 90 positions 4% of its graph's largest gradient away from the
-    reference (tests/test_jax_sequence.py). Here only the summed values are bfloat16; the forward
+    reference (tests/test_backend_sequence.py). Here only the summed values are bfloat16; the forward
     pass is the plain add, and at fp32 and tf32 nothing changes."""
     if x.dtype == p.dtype:
         return x + p
