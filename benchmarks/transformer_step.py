@@ -26,18 +26,29 @@ FP + BP, as scored) times the lowered step's sequences per second, over the back
 GEMM peak at the same precision (Backend.matmul_seconds, as `aiperf peak` measures it).
 
 Sizes: on a CPU a small GPT (4 layers, width 256, 4 heads, 128 tokens, vocabulary 256, batch 8, fp32);
-on a CUDA device GPT-2 small's shape (12 layers, width 768, 12 heads, 1024 tokens, vocabulary 50,304,
-batch 8) at the backend's fastest declared precision. AIPERF_BENCH_STEPS sets the timed pairs
-(default 12 on a CPU, 20 on a GPU); --backends=torch,jax picks backends; --precision=bf16 runs a
-precision the backend declares instead; --smoke runs every path at toy sizes.
+on a CUDA device the LM track's official seed (aiperf_core.workloads.lm.SEEDS["gpt2_small"]: 12 layers,
+width 768, 12 heads, vocabulary 256 bytes) at the official seq_len (1,024) and global batch (32), at
+the backend's fastest declared precision: the step an official run trains on one device.
+--official runs that shape on a CPU too, with the batch reduced to fit (--batch=N, default 1; one
+sequence is about 6.4e11 operations, seconds on a CPU core) and fewer pairs. AIPERF_BENCH_STEPS sets
+the timed pairs (default 12 on a CPU, 4 with --official, 20 on a GPU); --backends=torch,jax picks
+backends; --precision=bf16 runs a precision the backend declares instead; --compile compiles torch's
+two steps (the Stepper's compiled loss, CUDA graphs on CUDA; torch.compile of the hand-written
+model, as nanoGPT does); --cpu-time times every step and the GEMM peak in the process's CPU seconds
+instead of wall seconds (torch and jax): on a CPU shared with other work, wall time measures the
+load, CPU time the work (run it on one core, `taskset -c 1`, so that no thread waits for a
+descheduled partner); --smoke runs every path at toy sizes.
 
-Goal: lowered / hand-written sequences per second >= 0.97 on every backend.
+Goals: lowered / hand-written sequences per second >= 0.97 on every backend; model-FLOP utilisation
+of the official shape >= 0.5 of the fp32 GEMM peak for torch on a CPU (--official), >= 0.45 of the
+bf16 peak on a GPU (issue 39, item 5).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -47,14 +58,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np  # noqa: E402
 
-from _common import compare_training_throughput, report  # noqa: E402
+from _common import compare_training_throughput, report, timed  # noqa: E402
 
 SMOKE = "--smoke" in sys.argv[1:]
+OFFICIAL = "--official" in sys.argv[1:]
+COMPILE = "--compile" in sys.argv[1:]
+CPU_TIME = "--cpu-time" in sys.argv[1:]
+CPU_MFU_GOAL, GPU_MFU_GOAL = 0.5, 0.45  # the official shape's, issue 39 item 5 (CPU: torch's)
 CPU_SIZES = dict(layers=4, hidden=256, heads=4, seq_len=128, vocab=256)
-GPU_SIZES = dict(layers=12, hidden=768, heads=12, seq_len=1024, vocab=50304)
 SMOKE_SIZES = dict(layers=1, hidden=32, heads=2, seq_len=16, vocab=64)
-BATCH = 2 if SMOKE else 8
+CPU_BATCH, SMOKE_BATCH, OFFICIAL_CPU_BATCH = 8, 2, 1
 WARMUP = 1 if SMOKE else 3
+OFFICIAL_CPU_WARMUP = 2  # the first step allocates and (jax) compiles; the second settles the allocator
 LR = 1e-3
 MOMENTUM = 0.9
 
@@ -71,6 +86,43 @@ class Pair:
     lowered_step: Callable[[], None]
     hand_steps: dict[str, Callable[[], None]]  # variant -> step; the fastest is the reference
     hand_parameters: Callable[[], int]  # the hand-written model's parameters (after its first step)
+    # One GEMM_SIZE x GEMM_SIZE product at the precision, waited for (the peak under --cpu-time).
+    product: Callable[[], None] | None = None
+
+
+def official_shape() -> tuple[dict, int]:
+    """(sizes, global batch) of the LM track's official step: its seed at its seq_len, a byte
+    vocabulary, the default global batch (aiperf_core.policy)."""
+    from aiperf_core.policy import Policy
+    from aiperf_core.workloads.lm import BITS_PER_BYTE, OFFICIAL_SEED, SEEDS
+
+    policy = Policy({"workload": "lm"})
+    sizes = dict(SEEDS[OFFICIAL_SEED], seq_len=policy["seq_len"], vocab=2 ** BITS_PER_BYTE)
+    return sizes, policy["batch_size"]
+
+
+def bench_shape(on_gpu: bool) -> tuple[dict, int, int, int]:
+    """(GPT sizes, batch, warm-up steps, timed pairs) of this invocation (the module's docstring)."""
+    if SMOKE:
+        sizes, batch, warmup, pairs = SMOKE_SIZES, SMOKE_BATCH, WARMUP, 2
+    elif on_gpu:
+        (sizes, batch), warmup, pairs = official_shape(), WARMUP, 20
+    elif OFFICIAL:
+        sizes, batch, warmup, pairs = official_shape()[0], OFFICIAL_CPU_BATCH, OFFICIAL_CPU_WARMUP, 4
+    else:
+        sizes, batch, warmup, pairs = CPU_SIZES, CPU_BATCH, WARMUP, 12
+    asked = option("batch")
+    return sizes, int(asked) if asked else batch, warmup, int(os.environ.get("AIPERF_BENCH_STEPS", pairs))
+
+
+def mfu_goal(backend: str, on_gpu: bool) -> float | None:
+    """Issue 39's model-FLOP utilisation goal for the official shape: on a GPU every backend's, on a
+    CPU torch's (--official); none for the other sizes."""
+    if SMOKE:
+        return None
+    if on_gpu:
+        return GPU_MFU_GOAL
+    return CPU_MFU_GOAL if OFFICIAL and backend == "torch" else None
 
 
 def chosen_backends() -> list[str]:
@@ -85,12 +137,32 @@ def training_ops_per_sequence(graph) -> int:
     return totals.fp + totals.bp
 
 
-def gemm_peak(backend, device: str, precision: str) -> float:
-    """The backend's dense GEMM rate (operations per second) at `precision`: best of ten products."""
+def gemm_size(device: str) -> int:
+    """The side of the peak's square product: on an accelerator gpu_throughput.py's, whose peak the
+    GPU goal is stated against."""
     from aiperf_core.inventory import is_cpu_device
 
-    size = 256 if SMOKE else 2048 if is_cpu_device(device) else 4096
-    return 2 * size ** 3 / min(backend.matmul_seconds(device, precision, size, 10))
+    return 256 if SMOKE else 2048 if is_cpu_device(device) else 8192
+
+
+def gemm_peak(pair: Pair) -> float:
+    """The backend's dense GEMM rate (operations per second) at the pair's precision: best of ten
+    products (Backend.matmul_seconds, as `aiperf peak`; under --cpu-time the pair's own product
+    timed in CPU seconds)."""
+    size = gemm_size(pair.device)
+    if not CPU_TIME:
+        return 2 * size ** 3 / min(pair.backend.matmul_seconds(pair.device, pair.precision, size, 10))
+    if pair.product is None:
+        raise ValueError(f"--cpu-time: the {pair.backend.name} pair has no product to time")
+    pair.product()  # warm-up: compilation, first-touch pages
+    return 2 * size ** 3 / min(cpu_seconds(pair.product) for _ in range(10))
+
+
+def cpu_seconds(fn: Callable[[], Any]) -> float:
+    """The process's CPU seconds (every thread's, user and system) during one call."""
+    start = time.process_time()
+    fn()
+    return time.process_time() - start
 
 
 def option(name: str) -> str | None:
@@ -157,18 +229,21 @@ def torch_pair(graph, sizes, tokens, labels):
     import torch
 
     from aiperf_backends.torch import TorchBackend
-    from aiperf_backends.torch.precision import autocast, float32_math
+    from aiperf_backends.torch.precision import autocast, compute_dtype, float32_math
     from aiperf_backends.torch.training import Stepper
     from aiperf_core.backend import TrainConfig
 
+    batch = len(tokens)
     backend = TorchBackend()
     device_name = backend.devices()[0]
     precision = bench_precision(backend, device_name)
     model = backend.lower(graph, precision=precision)
     device = next(model.parameters()).device
-    stepper = Stepper(model, device, TrainConfig(epochs=1, batch_size=BATCH, momentum=MOMENTUM, precision=precision))
+    stepper = Stepper(model, device, TrainConfig(epochs=1, batch_size=batch, momentum=MOMENTUM, precision=precision),
+                      compile=COMPILE)
     stepper.set_lr(LR)
     hand = torch_gpt(torch, **sizes).to(device)
+    forward = torch.compile(hand) if COMPILE else hand
     # torch's default update (its per-tensor loop on a CPU) and the multi-tensor one the lowered step
     # uses: the faster is the reference, so the lowering does not win on its optimizer alone.
     optimizers = {"nanoGPT-style": torch.optim.SGD(hand.parameters(), lr=LR, momentum=MOMENTUM),
@@ -181,21 +256,30 @@ def torch_pair(graph, sizes, tokens, labels):
             torch.cuda.synchronize()
 
     def lowered_step():
-        stepper.step(x, y, BATCH)
+        stepper.step(x, y, batch)
         finish()
 
     def hand_step(optimizer):
         optimizer.zero_grad(set_to_none=True)
         with float32_math(device, precision == "tf32"), autocast(device, precision):
-            logits = hand(x)
+            logits = forward(x)
         torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten()).backward()
         optimizer.step()
         finish()
 
-    describe = f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads"
+    size = gemm_size(device_name)
+    a, b = (torch.randn(size, size, device=device).to(compute_dtype(precision)) for _ in range(2))
+
+    def product():
+        with torch.no_grad(), float32_math(device, precision == "tf32"):
+            torch.mm(a, b)
+        finish()
+
+    describe = (f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads"
+                + (", both steps compiled" if COMPILE else ""))
     return Pair(backend, device_name, precision, describe, lowered_step,
                 {name: partial(hand_step, opt) for name, opt in optimizers.items()},
-                lambda: sum(p.numel() for p in hand.parameters()))
+                lambda: sum(p.numel() for p in hand.parameters()), product)
 
 
 # -- jax ------------------------------------------------------------------------------------------
@@ -278,9 +362,17 @@ def jax_pair(graph, sizes, tokens, labels):
         hand["params"], hand["velocity"], loss = hand_train(hand["params"], hand["velocity"], x, y)
         loss.block_until_ready()
 
+    size = gemm_size(device_name)
+    a, b = (jnp.asarray(m).astype(compute_dtype(precision) or jnp.float32)
+            for m in np.random.default_rng(0).standard_normal((2, size, size), dtype=np.float32))
+    dot = jax.jit(lambda a, b: jnp.matmul(a, b, precision=lax_precision(precision)))
+
+    def product():
+        dot(a, b).block_until_ready()
+
     describe = f"jax {jax.__version__} on {jax.local_devices()[0]}, jitted steps"
     return Pair(backend, device_name, precision, describe, lowered_step, {"flax": hand_step},
-                lambda: sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(hand["params"])))
+                lambda: sum(int(np.prod(a.shape)) for a in jax.tree_util.tree_leaves(hand["params"])), product)
 
 
 # -- tensorflow -----------------------------------------------------------------------------------
@@ -359,7 +451,7 @@ def tensorflow_pair(graph, sizes, tokens, labels):
     device_name = backend.devices()[0]
     precision = bench_precision(backend, device_name)
     model = backend.lower(graph, precision=precision)
-    trainer = Trainer(model, TrainConfig(epochs=1, batch_size=BATCH, momentum=MOMENTUM, precision=precision))
+    trainer = Trainer(model, TrainConfig(epochs=1, batch_size=len(tokens), momentum=MOMENTUM, precision=precision))
     batch = trainer.put(tokens, labels)
 
     with tf.device(trainer.device):
@@ -454,7 +546,8 @@ def mindspore_pair(graph, sizes, tokens, labels):
     precision = bench_precision(backend, device_name)
     model = backend.lower(graph, precision=precision)
     model.set_train(True)
-    stepper = Stepper(model, TrainConfig(epochs=1, batch_size=BATCH, momentum=MOMENTUM, precision=precision))
+    batch = len(tokens)
+    stepper = Stepper(model, TrainConfig(epochs=1, batch_size=batch, momentum=MOMENTUM, precision=precision))
     stepper.set_lr(LR)
     x_lowered, y_lowered = model.to_cell_layout(tokens), targets(labels, sizes["vocab"], 0.0)
 
@@ -473,7 +566,7 @@ def mindspore_pair(graph, sizes, tokens, labels):
     grad_fn = ms.value_and_grad(forward, None, optimizer.parameters)
 
     def lowered_step():
-        stepper.step(x_lowered, y_lowered, BATCH)  # returns the loss as a float: waits for the step
+        stepper.step(x_lowered, y_lowered, batch)  # returns the loss as a float: waits for the step
 
     def hand_step():
         loss, grads = grad_fn(x, y)
@@ -504,15 +597,14 @@ def main() -> int:
         on_gpu = torch.cuda.is_available() and not SMOKE
     except ImportError:
         pass
-    sizes = SMOKE_SIZES if SMOKE else GPU_SIZES if on_gpu else CPU_SIZES
-    steps = int(os.environ.get("AIPERF_BENCH_STEPS", "2" if SMOKE else "20" if on_gpu else "12"))
+    sizes, batch, warmup, steps = bench_shape(on_gpu)
     graph = gpt(**sizes)
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, sizes["vocab"], (BATCH, sizes["seq_len"]))
-    labels = rng.integers(0, sizes["vocab"], (BATCH, sizes["seq_len"]))
+    tokens = rng.integers(0, sizes["vocab"], (batch, sizes["seq_len"]))
+    labels = rng.integers(0, sizes["vocab"], (batch, sizes["seq_len"]))
     ops = training_ops_per_sequence(graph)
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
-    print(f"GPT {sizes}, batch {BATCH}; {ops:,} analytic operations per training sequence (FP + BP)")
+    print(f"GPT {sizes}, batch {batch}; {ops:,} analytic operations per training sequence (FP + BP)")
     failed = []
     for name in chosen_backends():
         if name not in PAIRS:
@@ -527,7 +619,7 @@ def main() -> int:
             failed.append(f"{name}: {type(exc).__name__}: {exc}")
             print(f"{name}: FAILED: {type(exc).__name__}: {exc}")
             continue
-        for _ in range(WARMUP):
+        for _ in range(warmup):
             pair.lowered_step()
             for step in pair.hand_steps.values():
                 step()
@@ -535,15 +627,18 @@ def main() -> int:
             failed.append(f"{name}: the hand-written model has {pair.hand_parameters():,} parameters, the IR's "
                           f"{graph.num_params():,}")
             continue
-        print(f"{pair.describe}; precision {pair.precision}; {steps} timed step pairs after {WARMUP} warm-up steps; "
+        print(f"{pair.describe}; precision {pair.precision}; {steps} timed step pairs after {warmup} warm-up steps"
+              f"{', timed in CPU seconds' if CPU_TIME else ''}; "
               f"load average {os.getloadavg()[0]:.2f}", flush=True)
-        rate = compare_training_throughput(name, BATCH, pair.lowered_step, pair.hand_steps, steps, model="gpt",
-                                           unit="sequences/s")
-        peak = gemm_peak(pair.backend, pair.device, pair.precision)
-        report(f"{name} dense GEMM peak ({pair.precision})", peak / 1e9, "GOPS", None, lower_is_better=False)
-        report(f"{name} gpt train, achieved analytic OPS", rate * ops / 1e9, "GOPS", None, lower_is_better=False)
-        report(f"{name} gpt model-FLOP utilisation (analytic / GEMM peak)", rate * ops / peak, "fraction", None,
-               lower_is_better=False)
+        label = f"{name} compiled" if COMPILE and name == "torch" else name
+        rate = compare_training_throughput(label, batch, pair.lowered_step, pair.hand_steps, steps, model="gpt",
+                                           unit=f"sequences/{'CPU-' if CPU_TIME else ''}s",
+                                           timer=cpu_seconds if CPU_TIME else timed)
+        peak = gemm_peak(pair)
+        report(f"{label} dense GEMM peak ({pair.precision})", peak / 1e9, "GOPS", None, lower_is_better=False)
+        report(f"{label} gpt train, achieved analytic OPS", rate * ops / 1e9, "GOPS", None, lower_is_better=False)
+        report(f"{label} gpt model-FLOP utilisation (analytic / GEMM peak)", rate * ops / peak, "fraction",
+               mfu_goal(name, on_gpu), lower_is_better=False)
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for line in failed:
         print(f"FAILED {line}")
