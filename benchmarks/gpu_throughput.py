@@ -394,9 +394,9 @@ def run_lm_part(peak: float | None) -> None:
     ops = training_ops_per_image(gpt(**SEEDS[OFFICIAL_SEED], seq_len=policy["seq_len"], vocab=2 ** BITS_PER_BYTE))
     with tempfile.TemporaryDirectory() as tmp:
         sample = enwik8_shaped_sample(Path(tmp) / "enwik8")
-        attempt("torch aiperf run --workload lm", aiperf_run, "torch", str(sample),
-                f"lm ({OFFICIAL_SEED}, seq_len {policy['seq_len']}, batch {policy['batch_size']}, enwik8-shaped sample)",
-                ops, peak, ["--workload", "lm"], "sequences")
+        label = f"lm ({OFFICIAL_SEED}, seq_len {policy['seq_len']}, batch {policy['batch_size']}, enwik8-shaped sample)"
+        attempt("torch aiperf run --workload lm", aiperf_run, "torch", str(sample), label, ops, peak,
+                ["--workload", "lm"], "sequences")
 
 
 def aiperf_run(backend: str, data: str, label: str, ops_for_size: int, peak: float | None, extra: list[str],
