@@ -66,13 +66,14 @@ def test_the_official_seed_trains_at_the_official_shape_loss_finite_and_falling(
     model = TorchBackend().lower(official_seed(), precision=precision)
     stepper = Stepper(model, device, trial_config(precision))
     assert stepper.optimizer.defaults.get("fused") is True
-    stepper.set_lr(POLICY["learning_rate"])
+    # A rate a trial's warm-up passes through: the policy's full 1e-3 without the warm-up lifts the
+    # loss for the first steps (measured on a CPU at fp32, batch 2: 6.9 -> 9.4 before it falls).
+    stepper.set_lr(1e-4)
     x, y = text_batch(device)
-    losses = [float(stepper.step(x, y, BATCH)) / BATCH for _ in range(6)]
+    losses = [float(stepper.step(x, y, BATCH)) / BATCH for _ in range(8)]
     assert all(math.isfinite(loss) for loss in losses), losses
-    # A byte model starts near ln 256 = 5.55 a position; six AdamW steps on the same text learn its
-    # byte frequencies at least.
-    assert losses[0] > 4.5 and losses[-1] < losses[0] - 0.5, losses
+    # On a CPU at fp32, batch 2, the same eight steps went from 6.87 to 3.65 nats a byte.
+    assert losses[-1] < losses[0] - 1.0, losses
 
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
