@@ -53,7 +53,8 @@ def test_the_embedded_corpus_keeps_a_cpu_sized_unofficial_default():
     values = build_policy(RunRequest(workload="lm"), "embedded")
     policy = Policy(values)
     assert {k: policy[k] for k in EMBEDDED_LM_DEFAULTS} == EMBEDDED_LM_DEFAULTS
-    assert set(policy.overridden_fixed()) == {"dataset", "seq_len", "initial_architecture", "epoch_tokens", "val_tokens"}
+    assert set(policy.overridden_fixed()) == {"dataset", "seq_len", "initial_architecture", "epoch_tokens", "val_tokens",
+                                              "max_bits_per_byte"}
     assert count(_official_seed(policy)).total < count(_official_seed(Policy({"workload": "lm"}))).total / 1000
 
 

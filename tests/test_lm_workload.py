@@ -220,4 +220,4 @@ def test_a_prepared_text_that_is_not_the_real_enwik8_makes_the_run_unofficial():
     run["dataset"]["official"] = False
     assert validity_reasons(run, [], 2.0 / 8) == [
         "dataset 'enwik8' is not the official one: its manifest records official = false"]
-    assert validity_reasons(run, [], 4.5 / 8)[-1] == "best validation 4.500 bits per byte is above the maximum 4"
+    assert validity_reasons(run, [], 4.5 / 8)[-1] == "best validation 4.500 bits per byte is above the maximum 2"

@@ -40,7 +40,7 @@ DEFAULT_TIME_BUDGET = "1h"
 # them make such a run unofficial, as the corpus does.
 EMBEDDED_LM_DEFAULTS = {"epoch_tokens": 16_384, "val_tokens": 16_384, "seq_len": 128, "initial_architecture": "gpt_small",
                         "batch_size": 16, "reference_batch_size": 16, "learning_rate": 0.005,
-                        "hpo_batch_size_bounds": [8, 128]}
+                        "hpo_batch_size_bounds": [8, 128], "max_bits_per_byte": 4.0}
 DEFAULT_MAX_RESTARTS = 3
 DEFAULT_HEARTBEAT_TIMEOUT = "10m"
 DEFAULT_STALL_TIMEOUT = "10m"  # the floor of the stall timeout (aiperf_core.workflow.primary.stall_limit)
