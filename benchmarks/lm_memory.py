@@ -14,7 +14,7 @@ measures what the framework's allocator holds at that peak, over two whole steps
 the gradients and AdamW's moments, the second runs with them present):
 
 * CUDA: torch.cuda.max_memory_allocated() after the two steps, the peak counter reset before the
-  model is lowered: every tensor of the step, parameters included (the PyTorch way to ask this).
+  model is lowered: every tensor of the step, parameters included.
 * CPU: torch has no such counter for host memory, so the parameters' bytes are summed from the model
   (they exist before the step) and everything allocated after is read from torch.profiler's memory
   events (profile_memory=True: every allocation and free through torch's CPU allocator, with its
