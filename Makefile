@@ -35,7 +35,7 @@ test: $(STAMP)
 test-gpu:
 	$(PYTHON) tests/gpu_tier.py
 
-# Every script in benchmarks/ (about 35 min on 2 cores), or BENCH="name ...", then one table.
+# Every script in benchmarks/ (about 50 min on 2 cores: 35 before the LM scripts, lm_memory.py 12 of the rest), or BENCH="name ...", then one table.
 bench: $(STAMP)
 	$(BIN)/python benchmarks/_suite.py $(BENCH)
 

@@ -20,9 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import report  # noqa: E402
 
 
 def policy():
@@ -87,8 +92,12 @@ def main() -> None:
     print(f"stream falls every epoch past epoch 3: {falling}; best stream {min(results['stream']):.3f} "
           f"(epoch {int(np.argmin(results['stream'])) + 1}), best fixed {min(results['fixed']):.3f} "
           f"(epoch {int(np.argmin(results['fixed'])) + 1})")
-    print("BENCH " + json.dumps({"name": "lm_learning_curve", "backend": args.backend, "seed": args.seed,
-                                 "stream_bpb": results["stream"], "fixed_bpb": results["fixed"]}))
+    print("curves " + json.dumps({"backend": args.backend, "seed": args.seed, "stream_bpb": results["stream"],
+                                  "fixed_bpb": results["fixed"]}))
+    report(f"lm 10-epoch trial ({args.backend}): stream, last epoch", results["stream"][-1], "bits/byte", None)
+    report(f"lm 10-epoch trial ({args.backend}): fixed draw, last epoch", results["fixed"][-1], "bits/byte", None)
+    report(f"lm 10-epoch trial ({args.backend}): stream falls every epoch past 3", float(falling), "bool", None,
+           lower_is_better=False)
 
 
 if __name__ == "__main__":

@@ -214,7 +214,7 @@ def baselines(names=None) -> dict:
         print(f"{name:<10} {len(data):>10,} bytes  " + "  ".join(
             f"{k} {v:.3f}" for k, v in row.items() if isinstance(v, float)) +
               f"  ({time.perf_counter() - start:.0f} s)", flush=True)
-    print("BENCH " + json.dumps({"name": "lm_quality_floor_baselines", "rows": rows}))
+    print("baselines " + json.dumps(rows))
     return rows
 
 
@@ -320,7 +320,7 @@ def curve(model: str, out: Path, minutes: float) -> dict:
         saved["reference"]["text"] = CURVE_TEXT
         saved["reference"]["val_bytes"] = int(len(val))
     path.write_text(json.dumps(saved, indent=1))
-    print("BENCH " + json.dumps({"name": "lm_quality_floor_curve", **row}))
+    print("curve " + json.dumps(row))
     return row
 
 
@@ -405,13 +405,14 @@ def extrapolate(out: Path, baselines_rows: dict | None = None) -> dict:
     result = {"frontier": front, "fit": {"a": a, "b": b, "points": len(fitted)}, "official_ops": ops,
               "trial_flop": trial_flop, "hour_flop": hour_flop, "hour_tokens": hour_flop / per_token,
               "ratios": ratios, "extrapolated": table}
-    print("BENCH " + json.dumps({"name": "lm_quality_floor_extrapolate", **result}))
+    print("extrapolated " + json.dumps(result))
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["baselines", "curve", "extrapolate", "all"])
+    parser.add_argument("part", nargs="?", default="baselines", choices=["baselines", "curve", "extrapolate", "all"],
+                        help="what to measure (default baselines: the models and compressors, minutes; `make bench` runs it)")
     parser.add_argument("--texts", default=None, help="baselines: comma-separated text names (default all)")
     parser.add_argument("--models", default=",".join(CURVE_MODELS), help="curve: comma-separated sizes")
     parser.add_argument("--minutes", type=float, default=9.0, help="curve: stop a size after this long")
