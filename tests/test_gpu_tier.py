@@ -22,7 +22,8 @@ def test_the_tier_collects_every_module_that_uses_the_gpu_marker_and_no_other():
     marked = sorted(str(path) for path in TESTS.glob("test_*.py")
                     if path.name != Path(__file__).name and re.search(r"mark\.gpu\b", path.read_text()))
     assert gpu_tier.gpu_test_files() == marked
-    assert [Path(path).name for path in marked] == ["test_jax_gpu.py", "test_torch_gpu.py", "test_torch_sequence_gpu.py"]
+    assert [Path(path).name for path in marked] == ["test_jax_gpu.py", "test_lm_gpu.py", "test_torch_gpu.py",
+                                                    "test_torch_sequence_gpu.py"]
 
 
 def test_steps_run_at_once_and_each_log_is_printed_whole(tmp_path, capsys, monkeypatch):
