@@ -11,7 +11,7 @@ import time
 from aiperf_core import workloads
 from aiperf_core.builders import resnet_small
 from aiperf_core.policy import Policy
-from aiperf_core.rundir import GENESIS, EventLog, RunDir, read_events, sha256_bytes
+from aiperf_core.rundir import EventLog, RunDir, read_events, sha256_bytes
 from aiperf_core.scoring import verify_run
 from aiperf_core.search.arch import encode
 from aiperf_core.search.history import (HISTORY_NAME, HistoryPublisher, SharedHistory, encode_arch, records_of,
@@ -19,6 +19,7 @@ from aiperf_core.search.history import (HISTORY_NAME, HistoryPublisher, SharedHi
 from aiperf_core.workflow.plan import WatchSettings
 from aiperf_core.workflow.primary import Primary
 from aiperf_core.workflow.simulation import VirtualClock
+from test_history_published import rechain
 from test_workflow import ScriptedExecutor
 
 ARCH = encode(resnet_small()).to_json()
@@ -101,15 +102,6 @@ def test_a_resumed_primary_keeps_the_old_lines_and_publishes_new_ones_in_the_new
     assert [r.hpo_point["batch_size"] for r in history.refresh()] == [48, 32, 64, 40]
     # --verify finds the old lines exactly what their trial_end and old trial.json give.
     assert [p for p in verify_run(run_dir) if p.startswith(HISTORY_NAME)] == []
-
-
-def rechain(lines: list[dict]) -> bytes:
-    out, prev = [], GENESIS
-    for seq, line in enumerate(lines):
-        raw = json.dumps({**line, "seq": seq, "prev": prev}, sort_keys=True).encode()
-        out.append(raw)
-        prev = sha256_bytes(raw)
-    return b"".join(raw + b"\n" for raw in out)
 
 
 def test_verify_names_an_old_line_whose_point_was_forged(tmp_path):
