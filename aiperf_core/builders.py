@@ -150,23 +150,95 @@ def gpt_block(b: _Builder, name: str, x: str, hidden: int, heads: int, ffn: int)
     return b.add(f"{name}_res2", "add", [x, h])
 
 
-BUILDERS: dict[str, Callable[..., Graph]] = {"resnet50": resnet50, "resnet_small": resnet_small, "gpt": gpt}
+LLAMA_DEFAULTS = {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": None, "seq_len": 128, "vocab": 256,
+                  "ffn": None, "rope_base": 10000.0}
+LLAMA_FFN_MULTIPLE = 64
+
+
+def llama_ffn(hidden: int) -> int:
+    """Llama's MLP width for `hidden`: 2/3 of 4 * hidden (the gated MLP's three matrices then hold what
+    GPT's two hold at 4 * hidden), rounded up to a multiple of 64 (Llama rounds to 256; 64 keeps small
+    models near 8/3 hidden)."""
+    return -(-8 * hidden // 3 // LLAMA_FFN_MULTIPLE) * LLAMA_FFN_MULTIPLE
+
+
+def llama(layers: int = 2, hidden: int = 128, heads: int = 4, kv_heads: int | None = None, seq_len: int = 128,
+          vocab: int = 256, ffn: int | None = None, rope_base: float = 10000.0) -> Graph:
+    """A decoder-only transformer of Llama's family: pre-norm blocks of RMS norm, grouped-query attention
+    with rotary positions on the queries and keys, and a SwiGLU MLP, with no biases anywhere and no
+    position table. kv_heads defaults to heads (multi-head attention); ffn to llama_ffn(hidden)."""
+    kv_heads = heads if kv_heads is None else kv_heads
+    ffn = llama_ffn(hidden) if ffn is None and isinstance(hidden, int) and not isinstance(hidden, bool) else ffn
+    for name, value, minimum in (("layers", layers, 1), ("hidden", hidden, 1), ("heads", heads, 1),
+                                 ("kv_heads", kv_heads, 1), ("seq_len", seq_len, 1), ("vocab", vocab, 2),
+                                 ("ffn", ffn, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise AiperfError(f"llama: {name} must be an integer >= {minimum}, got {value!r}")
+    if hidden % heads:
+        raise AiperfError(f"llama: heads ({heads}) must divide hidden ({hidden})")
+    if heads % kv_heads:
+        raise AiperfError(f"llama: kv_heads ({kv_heads}) must divide heads ({heads})")
+    if (hidden // heads) % 2:
+        raise AiperfError(f"llama: the head width hidden / heads ({hidden // heads}) must be even for rotary")
+    b = _Builder()
+    b.add("tokens", "token_input", seq_len=seq_len, vocab=vocab)
+    x = b.add("embed", "embedding", ["tokens"], vocab=vocab, units=hidden)
+    for i in range(layers):
+        x = llama_block(b, f"h{i}", x, hidden, heads, kv_heads, ffn, rope_base)
+    x = b.add("norm_f", "rms_norm", [x], epsilon=1e-5)
+    x = b.add("lm_head", "dense", [x], units=vocab, use_bias=False)
+    b.add("probs", "softmax", [x])
+    return Graph(b.nodes, name="llama")
+
+
+def llama_block(b: _Builder, name: str, x: str, hidden: int, heads: int, kv_heads: int, ffn: int,
+                rope_base: float) -> str:
+    head_dim = hidden // heads
+    h = b.add(f"{name}_norm1", "rms_norm", [x], epsilon=1e-5)
+    q = b.add(f"{name}_q", "dense", [h], units=hidden, use_bias=False)
+    k = b.add(f"{name}_k", "dense", [h], units=kv_heads * head_dim, use_bias=False)
+    v = b.add(f"{name}_v", "dense", [h], units=kv_heads * head_dim, use_bias=False)
+    q = b.add(f"{name}_q_rope", "rotary", [q], head_dim=head_dim, base=float(rope_base))
+    k = b.add(f"{name}_k_rope", "rotary", [k], head_dim=head_dim, base=float(rope_base))
+    attrs = {"heads": heads, "head_dim": head_dim, "causal": True}
+    if kv_heads != heads:
+        attrs["kv_heads"] = kv_heads
+    a = b.add(f"{name}_attn", "attention", [q, k, v], **attrs)
+    a = b.add(f"{name}_proj", "dense", [a], units=hidden, use_bias=False)
+    x = b.add(f"{name}_res1", "add", [x, a])
+    h = b.add(f"{name}_norm2", "rms_norm", [x], epsilon=1e-5)
+    gate = b.add(f"{name}_gate", "dense", [h], units=ffn, use_bias=False)
+    up = b.add(f"{name}_up", "dense", [h], units=ffn, use_bias=False)
+    gate = b.add(f"{name}_silu", "silu", [gate])
+    h = b.add(f"{name}_glu", "mul", [gate, up])
+    h = b.add(f"{name}_down", "dense", [h], units=hidden, use_bias=False)
+    return b.add(f"{name}_res2", "add", [x, h])
+
+
+BUILDERS: dict[str, Callable[..., Graph]] = {"resnet50": resnet50, "resnet_small": resnet_small, "gpt": gpt,
+                                             "llama": llama}
+TRANSFORMER_BUILDERS = ("gpt", "llama")
 
 
 def build(name: str, input_shape=None, classes: int | None = None, **sizes) -> Graph:
-    """A builder's graph. input_shape and classes are the image builders'; `sizes` the gpt's
-    (GPT_DEFAULTS' keys)."""
+    """A builder's graph. input_shape and classes are the image builders'; `sizes` the transformers'
+    (GPT_DEFAULTS' and LLAMA_DEFAULTS' keys)."""
     try:
         builder = BUILDERS[name]
     except KeyError:
         raise AiperfError(f"unknown model '{name}' (builders: {', '.join(sorted(BUILDERS))})") from None
     sizes = {k: v for k, v in sizes.items() if v is not None}
-    if name == "gpt":
+    if name in TRANSFORMER_BUILDERS:
         if input_shape is not None or classes is not None:
-            raise AiperfError("gpt: --input and --classes are for image models; a gpt takes --seq-len and --vocab")
+            raise AiperfError(f"{name}: --input and --classes are for image models; a {name} takes --seq-len and "
+                              f"--vocab")
+        if name == "gpt" and "kv_heads" in sizes:
+            raise AiperfError("gpt: --kv-heads applies to the llama builder only (GPT-2's attention has a key and "
+                              "value per head)")
         return builder(**sizes)
     if sizes:
-        raise AiperfError(f"{name}: --{next(iter(sizes)).replace('_', '-')} applies to the gpt builder only")
+        raise AiperfError(f"{name}: --{next(iter(sizes)).replace('_', '-')} applies to the gpt and llama builders "
+                          f"only")
     kwargs = {}
     if input_shape is not None:
         kwargs["input_shape"] = input_shape

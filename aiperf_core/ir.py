@@ -17,9 +17,21 @@ token by router probability with their probabilities renormalised to sum to 1 (t
 expert a GELU MLP (D -> units -> D) with biases; the output is the gate-weighted sum of the chosen
 experts' outputs. Ties in the router's order go to the lower expert index.
 
+The transformers of Llama's family use four more (docs/ir.md, "Llama-style transformers"): `rms_norm`
+(x / sqrt(mean(x^2) + epsilon) times a learned `gamma`, over the last axis); `rotary`, the rotary position
+embedding of each `head_dim`-wide head of a (S, heads * head_dim) query or key, in the half-split form of
+GPT-NeoX and Hugging Face's Llama (pairs (i, i + head_dim/2) rotate by position * base^(-2i/head_dim));
+`silu` (x sigmoid(x)); and `mul`, the elementwise product of two equal-shaped tensors. A SwiGLU MLP is IR
+nodes, dense gate and up projections, silu on the gate, mul, and a dense down projection: each projection
+is then an ordinary dense layer that every backend maps to its GEMM and every morph already widens.
+Grouped-query attention is `attention` with `kv_heads` (dividing `heads`): the key and value are
+(S, kv_heads * head_dim), and query head h reads key-value head h // (heads / kv_heads). A `moe` node with
+`mlp: swiglu` has SwiGLU experts without biases (w_gate and w_in (E, D, F), w_out (E, F, D)), as Mixtral's.
+
 Schema history: version 1 held the CNN ops; version 2 adds the sequence ops, grouped convolution,
-lrn, avg_pool, mul_const, add_const and channel_shuffle; version 3 adds moe. A graph is written at the
-oldest version that holds it, so a version 1 or 2 graph loads unchanged in an older aiperf.
+lrn, avg_pool, mul_const, add_const and channel_shuffle; version 3 adds moe; version 4 adds rms_norm,
+rotary, silu, mul, attention's kv_heads and moe's mlp. A graph is written at the oldest version that
+holds it, so a version 1, 2 or 3 graph loads unchanged in an older aiperf.
 """
 
 from __future__ import annotations
@@ -32,8 +44,8 @@ from typing import Any, Iterable, Mapping
 
 from aiperf_core.errors import GraphError
 
-SCHEMA_VERSION = 3
-READABLE_SCHEMA_VERSIONS = (1, 2, 3)
+SCHEMA_VERSION = 4
+READABLE_SCHEMA_VERSIONS = (1, 2, 3, 4)
 
 Shape = tuple[int, ...]
 
@@ -354,32 +366,87 @@ def _layer_norm_params(attrs, shapes):
 
 
 def _attention_attrs(node, attrs):
-    _check_no_extra(node, attrs, ("heads", "head_dim", "causal"))
-    return {"heads": _int(node, attrs, "heads", minimum=1), "head_dim": _int(node, attrs, "head_dim", minimum=1),
-            "causal": _bool(node, attrs, "causal", True)}
+    _check_no_extra(node, attrs, ("heads", "head_dim", "causal", "kv_heads"))
+    out = {"heads": _int(node, attrs, "heads", minimum=1), "head_dim": _int(node, attrs, "head_dim", minimum=1),
+           "causal": _bool(node, attrs, "causal", True)}
+    kv = _int(node, attrs, "kv_heads", minimum=1, default=out["heads"])
+    if out["heads"] % kv:
+        raise GraphError(f"attribute 'kv_heads' ({kv}) must divide 'heads' ({out['heads']})", node)
+    if kv != out["heads"]:  # multi-head attention keeps schema 3's form
+        out["kv_heads"] = kv
+    return out
+
+
+def kv_heads(attrs: Mapping) -> int:
+    """An attention node's key-value heads: `heads` unless it is grouped-query attention."""
+    return attrs.get("kv_heads", attrs["heads"])
 
 
 def _attention_shape(node, attrs, shapes):
-    width = attrs["heads"] * attrs["head_dim"]
-    for what, shape in zip(("query", "key", "value"), shapes):
+    query_width = attrs["heads"] * attrs["head_dim"]
+    kv_width = kv_heads(attrs) * attrs["head_dim"]
+    for what, shape, width, form in zip(("query", "key", "value"), shapes, (query_width, kv_width, kv_width),
+                                        ("heads", "kv_heads", "kv_heads")):
         if len(shape) != 2 or shape[1] != width:
-            raise GraphError(f"attention {what} must be (S, heads * head_dim = {width}), got shape {list(shape)}",
+            raise GraphError(f"attention {what} must be (S, {form} * head_dim = {width}), got shape {list(shape)}",
                              node)
-    _same_shapes(node, shapes, "attention")
+    if shapes[1] != shapes[2] or shapes[0][0] != shapes[1][0]:
+        raise GraphError(f"attention inputs have mismatched shapes {[list(x) for x in shapes]}", node)
     return shapes[0]
 
 
+def _rms_norm_params(attrs, shapes):
+    return {"gamma": (shapes[0][-1],)}
+
+
+def _rotary_attrs(node, attrs):
+    _check_no_extra(node, attrs, ("head_dim", "base"))
+    head_dim = _int(node, attrs, "head_dim", minimum=2)
+    if head_dim % 2:
+        raise GraphError(f"attribute 'head_dim' must be even (rotary rotates pairs), got {head_dim}", node)
+    return {"head_dim": head_dim, "base": _float(node, attrs, "base", low=1.0, high=1e12, default=10000.0)}
+
+
+def _rotary_shape(node, attrs, shapes):
+    shape = _sequence(node, shapes[0])
+    if shape[1] % attrs["head_dim"]:
+        raise GraphError(f"rotary input width {shape[1]} is not a whole number of heads of head_dim "
+                         f"{attrs['head_dim']}", node)
+    return shape
+
+
+def _mul_shape(node, attrs, shapes):
+    _same_shapes(node, shapes, "mul")
+    return shapes[0]
+
+
+MOE_MLPS = ("gelu", "swiglu")
+
+
 def _moe_attrs(node, attrs):
-    _check_no_extra(node, attrs, ("experts", "top_k", "units"))
+    _check_no_extra(node, attrs, ("experts", "top_k", "units", "mlp"))
     experts = _int(node, attrs, "experts", minimum=2)
     top_k = _int(node, attrs, "top_k", minimum=1)
     if top_k > experts:
         raise GraphError(f"attribute 'top_k' ({top_k}) must not exceed 'experts' ({experts})", node)
-    return {"experts": experts, "top_k": top_k, "units": _int(node, attrs, "units", minimum=1)}
+    out = {"experts": experts, "top_k": top_k, "units": _int(node, attrs, "units", minimum=1)}
+    mlp = attrs.get("mlp", "gelu")
+    if mlp not in MOE_MLPS:
+        raise GraphError(f"attribute 'mlp' must be one of {', '.join(MOE_MLPS)}, got {mlp!r}", node)
+    if mlp != "gelu":  # GELU experts keep schema 3's form
+        out["mlp"] = mlp
+    return out
+
+
+def moe_mlp(attrs: Mapping) -> str:
+    """A moe node's experts: 'gelu' (with biases) or 'swiglu' (without)."""
+    return attrs.get("mlp", "gelu")
 
 
 def _moe_params(attrs, shapes):
     d, e, f = shapes[0][-1], attrs["experts"], attrs["units"]
+    if moe_mlp(attrs) == "swiglu":
+        return {"router": (d, e), "w_gate": (e, d, f), "w_in": (e, d, f), "w_out": (e, f, d)}
     return {"router": (d, e), "w_in": (e, d, f), "b_in": (e, f), "w_out": (e, f, d), "b_out": (e, d)}
 
 
@@ -411,6 +478,10 @@ OPS: dict[str, OpSpec] = {
         OpSpec("attention", 3, 3, _attention_attrs, _attention_shape),
         OpSpec("gelu", 1, 1, _no_attrs, lambda n, a, s: s[0]),
         OpSpec("moe", 1, 1, _moe_attrs, lambda n, a, s: _sequence(n, s[0]), _moe_params),
+        OpSpec("rms_norm", 1, 1, _layer_norm_attrs, lambda n, a, s: s[0], _rms_norm_params),
+        OpSpec("rotary", 1, 1, _rotary_attrs, _rotary_shape),
+        OpSpec("silu", 1, 1, _no_attrs, lambda n, a, s: s[0]),
+        OpSpec("mul", 2, 2, _no_attrs, _mul_shape),
     )
 }
 
@@ -418,12 +489,16 @@ PARAMETRIC_OPS = frozenset(name for name, spec in OPS.items() if spec.params is 
 VERSION_1_OPS = frozenset({"input", "conv2d", "batch_norm", "relu", "add", "concat", "max_pool", "global_avg_pool",
                            "flatten", "dense", "softmax", "dropout"})
 VERSION_3_OPS = frozenset({"moe"})
-# What a backend declares it lowers (Backend.supported_ops): the ops, and two of schema 2's extensions of
-# schema 1's ops apart, since a backend written for schema 1 knows neither: conv2d's `groups`, and an
-# `input` of real-valued (S, D) sequences, which dense and softmax then take over their last axis.
+VERSION_4_OPS = frozenset({"rms_norm", "rotary", "silu", "mul"})
+# What a backend declares it lowers (Backend.supported_ops): the ops, and the extensions of older ops
+# apart, since a backend written for the older schema knows none of them: schema 2's conv2d `groups` and
+# `input` of real-valued (S, D) sequences (which dense and softmax then take over their last axis), and
+# schema 4's grouped-query attention (kv_heads) and SwiGLU experts (moe's mlp).
 GROUPED_CONV = "grouped_conv2d"
 SEQUENCE_INPUT = "sequence_input"
-ALL_OPS = frozenset(OPS) | {GROUPED_CONV, SEQUENCE_INPUT}
+GROUPED_QUERY_ATTENTION = "grouped_query_attention"
+SWIGLU_MOE = "swiglu_moe"
+ALL_OPS = frozenset(OPS) | {GROUPED_CONV, SEQUENCE_INPUT, GROUPED_QUERY_ATTENTION, SWIGLU_MOE}
 INPUT_OPS = frozenset({"input", "token_input"})
 # Parameters that training never changes: batch norm's moving statistics (updated by their own rule,
 # not by gradients) and the constants of mul_const and add_const (an imported model's folded values).
@@ -440,10 +515,15 @@ def is_trainable(param: str) -> bool:
 
 
 def lowering_need(node: "Node") -> str:
-    """What lowering `node` needs of a backend: its op, GROUPED_CONV for a conv2d with groups, or
-    SEQUENCE_INPUT for an input of (S, D) sequences."""
+    """What lowering `node` needs of a backend: its op, GROUPED_CONV for a conv2d with groups,
+    SEQUENCE_INPUT for an input of (S, D) sequences, GROUPED_QUERY_ATTENTION for an attention with fewer
+    key-value heads than heads, or SWIGLU_MOE for a moe of SwiGLU experts."""
     if node.op == "conv2d" and node.attrs.get("groups", 1) > 1:
         return GROUPED_CONV
+    if node.op == "attention" and "kv_heads" in node.attrs:
+        return GROUPED_QUERY_ATTENTION
+    if node.op == "moe" and "mlp" in node.attrs:
+        return SWIGLU_MOE
     if node.op == "input" and len(node.attrs["shape"]) == 2:
         return SEQUENCE_INPUT
     return node.op
@@ -597,6 +677,8 @@ class Graph:
     def schema_version(self) -> int:
         """The oldest schema that holds this graph: a CNN of version 1's ops is written as version 1, so
         that an older aiperf still reads what this one writes."""
+        if any(n.op in VERSION_4_OPS or "kv_heads" in n.attrs or "mlp" in n.attrs for n in self.nodes):
+            return 4
         if any(n.op in VERSION_3_OPS for n in self.nodes):
             return 3
         return 2 if any(n.op not in VERSION_1_OPS or "groups" in n.attrs for n in self.nodes) else 1

@@ -75,12 +75,21 @@ def _avg_pool(name, size, c, kernel, strides, padding, count_padding):
                                          "count_padding": count_padding}),), workload="ir")
 
 
-def _attention(name, causal):
-    """Three projections of one (S, D) input into 2 heads of width 3, then the attention under test."""
-    return OpCase(name, (5, 4), (
-        Node("q", "dense", ("x",), {"units": 6}), Node("k", "dense", ("x",), {"units": 6}),
-        Node("v", "dense", ("x",), {"units": 6}),
-        Node("op", "attention", ("q", "k", "v"), {"heads": 2, "head_dim": 3, "causal": causal})), workload="lm")
+def _attention(name, causal, heads=2, kv_heads=None, head_dim=3, rotary=False):
+    """Three projections of one (S, D) input into `heads` query heads (and `kv_heads` key-value heads) of
+    width `head_dim`, with rotary positions on the query and key if `rotary`, then the attention under test."""
+    kv = heads if kv_heads is None else kv_heads
+    nodes = [Node("q", "dense", ("x",), {"units": heads * head_dim}), Node("k", "dense", ("x",), {"units": kv * head_dim}),
+             Node("v", "dense", ("x",), {"units": kv * head_dim})]
+    q, k = "q", "k"
+    if rotary:
+        nodes += [Node("q_rope", "rotary", ("q",), {"head_dim": head_dim}),
+                  Node("k_rope", "rotary", ("k",), {"head_dim": head_dim})]
+        q, k = "q_rope", "k_rope"
+    attrs = {"heads": heads, "head_dim": head_dim, "causal": causal}
+    if kv_heads is not None:
+        attrs["kv_heads"] = kv_heads
+    return OpCase(name, (5, 4), tuple(nodes) + (Node("op", "attention", (q, k, "v"), attrs),), workload="lm")
 
 
 # The model-zoo CNN ops (ONNX import): no workload needs them, every backend should lower them.
@@ -115,6 +124,17 @@ SEQUENCE_CASES: tuple[OpCase, ...] = (
     _unary("softmax_per_position", (5, 4), "softmax", workload="lm"),
     _unary("moe_top2", (5, 4), "moe", workload="lm", experts=3, top_k=2, units=6),
     _unary("moe_top1", (5, 4), "moe", workload="lm", experts=4, top_k=1, units=3),
+    # Llama's family (schema 4).
+    _unary("rms_norm", (5, 6), "rms_norm", workload="lm", epsilon=1e-5),
+    _unary("rotary", (5, 8), "rotary", workload="lm", head_dim=4),
+    _unary("rotary_one_head_base_100", (6, 6), "rotary", workload="lm", head_dim=6, base=100.0),
+    _unary("silu", (5, 4), "silu", workload="lm"),
+    OpCase("mul", (5, 4), (Node("a", "dense", ("x",), {"units": 3}), Node("b", "dense", ("x",), {"units": 3}),
+                           Node("op", "mul", ("a", "b"), {})), workload="lm"),
+    _attention("attention_grouped_query", True, heads=4, kv_heads=2, head_dim=2),
+    _attention("attention_multi_query", True, heads=3, kv_heads=1, head_dim=2),
+    _attention("attention_rotary_grouped_query", True, heads=2, kv_heads=1, head_dim=4, rotary=True),
+    _unary("moe_swiglu_top2", (5, 4), "moe", workload="lm", experts=3, top_k=2, units=6, mlp="swiglu"),
 )
 
 

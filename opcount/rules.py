@@ -44,6 +44,10 @@ CATEGORY_OF_OP = {
     "attention": "attention",
     "gelu": "activation",
     "moe": "moe",
+    "rms_norm": "norm",
+    "rotary": "embedding",
+    "silu": "activation",
+    "mul": "elementwise",
 }
 CATEGORIES = ("conv", "dense", "attention", "moe", "embedding", "norm", "activation", "pool", "elementwise",
               "softmax", "update")
@@ -53,6 +57,10 @@ CATEGORIES = ("conv", "dense", "attention", "moe", "embedding", "norm", "activat
 # 0.5 x (1 + t) (2 MUL); backward 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2), times dy.
 GELU_FP = 2 * MUL + MAC + MUL + (MUL + EXP + 2 * ADD + DIV) + ADD + 2 * MUL  # 23
 GELU_BP = (MUL + ADD) + MUL + MAC + MUL + MUL + 2 * MUL + (ADD + MUL) + ADD + MUL  # 13
+# Per element of SiLU, x sigmoid(x) = x / (1 + exp(-x)): forward EXP, ADD, DIV, then MUL; backward
+# dy s (1 + x (1 - s)): ADD, MUL, ADD, MUL, MUL.
+SILU_FP = EXP + ADD + DIV + MUL  # 14
+SILU_BP = ADD + MUL + ADD + MUL + MUL  # 5
 # Per attention score: scale by 1/sqrt(head_dim) (MUL), the causal mask (a select, CMP), softmax as Table 1
 # (EXP, ADD, DIV); backward: softmax's rowsum(dP * P) (MAC), subtract (ADD), times P (MUL), the mask's
 # select (CMP) and the scale (MUL).
@@ -165,6 +173,24 @@ def node_ops(graph: Graph, node: Node, convention: str, reads_data: bool) -> Nod
         input_grad = d * (MUL + ADD + MAC + MUL + 2 * ADD + MUL) + 2 * MUL
         grad = rows * (param_grads + (0 if reads_data else input_grad))
         return NodeOps(fp=fp, grad=grad, update=MAC * 2 * d)
+    if op == "rms_norm":
+        rows, d = size // out[-1], out[-1]
+        # Per row: sum of squares (MAC), 1/D (MUL), + epsilon (ADD), SQRT, the reciprocal (DIV); per element
+        # x times 1/rms (MUL) and times gamma (MUL). Backward: dgamma (MAC) per element; the input gradient
+        # rstd (dxh - xh mean(dxh xh)) with dxh = dy gamma: MUL, MAC, MUL, ADD, MUL per element, 1/D per row.
+        fp = rows * (d * (MAC + MUL + MUL) + MUL + ADD + SQRT + DIV)
+        input_grad = d * (MUL + MAC + MUL + ADD + MUL) + MUL
+        grad = rows * (d * MAC + (0 if reads_data else input_grad))
+        return NodeOps(fp=fp, grad=grad, update=MAC * d)
+    if op == "rotary":
+        # x cos + rotate_half(x) sin per element (the half's sign lives in the sine table, which is a constant
+        # of the positions, as the position embedding's table is); its backward is the inverse rotation.
+        return NodeOps(fp=(MUL + MUL + ADD) * size, grad=0 if reads_data else (MUL + MUL + ADD) * size)
+    if op == "silu":
+        return NodeOps(fp=SILU_FP * size, grad=0 if reads_data else SILU_BP * size)
+    if op == "mul":
+        # Each input's gradient is the other input times dy.
+        return NodeOps(fp=MUL * size, grad=0 if reads_data else 2 * MUL * size)
     if op == "attention":
         return _attention_ops(ins[0][0], a, valid, reads_data)
     if op == "gelu":
@@ -201,14 +227,24 @@ def _moe_ops(in_shape, a, reads_data: bool) -> NodeOps:
     input gradients (2 MAC F D), gelu's (GELU_BP F) and the input layer's weight gradient (MAC D F); the
     gates' softmax over the chosen (MAC, ADD, MUL each, as attention's scores); the router's weight
     gradient (MAC D E); and, unless only data lies upstream, the input gradients of the experts' first
-    layer (MAC D F each) and of the router (MAC D E). The update covers every expert's parameters."""
+    layer (MAC D F each) and of the router (MAC D E). The update covers every expert's parameters.
+
+    SwiGLU experts (mlp 'swiglu', no biases) count as their dense, silu, mul, dense nodes would: two
+    input projections (2 MAC D F), silu on the gate (SILU_FP F), the product (MUL F) and the down
+    projection (MAC F D); backward the product's two gradients (2 MUL F), silu's (SILU_BP F), both input
+    projections' weight gradients (2 MAC D F) and, unless only data lies upstream, their input gradients."""
     seq, d = in_shape
     e, k, f = a["experts"], a["top_k"], a["units"]
-    expert_fp = MAC * d * f + GELU_FP * f + MAC * f * d + MUL * d
+    swiglu = a.get("mlp", "gelu") == "swiglu"
+    projections = 2 if swiglu else 1  # the (D -> F) products per expert
+    hidden_fp = SILU_FP * f + MUL * f if swiglu else GELU_FP * f
+    hidden_bp = SILU_BP * f + 2 * MUL * f if swiglu else GELU_BP * f
+    expert_fp = projections * MAC * d * f + hidden_fp + MAC * f * d + MUL * d
     fp = MAC * d * e + (EXP + ADD + DIV) * e + CMP * k * e + (ADD + DIV) * k + k * expert_fp + ADD * (k - 1) * d
-    expert_grad = MAC * d + MUL * d + 2 * MAC * f * d + GELU_BP * f + MAC * d * f
+    expert_grad = MAC * d + MUL * d + 2 * MAC * f * d + hidden_bp + projections * MAC * d * f
     grad = k * expert_grad + k * (MAC + ADD + MUL) + MAC * d * e
     if not reads_data:
-        grad += k * MAC * d * f + MAC * d * e
-    params = d * e + e * (d * f + f + f * d + d)
+        grad += k * projections * MAC * d * f + MAC * d * e
+    expert_params = 3 * d * f if swiglu else d * f + f + f * d + d
+    params = d * e + e * expert_params
     return NodeOps(fp=seq * fp, grad=seq * grad, update=MAC * params)

@@ -54,13 +54,16 @@ def add_model_arguments(p, what: str = "builder name (resnet50, resnet_small), I
 
 
 GPT_SIZE_FLAGS = (("--layers", "transformer blocks"), ("--hidden", "model width H"),
-                  ("--heads", "attention heads (they divide H)"), ("--seq-len", "tokens per sequence S"),
-                  ("--vocab", "vocabulary size V"), ("--ffn", "MLP width (default 4H)"))
+                  ("--heads", "attention heads (they divide H)"),
+                  ("--kv-heads", "llama: key-value heads (they divide the heads; default: the heads)"),
+                  ("--seq-len", "tokens per sequence S"), ("--vocab", "vocabulary size V"),
+                  ("--ffn", "MLP width (default: gpt 4H, llama 8H/3 rounded up to a multiple of 64)"))
 
 
 def add_gpt_size_arguments(p) -> None:
-    """The gpt builder's size options (docs: builders.GPT_DEFAULTS)."""
-    group = p.add_argument_group("gpt builder sizes (defaults: 2 layers, hidden 128, 4 heads, seq-len 128, vocab 256)")
+    """The transformer builders' size options (builders.GPT_DEFAULTS, builders.LLAMA_DEFAULTS)."""
+    group = p.add_argument_group("gpt and llama builder sizes (defaults: 2 layers, hidden 128, 4 heads, seq-len 128, "
+                                 "vocab 256)")
     for flag, what in GPT_SIZE_FLAGS:
         group.add_argument(flag, type=positive_int, default=None, metavar="N", help=what)
 
