@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from aiperf_core.builders import gpt, resnet50, resnet_small
+from aiperf_core.builders import gpt, llama, resnet50, resnet_small
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph
 from aiperf_conformance.cases import case_input, trained_looking_weights
@@ -37,8 +37,11 @@ GRAPHS = {
     "resnet_small": lambda: resnet_small((32, 32, 3), 10),
     "resnet50_64px": lambda: resnet50((64, 64, 3), 10),
     "gpt": lambda: gpt(layers=2, hidden=32, heads=4, seq_len=16, vocab=64),
+    # Llama's family: RMS norm, rotary positions, grouped-query attention (2 query heads per key-value
+    # head) and a SwiGLU MLP.
+    "llama": lambda: llama(layers=2, hidden=32, heads=4, kv_heads=2, seq_len=16, vocab=64, ffn=48),
 }
-WORKLOAD_OF = {"gpt": "lm"}  # the others: cnn
+WORKLOAD_OF = {"gpt": "lm", "llama": "lm"}  # the others: cnn
 BATCH, QUICK_BATCH = 2, 1
 # The model-zoo CNNs shipped in the onnx wheel (onnx/backend/test/data/light), run with random weights
 # against onnx.reference.ReferenceEvaluator: an oracle nobody here wrote.
