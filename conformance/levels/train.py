@@ -14,7 +14,7 @@ from functools import partial
 import numpy as np
 
 from aiperf_core.backend import Dataset, Schedule, TrainConfig
-from aiperf_core.builders import gpt, resnet_small
+from aiperf_core.builders import gpt, llama, resnet_small
 from aiperf_core.transformer_morph import upcycle_moe
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_core.ir import is_trainable
@@ -128,22 +128,28 @@ def digits_accuracy(ctx: Context, precision: str) -> Outcome:
 
 # The GPT checks (the LM workload): a 2-layer GPT on token ids whose labels are the next tokens.
 GPT_SIZES = dict(layers=2, hidden=32, heads=4, seq_len=16, vocab=64)
+# Llama's family at the same size: 2 query heads per key-value head, a SwiGLU MLP of 48.
+LLAMA_SIZES = dict(GPT_SIZES, kv_heads=2, ffn=48)
+MODELS = ("gpt", "gpt_moe", "llama")
 
 
-def _gpt(moe: bool):
-    """The GPT, or the GPT with its first block's MLP upcycled to 4 experts, 2 per token."""
+def _gpt(model: str = "gpt"):
+    """The model a transformer check trains: the GPT, the GPT with its first block's MLP upcycled to 4
+    experts, 2 per token ('gpt_moe'), or the Llama ('llama')."""
+    if model == "llama":
+        return llama(**LLAMA_SIZES)
     graph = gpt(**GPT_SIZES)
-    return upcycle_moe(graph, None, "h0_fc1", seed=5).graph if moe else graph
+    return upcycle_moe(graph, None, "h0_fc1", seed=5).graph if model == "gpt_moe" else graph
 
 
-def _gpt_batch(ctx: Context, salt: int, n: int, moe: bool = False):
-    graph = _gpt(moe)
+def _gpt_batch(ctx: Context, salt: int, n: int, model: str = "gpt"):
+    graph = _gpt(model)
     tokens = ctx.rng(salt).integers(0, graph.vocab, (n, graph.input_shape[0] + 1))
     return graph, trained_looking_weights(graph, ctx.seed), tokens[:, :-1], tokens[:, 1:]
 
 
-def gpt_step_lowers_loss(ctx: Context, precision: str, moe: bool = False) -> Outcome:
-    graph, weights, x, y = _gpt_batch(ctx, 21, 16, moe)
+def gpt_step_lowers_loss(ctx: Context, precision: str, model: str = "gpt") -> Outcome:
+    graph, weights, x, y = _gpt_batch(ctx, 21, 16, model)
     model = ctx.backend.lower(graph, weights, precision=precision)
     before, _ = ctx.backend.loss_and_grads(model, x, y)
     config = TrainConfig(epochs=1, batch_size=16, schedule=Schedule(initial=0.05), seed=ctx.seed,
@@ -158,8 +164,8 @@ def gpt_step_lowers_loss(ctx: Context, precision: str, moe: bool = False) -> Out
                    f"to {after:.5f}")
 
 
-def gpt_gradients(ctx: Context, precision: str, moe: bool = False) -> Outcome:
-    graph, weights, x, y = _gpt_batch(ctx, 22, 4, moe)
+def gpt_gradients(ctx: Context, precision: str, model: str = "gpt") -> Outcome:
+    graph, weights, x, y = _gpt_batch(ctx, 22, 4, model)
     ref_loss, ref_grads, _ = reference().loss_and_grads(graph, weights, x, y, label_smoothing=0.1, dtype=np.float64)
     model = ctx.backend.lower(graph, weights, precision=precision)
     loss, grads = ctx.backend.loss_and_grads(model, x, y, label_smoothing=0.1)
@@ -259,17 +265,16 @@ def gpt_token_stream(ctx: Context, precision: str) -> Outcome:
 
 
 def checks(ctx: Context):
-    lm = dict(workload="lm", ops=new_ops(_gpt(False)))
-    lm_moe = dict(workload="lm", ops=new_ops(_gpt(True)))
+    lm = dict(workload="lm", ops=new_ops(_gpt()))
     for precision in ctx.precisions:
         for name, run in (("step_lowers_loss", step_lowers_loss), ("gradients_match_reference", gradients),
                           ("weights_round_trip", weights_round_trip), ("digits_accuracy", digits_accuracy)):
             yield Check("train", name, partial(run, precision=precision), precision)
         for name, run in (("gpt_step_lowers_loss", gpt_step_lowers_loss),
                           ("gpt_gradients_match_reference", gpt_gradients)):
-            yield Check("train", name, partial(run, precision=precision), precision, **lm)
-            yield Check("train", name.replace("gpt_", "gpt_moe_"), partial(run, precision=precision, moe=True),
-                        precision, **lm_moe)
+            for model in MODELS:
+                yield Check("train", name.replace("gpt_", f"{model}_"), partial(run, precision=precision, model=model),
+                            precision, workload="lm", ops=new_ops(_gpt(model)))
         for optimizer in ("adamw", "sgd-clip"):
             yield Check("train", f"gpt_{optimizer.replace('-', '_')}_matches_reference",
                         partial(optimizer_matches_reference, precision=precision, optimizer=optimizer), precision, **lm)
