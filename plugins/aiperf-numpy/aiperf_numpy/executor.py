@@ -88,7 +88,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from aiperf_core.errors import GraphError
-from aiperf_core.ir import INPUT_OPS, Block, Graph, Node, is_trainable
+from aiperf_core.ir import INPUT_OPS, Block, Graph, Node, is_trainable, kv_heads, moe_mlp
 from aiperf_core.weights import validate_weights
 
 __all__ = ["Replay", "Trace", "backward", "forward", "loss_and_grads", "run"]
@@ -415,9 +415,19 @@ def _join_heads(t: np.ndarray) -> np.ndarray:
     return t.transpose(0, 2, 1, 3).reshape(n, s, a * d)
 
 
+def _attention_heads(attrs, inputs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The query (N, A, S, d) and the key and value repeated to one head per query head: query head h
+    reads key-value head h // (heads / kv_heads) (grouped-query attention; the identity without it)."""
+    query, key, value = inputs
+    group = attrs["heads"] // kv_heads(attrs)
+    q = _heads(query, attrs["heads"])
+    k, v = (np.repeat(_heads(t, kv_heads(attrs)), group, axis=1) for t in (key, value))
+    return q, k, v
+
+
 def _attention(node: Node, inputs, params: Params, ctx: _Context):
     a = node.attrs
-    q, k, v = (_heads(t, a["heads"]) for t in inputs)
+    q, k, v = _attention_heads(a, inputs)
     scale = 1.0 / np.sqrt(a["head_dim"])
     scores = (q @ k.swapaxes(-1, -2)) * scale
     if a["causal"]:
@@ -445,20 +455,78 @@ def _moe_route(tokens: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.n
     return chosen, gates / gates.sum(axis=-1, keepdims=True)
 
 
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return np.exp(-np.logaddexp(0.0, -x))  # no overflow at either end, full relative precision near 0
+
+
+def _gelu_expert(tokens: np.ndarray, params: Params, e: int):
+    """A GELU expert's output for its (T, D) tokens, and what its backward needs."""
+    h = tokens @ params["w_in"][e] + params["b_in"][e]
+    t = np.tanh(GELU_C * (h + 0.044715 * h ** 3))
+    return (0.5 * h * (1.0 + t)) @ params["w_out"][e] + params["b_out"][e], (h, t)
+
+
+def _swiglu_expert(tokens: np.ndarray, params: Params, e: int):
+    """A SwiGLU expert's output, (silu(x w_gate) * (x w_in)) w_out, and what its backward needs."""
+    gate, up = tokens @ params["w_gate"][e], tokens @ params["w_in"][e]
+    s = _sigmoid(gate)
+    return (gate * s * up) @ params["w_out"][e], (gate, s, up)
+
+
 def _moe(node: Node, inputs, params: Params, ctx: _Context):
     (x,) = inputs
     flat = x.reshape(-1, x.shape[-1])  # every token of every sequence
     chosen, gates = _moe_route(flat, params["router"], node.attrs["top_k"])
+    expert = _swiglu_expert if moe_mlp(node.attrs) == "swiglu" else _gelu_expert
     y = np.zeros_like(flat)
-    experts = []  # per expert: (its tokens, their slot in `chosen`, hidden pre-activation, gelu state, output)
+    experts = []  # per expert: (its tokens, their slot in `chosen`, its MLP's state, its output)
     for e in range(node.attrs["experts"]):
         tokens, slot = np.nonzero(chosen == e)  # a token chooses an expert once: `tokens` has no repeats
-        h = flat[tokens] @ params["w_in"][e] + params["b_in"][e]
-        t = np.tanh(GELU_C * (h + 0.044715 * h ** 3))
-        out = (0.5 * h * (1.0 + t)) @ params["w_out"][e] + params["b_out"][e]
+        out, state = expert(flat[tokens], params, e)
         y[tokens] += gates[tokens, slot][:, None] * out
-        experts.append((tokens, slot, h, t, out))
+        experts.append((tokens, slot, state, out))
     return y.reshape(x.shape), {"chosen": chosen, "gates": gates, "experts": experts}
+
+
+def _rms_norm(node: Node, inputs, params: Params, ctx: _Context):
+    (x,) = inputs
+    inv_rms = 1.0 / np.sqrt(np.square(x).mean(axis=-1, keepdims=True) + node.attrs["epsilon"])
+    xhat = x * inv_rms
+    return xhat * params["gamma"], {"xhat": xhat, "inv_rms": inv_rms}
+
+
+def _rotary_angles(seq_len: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of theta (S, head_dim/2) = position * base^(-2i/head_dim), in float64 whatever the run's
+    dtype: the table is data, and a float32 power of a large position would put its rounding into it."""
+    positions = np.arange(seq_len, dtype=np.float64)[:, None]
+    inv_freq = base ** (-2.0 * np.arange(head_dim // 2, dtype=np.float64) / head_dim)
+    theta = positions * inv_freq
+    return np.cos(theta), np.sin(theta)
+
+
+def _rotate(x: np.ndarray, attrs, sign: float) -> np.ndarray:
+    """Each head of (N, S, heads * head_dim) with its pairs (i, i + head_dim/2) rotated by sign * theta."""
+    n, seq, width = x.shape
+    d = attrs["head_dim"]
+    cos, sin = (t.astype(x.dtype)[:, None, :] for t in _rotary_angles(seq, d, attrs["base"]))  # (S, 1, d/2)
+    sin = sign * sin
+    heads = x.reshape(n, seq, width // d, d)
+    x1, x2 = heads[..., : d // 2], heads[..., d // 2 :]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+
+
+def _rotary(node: Node, inputs, params: Params, ctx: _Context):
+    return _rotate(inputs[0], node.attrs, 1.0), None
+
+
+def _silu(node: Node, inputs, params: Params, ctx: _Context):
+    (x,) = inputs
+    s = _sigmoid(x)
+    return x * s, {"sigmoid": s}
+
+
+def _mul(node: Node, inputs, params: Params, ctx: _Context):
+    return inputs[0] * inputs[1], None
 
 
 _FORWARD: dict[str, Callable] = {
@@ -484,6 +552,10 @@ _FORWARD: dict[str, Callable] = {
     "attention": _attention,
     "gelu": _gelu,
     "moe": _moe,
+    "rms_norm": _rms_norm,
+    "rotary": _rotary,
+    "silu": _silu,
+    "mul": _mul,
 }
 
 
@@ -651,7 +723,7 @@ def _layer_norm_grad(node: Node, dy, inputs, out, params: Params, cache, trainin
 
 def _attention_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
     a = node.attrs
-    q, k, v = (_heads(t, a["heads"]) for t in inputs)
+    q, k, v = _attention_heads(a, inputs)
     p = cache["p"]
     do = _heads(dy, a["heads"])
     scale = 1.0 / np.sqrt(a["head_dim"])
@@ -660,6 +732,9 @@ def _attention_grad(node: Node, dy, inputs, out, params: Params, cache, training
     ds = p * (dp - (dp * p).sum(axis=-1, keepdims=True)) * scale  # masked pairs have p = 0
     dq = ds @ k
     dk = ds.swapaxes(-1, -2) @ q
+    # A key-value head gets the sum of its query heads' contributions.
+    n, heads, seq, d = dk.shape
+    dk, dv = (t.reshape(n, kv_heads(a), heads // kv_heads(a), seq, d).sum(axis=2) for t in (dk, dv))
     return [_join_heads(dq), _join_heads(dk), _join_heads(dv)], {}
 
 
@@ -670,23 +745,43 @@ def _gelu_grad(node: Node, dy, inputs, out, params: Params, cache, training: boo
     return [dy * slope], {}
 
 
+def _gelu_expert_grad(tokens: np.ndarray, dout: np.ndarray, state, params: Params, e: int, grads) -> np.ndarray:
+    """A GELU expert's backward: its parameter gradients into grads[...][e], and its tokens' gradient."""
+    h, t = state
+    grads["w_out"][e] = (0.5 * h * (1.0 + t)).T @ dout
+    grads["b_out"][e] = dout.sum(axis=0)
+    slope = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * h * h)
+    dh = (dout @ params["w_out"][e].T) * slope
+    grads["w_in"][e] = tokens.T @ dh
+    grads["b_in"][e] = dh.sum(axis=0)
+    return dh @ params["w_in"][e].T
+
+
+def _swiglu_expert_grad(tokens: np.ndarray, dout: np.ndarray, state, params: Params, e: int,
+                        grads) -> np.ndarray:
+    """A SwiGLU expert's backward: its parameter gradients into grads[...][e], and its tokens' gradient."""
+    gate, s, up = state
+    grads["w_out"][e] = (gate * s * up).T @ dout
+    dhidden = dout @ params["w_out"][e].T
+    dgate = dhidden * up * s * (1.0 + gate * (1.0 - s))  # silu'(g) = s (1 + g (1 - s))
+    dup = dhidden * gate * s
+    grads["w_gate"][e] = tokens.T @ dgate
+    grads["w_in"][e] = tokens.T @ dup
+    return dgate @ params["w_gate"][e].T + dup @ params["w_in"][e].T
+
+
 def _moe_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
     (x,) = inputs
     flat, flat_dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, x.shape[-1])
     gates = cache["gates"]
+    expert_grad = _swiglu_expert_grad if moe_mlp(node.attrs) == "swiglu" else _gelu_expert_grad
     dgates = np.zeros_like(gates)
     dx = np.zeros_like(flat)
-    grads = {name: np.zeros_like(params[name]) for name in ("w_in", "b_in", "w_out", "b_out")}
-    for e, (tokens, slot, h, t, expert_out) in enumerate(cache["experts"]):
+    grads = {name: np.zeros_like(weight) for name, weight in params.items() if name != "router"}
+    for e, (tokens, slot, state, expert_out) in enumerate(cache["experts"]):
         dgates[tokens, slot] = (flat_dy[tokens] * expert_out).sum(axis=-1)
         dout = flat_dy[tokens] * gates[tokens, slot][:, None]
-        grads["w_out"][e] = (0.5 * h * (1.0 + t)).T @ dout
-        grads["b_out"][e] = dout.sum(axis=0)
-        slope = 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * GELU_C * (1.0 + 3 * 0.044715 * h * h)
-        dh = (dout @ params["w_out"][e].T) * slope
-        grads["w_in"][e] = flat[tokens].T @ dh
-        grads["b_in"][e] = dh.sum(axis=0)
-        dx[tokens] += dh @ params["w_in"][e].T  # no repeats in `tokens` (the forward's rule)
+        dx[tokens] += expert_grad(flat[tokens], dout, state, params, e, grads)  # no repeats in `tokens`
     # The gates are a softmax over the chosen logits; the others get no gradient.
     dpicked = gates * (dgates - (dgates * gates).sum(axis=-1, keepdims=True))
     dlogits = np.zeros((flat.shape[0], node.attrs["experts"]), dy.dtype)
@@ -694,6 +789,28 @@ def _moe_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool
     grads["router"] = flat.T @ dlogits
     dx += dlogits @ params["router"].T
     return [dx.reshape(x.shape)], grads
+
+
+def _rms_norm_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    xhat, inv_rms = cache["xhat"], cache["inv_rms"]
+    lead = tuple(range(dy.ndim - 1))
+    dxhat = dy * params["gamma"]
+    dx = inv_rms * (dxhat - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+    return [dx], {"gamma": (dy * xhat).sum(axis=lead)}
+
+
+def _rotary_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    return [_rotate(dy, node.attrs, -1.0)], {}  # a rotation's transpose is its inverse
+
+
+def _silu_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    (x,) = inputs
+    s = cache["sigmoid"]
+    return [dy * s * (1.0 + x * (1.0 - s))], {}
+
+
+def _mul_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool):
+    return [dy * inputs[1], dy * inputs[0]], {}
 
 
 _BACKWARD: dict[str, Callable] = {
@@ -719,6 +836,10 @@ _BACKWARD: dict[str, Callable] = {
     "attention": _attention_grad,
     "gelu": _gelu_grad,
     "moe": _moe_grad,
+    "rms_norm": _rms_norm_grad,
+    "rotary": _rotary_grad,
+    "silu": _silu_grad,
+    "mul": _mul_grad,
 }
 
 
