@@ -161,7 +161,8 @@ ITEMS: tuple[PolicyItem, ...] = (
                _choice("imagenet", "digits", "synthetic"), lm="enwik8", lm_check=_choice("enwik8", "embedded")),
     PolicyItem("initial_architecture", "resnet50", True, "the search starts from ResNet-50 (lm: from GPT-2 small's "
                "shape, aiperf_core.workloads.lm.SEEDS; embedded corpus: gpt_small unless set)",
-               _choice("resnet50", "resnet_small"), lm="gpt2_small", lm_check=_choice("gpt2_small", "gpt_small", "gpt_tiny")),
+               _choice("resnet50", "resnet_small"), lm="gpt2_small", lm_check=_choice("gpt2_small", "gpt_small", "gpt_tiny", "llama_gpt2_size", "llama_small",
+                                                      "llama_tiny")),
     PolicyItem("min_precision", "fp16", True, "no training precision below this", _choice("fp16")),
     PolicyItem("max_error", 0.30, True, "a valid run reaches at most this validation error",
                _number_range(0.0, 1.0, low_open=True), CNN),

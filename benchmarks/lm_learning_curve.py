@@ -60,17 +60,16 @@ def main() -> None:
     parser.add_argument("--backend", default="torch")
     args = parser.parse_args()
 
-    from aiperf_core.builders import gpt
     from aiperf_core.data.text_corpus import embedded_corpus
     from aiperf_core.data.text_stream import TokenStream
     from aiperf_core.registry import load_backend
     from aiperf_core.replica import train_config
     from aiperf_core.weights import init_weights
-    from aiperf_core.workloads.lm import SEEDS, LM
+    from aiperf_core.workloads.lm import LM, seed_graph
 
     pol = policy()
     corpus = embedded_corpus()
-    graph = gpt(**SEEDS[pol["initial_architecture"]], seq_len=pol["seq_len"], vocab=corpus.vocab)
+    graph = seed_graph(pol["initial_architecture"], pol["seq_len"], corpus.vocab)
     hyper = {"batch_size": pol["batch_size"], "epochs": args.epochs, "label_smoothing": pol["label_smoothing"],
              "precision": "fp32", "learning_rate": pol["learning_rate"]}
     config = train_config(pol, hyper, args.seed)

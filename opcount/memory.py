@@ -35,10 +35,12 @@ from aiperf_core.ir import Graph, is_trainable
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd-momentum": 4}  # per trainable parameter
 MIXED = ("bf16", "fp16")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
-# Ops whose backward pass needs none of its inputs (the gradient of a sum passes through).
-_PASS_THROUGH = frozenset({"add", "position_embedding", "token_input", "input"})
+# Ops whose backward pass needs none of its inputs (the gradient of a sum passes through; rotary's is
+# the inverse rotation of the gradient).
+_PASS_THROUGH = frozenset({"add", "position_embedding", "token_input", "input", "rotary"})
 # Ops that compute at the run's precision; the others (norms, sums, softmax) stay float32.
-_COMPUTE_OPS = frozenset({"dense", "attention", "gelu", "moe", "conv2d", "relu", "embedding"})
+_COMPUTE_OPS = frozenset({"dense", "attention", "gelu", "moe", "conv2d", "relu", "embedding", "rotary", "silu",
+                          "mul"})
 # The share of a device's memory the estimate may fill: the rest is for the framework's context,
 # its workspaces and fragmentation (measured against the estimate: docs/performance.md, "Memory").
 MEMORY_HEADROOM = 0.85

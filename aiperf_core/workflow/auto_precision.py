@@ -45,7 +45,7 @@ def measure_seed_model(backend, device: str, precisions, seed: dict[str, Any]) -
     input_shape, classes, batch_size): the primary's backend probe, before the run starts."""
     from aiperf_core.builders import build
 
-    if "sizes" in seed:  # a GPT: its sizes, no image shape
+    if "sizes" in seed:  # a transformer (gpt, llama): its sizes, no image shape
         graph = build(seed["model"], **seed["sizes"])
     else:
         graph = build(seed["model"], tuple(seed["input_shape"]), seed["classes"])

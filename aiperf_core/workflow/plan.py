@@ -310,9 +310,10 @@ def auto_request(policy: Mapping[str, Any], dataset: Mapping[str, Any]) -> dict[
     if policy["precision"] != AUTO_PRECISION:
         return None
     if policy["workload"] == "lm":
-        from aiperf_core.workloads.lm import SEEDS
+        from aiperf_core.workloads.lm import SEED_MODELS, SEEDS
 
-        return {"model": "gpt", "sizes": {**SEEDS[policy["initial_architecture"]], "seq_len": policy["seq_len"],
+        seed = policy["initial_architecture"]
+        return {"model": SEED_MODELS[seed], "sizes": {**SEEDS[seed], "seq_len": policy["seq_len"],
                                           "vocab": dataset["vocab"]}, "batch_size": policy["batch_size"]}
     size = policy["image_size"]
     return {"model": policy["initial_architecture"], "input_shape": [size, size, 3],

@@ -25,21 +25,34 @@ from aiperf_core.search.hpo import Dimension, Proposal
 from aiperf_core.workloads.base import Workload
 
 BITS_PER_BYTE = 8  # a byte-level vocabulary of 256
-# The seeds of policy item initial_architecture. gpt2_small, GPT-2 small's shape (12 blocks of width
-# 768, 12 heads of 64; 85 M parameters at a byte vocabulary), is the official one: sized for an
-# accelerator node (docs/search.md, "The official LM track"). gpt_small (2 blocks of 128, 0.4 M) is
-# the embedded corpus's default, sized for one CPU; gpt_tiny is for smoke tests.
+# The seeds of policy item initial_architecture: a builder (SEED_MODELS, aiperf_core.builders) at these
+# sizes. gpt2_small, GPT-2 small's shape (12 blocks of width 768, 12 heads of 64; 85 M parameters at a
+# byte vocabulary), is the official one: sized for an accelerator node (docs/search.md, "The official LM
+# track"). gpt_small (2 blocks of 128, 0.4 M) is the embedded corpus's default, sized for one CPU;
+# gpt_tiny is for smoke tests. The llama_* seeds are Llama's family (RMS norm, rotary positions,
+# grouped-query attention, SwiGLU) at the same sizes: llama_gpt2_size has GPT-2 small's depth, width and
+# heads, over 4 key-value heads, with Llama's MLP width (8/3 of 768 = 2048); why it is not the official
+# seed: docs/search.md, "Which family is official".
 SEEDS = {"gpt2_small": {"layers": 12, "hidden": 768, "heads": 12},
          "gpt_small": {"layers": 2, "hidden": 128, "heads": 4},
-         "gpt_tiny": {"layers": 1, "hidden": 32, "heads": 2}}
+         "gpt_tiny": {"layers": 1, "hidden": 32, "heads": 2},
+         "llama_gpt2_size": {"layers": 12, "hidden": 768, "heads": 12, "kv_heads": 4},
+         "llama_small": {"layers": 2, "hidden": 128, "heads": 4, "kv_heads": 2},
+         "llama_tiny": {"layers": 1, "hidden": 32, "heads": 2, "kv_heads": 1}}
+SEED_MODELS = {name: "llama" if name.startswith("llama") else "gpt" for name in SEEDS}
 OFFICIAL_SEED = "gpt2_small"
+
+
+def seed_graph(name: str, seq_len: int, vocab: int) -> Graph:
+    """The graph of seed `name` (SEEDS) over sequences of `seq_len` tokens below `vocab`."""
+    from aiperf_core.builders import build
+
+    return build(SEED_MODELS[name], **SEEDS[name], seq_len=seq_len, vocab=vocab)
 
 
 class Seed:
     def build(self, policy: Policy, corpus) -> Graph:
-        from aiperf_core.builders import gpt
-
-        return gpt(**SEEDS[policy["initial_architecture"]], seq_len=policy["seq_len"], vocab=corpus.vocab)
+        return seed_graph(policy["initial_architecture"], policy["seq_len"], corpus.vocab)
 
 
 class Morphs:
