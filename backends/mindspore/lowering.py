@@ -82,7 +82,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from aiperf_core.errors import GraphError
-from aiperf_core.ir import INPUT_OPS, Graph, Node, is_trainable
+from aiperf_core.ir import INPUT_OPS, Graph, Node, is_trainable, kv_heads, moe_mlp
 from aiperf_core.weights import Weights, validate_weights
 
 
@@ -356,14 +356,18 @@ class LayerNorm(nn.Cell):
 
 
 class Attention(nn.Cell):
-    """Multi-head scaled dot-product attention over (N, S, heads * head_dim) q, k, v: explicit
-    BatchMatMul products in the compute dtype, the scores scaled, causally masked (-inf, so a masked
-    pair's probability is exactly 0) and soft-maxed in float32. BatchMatMul, not ops.matmul, so that
-    flops_collection counts both products (counter.py)."""
+    """Multi-head scaled dot-product attention over (N, S, heads * head_dim) q, and k, v of (N, S,
+    kv_heads * head_dim): explicit BatchMatMul products in the compute dtype, the scores scaled, causally
+    masked (-inf, so a masked pair's probability is exactly 0) and soft-maxed in float32. BatchMatMul, not
+    ops.matmul, so that flops_collection counts both products (counter.py). Grouped-query attention
+    repeats each key-value head for the heads / kv_heads query heads that read it (query head h reads
+    key-value head h // group), so that both products are the multi-head ones, as the count rule says."""
 
     def __init__(self, seq_len: int, attrs: Mapping[str, Any], compute_dtype=None):
         super().__init__()
         self.heads, self.head_dim = attrs["heads"], attrs["head_dim"]
+        self.kv_heads = kv_heads(attrs)
+        self.group = self.heads // self.kv_heads
         self.scale = 1.0 / math.sqrt(self.head_dim)
         # j > i: the keys after each query
         self.masked = Tensor(np.triu(np.ones((seq_len, seq_len), np.bool_), 1)) if attrs["causal"] else None
@@ -371,15 +375,16 @@ class Attention(nn.Cell):
         self.mix = ops.BatchMatMul()
         self.compute_dtype = compute_dtype
 
-    def _heads(self, t):
+    def _heads(self, t, heads: int):
         n, s, _ = t.shape
         if self.compute_dtype is not None:
             t = t.astype(self.compute_dtype)
-        return t.reshape(n, s, self.heads, self.head_dim).transpose(0, 2, 1, 3)
+        t = t.reshape(n, s, heads, self.head_dim).transpose(0, 2, 1, 3)
+        return t if heads == self.heads else ops.repeat_interleave(t, self.group, 1)
 
     def construct(self, q, k, v):
         n, s, width = q.shape
-        q, k, v = self._heads(q), self._heads(k), self._heads(v)
+        q, k, v = self._heads(q, self.heads), self._heads(k, self.kv_heads), self._heads(v, self.kv_heads)
         scores = self.scores(q, k)
         if self.compute_dtype is not None:
             scores = scores.astype(ms.float32)
@@ -393,18 +398,23 @@ class Attention(nn.Cell):
 
 class Experts(nn.Cell):
     """moe over (N, S, D): the router's top_k experts per token, gated by the softmax over their logits
-    (in float32), every expert's GELU MLP in the compute dtype. Static shapes: every expert runs on every
-    token and a gate of 0 drops what the token did not choose (E/k times the work counted). The
-    parameters keep the IR's names and layout; flops_collection is not asked about this node (the
-    counter counts conv2d, dense and attention nodes), so its products stay out of the dense count."""
+    (in float32), every expert's MLP in the compute dtype: GELU with biases, or SwiGLU without
+    (silu(x @ w_gate) * (x @ w_in)) @ w_out). Static shapes: every expert runs on every token and a gate of 0
+    drops what the token did not choose (E/k times the work counted). The parameters keep the IR's names and
+    layout; flops_collection is not asked about this node (the counter counts conv2d, dense and attention
+    nodes), so its products stay out of the dense count."""
 
     def __init__(self, width: int, attrs: Mapping[str, Any], compute_dtype=None):
         super().__init__()
         e, f = attrs["experts"], attrs["units"]
         self.experts, self.top_k = e, attrs["top_k"]
+        self.swiglu = moe_mlp(attrs) == "swiglu"
         self.router = _zeros((width, e), "router")
-        self.w_in, self.b_in = _zeros((e, width, f), "w_in"), _zeros((e, f), "b_in")
-        self.w_out, self.b_out = _zeros((e, f, width), "w_out"), _zeros((e, width), "b_out")
+        self.w_in, self.w_out = _zeros((e, width, f), "w_in"), _zeros((e, f, width), "w_out")
+        if self.swiglu:
+            self.w_gate = _zeros((e, width, f), "w_gate")
+        else:
+            self.b_in, self.b_out = _zeros((e, f), "b_in"), _zeros((e, width), "b_out")
         self.compute_dtype = compute_dtype
 
     def _cast(self, t):
@@ -418,11 +428,62 @@ class Experts(nn.Cell):
         gates = ops.softmax(picked, axis=-1)
         weight = (ops.one_hot(chosen, self.experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
                   * gates.expand_dims(-1)).sum(axis=1)  # (T, E)
-        hidden = ops.matmul(rows.expand_dims(0), self._cast(self.w_in)) + self._cast(self.b_in).expand_dims(1)
-        hidden = ops.gelu(hidden, approximate="tanh")
-        out = ops.matmul(hidden, self._cast(self.w_out)) + self._cast(self.b_out).expand_dims(1)  # (E, T, D)
+        every = rows.expand_dims(0)
+        if self.swiglu:
+            hidden = ops.silu(ops.matmul(every, self._cast(self.w_gate))) * ops.matmul(every, self._cast(self.w_in))
+            out = ops.matmul(hidden, self._cast(self.w_out))  # (E, T, D)
+        else:
+            hidden = ops.gelu(ops.matmul(every, self._cast(self.w_in)) + self._cast(self.b_in).expand_dims(1),
+                              approximate="tanh")
+            out = ops.matmul(hidden, self._cast(self.w_out)) + self._cast(self.b_out).expand_dims(1)  # (E, T, D)
         y = (self._cast(weight).transpose(1, 0).expand_dims(-1) * out).sum(axis=0)
         return y.reshape(n, s, d)
+
+
+class RMSNorm(nn.Cell):
+    """rms_norm over the IR's last axis, written out in float32: x * rsqrt(mean(x^2) + epsilon) * gamma.
+    MindSpore's fused ops.rms_norm has no CPU kernel in 2.10 ("The kernel RmsNorm unregistered", reported
+    by the op after it). An NCHW image's last IR axis is its channels (axis 1), moved last and back."""
+
+    def __init__(self, width: int, attrs: Mapping[str, Any]):
+        super().__init__()
+        self.gamma = _zeros((width,), "gamma")
+        self.epsilon = float(attrs["epsilon"])
+
+    def construct(self, x):
+        if x.dtype != ms.float32:
+            x = x.astype(ms.float32)
+        if x.ndim == 4:
+            return self._normalised(x.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
+        return self._normalised(x)
+
+    def _normalised(self, x):
+        return x * ops.rsqrt(ops.mean(x * x, axis=-1, keep_dims=True) + self.epsilon) * self.gamma
+
+
+class Rotary(nn.Cell):
+    """rotary over (N, S, heads * head_dim), the half-split form: each head viewed as (2, head_dim/2) halves
+    (x1, x2), y = (x1, x2) * cos + (x2, x1) * (-sin, sin). The tables, cos and signed sin of
+    position * base^(-2i/head_dim), are constants of the lowering, computed once in float64 on the host;
+    the product runs in the input's dtype."""
+
+    def __init__(self, seq_len: int, attrs: Mapping[str, Any]):
+        super().__init__()
+        self.head_dim = attrs["head_dim"]
+        half = self.head_dim // 2
+        inverse = float(attrs["base"]) ** (-2.0 * np.arange(half, dtype=np.float64) / self.head_dim)
+        theta = np.arange(seq_len, dtype=np.float64)[:, None] * inverse[None, :]  # (S, half)
+        # (S, 1, 2, half): broadcast over the batch and the heads
+        self.cos = Tensor(np.stack([np.cos(theta)] * 2, axis=1)[:, None].astype(np.float32))
+        self.sin = Tensor(np.stack([-np.sin(theta), np.sin(theta)], axis=1)[:, None].astype(np.float32))
+
+    def construct(self, x):
+        n, s, width = x.shape
+        halves = x.reshape(n, s, width // self.head_dim, 2, self.head_dim // 2)
+        swapped = ops.concat((halves[:, :, :, 1:], halves[:, :, :, :1]), axis=3)
+        cos, sin = (self.cos, self.sin) if x.dtype == ms.float32 else (self.cos.astype(x.dtype),
+                                                                       self.sin.astype(x.dtype))
+        return (halves * cos + swapped * sin).reshape(n, s, width)
 
 
 def _add(xs):
@@ -433,6 +494,13 @@ def _add(xs):
     for other in xs[1:]:
         y = y + other
     return y
+
+
+def _mul(xs):
+    a, b = xs
+    if a.dtype != b.dtype:
+        a, b = a.astype(ms.float32), b.astype(ms.float32)
+    return a * b
 
 
 def _concat(xs):
@@ -456,6 +524,8 @@ _FUNCTIONS = {
     "flatten": _flatten,
     "softmax": lambda xs: ops.softmax(xs[0].astype(ms.float32), axis=-1),
     "gelu": lambda xs: ops.gelu(xs[0], approximate="tanh"),
+    "silu": lambda xs: ops.silu(xs[0]),
+    "mul": _mul,
 }
 
 
@@ -514,6 +584,10 @@ class LoweredCell(nn.Cell):
             return Attention(in_shape[0], a, compute_dtype)
         if node.op == "moe":
             return Experts(in_shape[-1], a, compute_dtype)
+        if node.op == "rms_norm":
+            return RMSNorm(in_shape[-1], a)
+        if node.op == "rotary":
+            return Rotary(in_shape[0], a)
         return None
 
     def _build_plan(self) -> None:
