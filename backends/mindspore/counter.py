@@ -106,11 +106,15 @@ def _gradient_cells(node_cell, with_weights: bool):
 
 
 def _stacked_attention(attrs: Any, seq_len: int):
-    """lowering.Attention taking q, k and v stacked on a first axis of 3 (indexing computes nothing), so
-    that the one-input forward and gradient cells above count it."""
+    """lowering.Attention taking q, k and v stacked on a first axis of 3, each of the query's width (k and v
+    are their first kv_heads * head_dim columns: indexing computes nothing), so that the one-input forward
+    and gradient cells above count it."""
     from mindspore import nn
 
+    from aiperf_core.ir import kv_heads
     from aiperf_backends.mindspore.lowering import Attention
+
+    kv_width = kv_heads(attrs) * attrs["head_dim"]
 
     class Stacked(nn.Cell):
         def __init__(self):
@@ -118,7 +122,7 @@ def _stacked_attention(attrs: Any, seq_len: int):
             self.attention = Attention(seq_len, attrs)
 
         def construct(self, qkv):
-            return self.attention(qkv[0], qkv[1], qkv[2])
+            return self.attention(qkv[0], qkv[1][..., :kv_width], qkv[2][..., :kv_width])
 
     return Stacked()
 
