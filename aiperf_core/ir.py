@@ -17,7 +17,7 @@ token by router probability with their probabilities renormalised to sum to 1 (t
 expert a GELU MLP (D -> units -> D) with biases; the output is the gate-weighted sum of the chosen
 experts' outputs. Ties in the router's order go to the lower expert index.
 
-The transformers of Llama's family use four more (docs/ir.md, "Llama-style transformers"): `rms_norm`
+The transformers of Llama's family use four more (docs/counting.md, "Llama-style transformers"): `rms_norm`
 (x / sqrt(mean(x^2) + epsilon) times a learned `gamma`, over the last axis); `rotary`, the rotary position
 embedding of each `head_dim`-wide head of a (S, heads * head_dim) query or key, in the half-split form of
 GPT-NeoX and Hugging Face's Llama (pairs (i, i + head_dim/2) rotate by position * base^(-2i/head_dim));
