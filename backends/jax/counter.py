@@ -19,8 +19,11 @@ time, with the node's shapes at the requested batch:
   equations (QK^T and PV) and compiles each alone with its own parameters: forward, the two
   products; backward, the products of the VJP's jaxpr less the forward's (the VJP's jaxpr is the
   forward followed by the transposed products: the input gradients of both products, four), and
-  nothing when only data lies upstream (opcount's rule). XLA lowers the causal mask as a select
-  over the full S x S scores, so every score is multiplied and counted, masked or not: attention is
+  nothing when only data lies upstream (opcount's rule). Grouped-query attention is traced with its
+  narrower key and value: jax.nn.dot_product_attention multiplies the heads / kv_heads query heads
+  that share a key-value head by that head in one product, so its products hold as many
+  multiply-adds as multi-head attention's with `heads` heads (opcount's rule for it). XLA lowers
+  the causal mask as a select over the full S x S scores, so every score is multiplied and counted, masked or not: attention is
   counted in the paper convention (``CONVENTION.attention``), whatever the padding convention of
   the convolutions.
 
@@ -145,15 +148,17 @@ def _dots_flops(node_id: str, fn, *shapes) -> int:
     return total
 
 
-def _attention_flops(node_id: str, in_shape: tuple, attrs: Any, backward: bool, input_grad: bool) -> int:
+def _attention_flops(node_id: str, query_shape: tuple, kv_shape: tuple, attrs: Any, backward: bool,
+                     input_grad: bool) -> int:
     """XLA's FLOPs of an attention node's products: forward QK^T and PV; backward their four input
-    gradients (none when only data lies upstream)."""
+    gradients (none when only data lies upstream). A grouped-query node's key and value are narrower
+    than its query (kv_shape); its products still pair every query head with every key."""
     import jax
 
     from aiperf_backends.jax.lowering import attention
 
     frozen = tuple(sorted(dict(attrs).items()))
-    key = ("attention", in_shape, frozen, backward, input_grad)
+    key = ("attention", query_shape, kv_shape, frozen, backward, input_grad)
     if key in _CACHE:
         return _CACHE[key]
 
@@ -163,14 +168,15 @@ def _attention_flops(node_id: str, in_shape: tuple, attrs: Any, backward: bool, 
     def pullback(q, k, v, dy):
         return jax.vjp(forward, q, k, v)[1](dy)
 
-    parts = {"forward": _dots_flops(node_id, forward, in_shape, in_shape, in_shape)}
+    shapes = (query_shape, kv_shape, kv_shape)
+    parts = {"forward": _dots_flops(node_id, forward, *shapes)}
     if backward and input_grad:
         # The VJP's jaxpr is the forward's followed by the transposed products.
-        parts["backward"] = _dots_flops(node_id, pullback, in_shape, in_shape, in_shape, in_shape) - parts["forward"]
+        parts["backward"] = _dots_flops(node_id, pullback, *shapes, query_shape) - parts["forward"]
     for part, flops in parts.items():
         if flops <= 0:  # an attention node always multiplies
             raise BackendError(f"jax native counter: XLA's cost analysis gave {flops} FLOPs for the {part} pass of "
-                               f"node '{node_id}' (attention, input {list(in_shape)}); not a count")
+                               f"node '{node_id}' (attention, query {list(query_shape)}); not a count")
     _CACHE[key] = total = sum(parts.values())
     return total
 
@@ -219,7 +225,8 @@ class XlaCostCounter(NativeCounter):
         for node, up in self.counted_nodes(graph, backward, ops=("conv2d", "dense", "attention")):
             in_shape = (batch,) + tuple(graph.shapes[node.inputs[0]])
             if node.op == "attention":
-                out["attention"] += _attention_flops(node.id, in_shape, node.attrs, backward, input_grad=up)
+                kv_shape = (batch,) + tuple(graph.shapes[node.inputs[1]])
+                out["attention"] += _attention_flops(node.id, in_shape, kv_shape, node.attrs, backward, input_grad=up)
                 continue
             kernel_shape = tuple(graph.all_param_shapes()[node.id]["kernel"])
             flops = _node_flops(node.id, node.op, in_shape, kernel_shape, node.attrs, backward, input_grad=up)

@@ -31,9 +31,19 @@ and `apply(graph, params, state, x, ...)` runs the graph node by node:
   scatter-add); position_embedding: x + table;
 * layer_norm: over the last axis in float32 (biased variance), its backward the closed form (a
   custom VJP, as batch norm's);
+* rms_norm: jax has no fused RMS norm, so it is written out as layer_norm is: over the last axis in
+  float32, x * rsqrt(mean(x^2) + epsilon) * gamma, its backward the closed form (a custom VJP);
+* rotary: the half-split form on (N, S, heads, head_dim), in float32 and cast back, with cos and sin
+  tables (S, head_dim / 2) computed once per (S, head_dim, base) in float64 on the host and embedded
+  in the compiled function as constants (`rotary`);
 * attention: ``jax.nn.dot_product_attention`` on (N, S, heads, head_dim), its layout (B, T, N, H),
-  with ``is_causal``; see `attention` for how its products get the run's precision;
-* gelu: ``jax.nn.gelu(approximate=True)``, the IR's tanh form;
+  with ``is_causal``; grouped-query attention passes key and value as (N, S, kv_heads, head_dim),
+  which the same function takes natively (its query head h reads key-value head
+  h // (heads / kv_heads), the IR's rule), so no key-value head is repeated in memory; see
+  `attention` for how its products get the run's precision;
+* gelu: ``jax.nn.gelu(approximate=True)``, the IR's tanh form; silu: ``jax.nn.silu``; mul: the
+  elementwise product in the inputs' common dtype;
+* moe: see `mixture_of_experts` (GELU experts with biases, or SwiGLU experts without);
 * batch_norm: inference uses the moving statistics; training normalises with the batch mean and
   the biased batch variance (statistics in float32 over the *global* batch array, so with the
   batch axis sharded over devices they are the statistics of the whole global batch) and returns
@@ -59,8 +69,8 @@ function, never jax's process-wide ``jax_default_matmul_precision``, which the u
   so DEFAULT is the precision that means TF32 on every CUDA path;
 * bf16 (``compute_dtype`` bfloat16): conv, dense and attention's products run in bfloat16 on
   bfloat16 copies of the float32 master weights, biases added in bfloat16 with their gradients
-  summed in float32 (`add_parameter`); batch-norm statistics, layer norm, lrn, the pools' sums,
-  attention's softmax, the output softmax and the loss stay float32.
+  summed in float32 (`add_parameter`); batch-norm statistics, layer norm, RMS norm, rotary, lrn, the
+  pools' sums, attention's softmax, the output softmax and the loss stay float32.
 
 Activation checkpointing (``checkpoint_blocks``): each block of ``Graph.blocks()`` runs as one
 ``jax.checkpoint``'ed function of its input and its nodes' parameters, so the backward pass keeps
@@ -307,33 +317,109 @@ def layer_norm(x, gamma, beta, epsilon: float):
     return _layer_norm_float32()(x.astype(jnp.float32), gamma, beta, float(epsilon)).astype(x.dtype)
 
 
-def mixture_of_experts(x, params, attrs, precision: str = "fp32"):
-    """The IR's moe on (N, S, D): the router's top_k experts per token (lax.top_k puts the lower index
-    first among equals, as the IR does), gated by the softmax over their logits. Static shapes, so every
-    expert runs on every token and a gate of 0 drops what the token did not choose: correct, and E/k
-    times the work that is counted (docs/backends/jax.md)."""
+@functools.lru_cache(maxsize=None)
+def _rms_norm_float32():
+    """RMS norm over the last axis of a float32 x, with the closed-form backward (as `_layer_norm_float32`):
+    with xhat = x * inv, dx = inv * (dxhat - xhat * mean(dxhat * xhat)) for dxhat = dy * gamma."""
     import jax
     import jax.numpy as jnp
     from jax import lax
+
+    def forward(x, gamma, eps):
+        inv = lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+        xhat = x * inv
+        return xhat * gamma, (xhat, inv)
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+    def rms(x, gamma, eps):
+        return forward(x, gamma, eps)[0]
+
+    def rms_fwd(x, gamma, eps):
+        y, saved = forward(x, gamma, eps)
+        return y, (saved, gamma)
+
+    def rms_bwd(eps, residuals, dy):
+        (xhat, inv), gamma = residuals
+        dxhat = dy * gamma
+        dx = inv * (dxhat - xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True))
+        return dx, jnp.sum(dy * xhat, axis=tuple(range(dy.ndim - 1)))
+
+    rms.defvjp(rms_fwd, rms_bwd)
+    return rms
+
+
+def rms_norm(x, gamma, epsilon: float):
+    """Over the last axis, in float32, cast back to x's dtype."""
+    import jax.numpy as jnp
+
+    return _rms_norm_float32()(x.astype(jnp.float32), gamma, float(epsilon)).astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """(cos, sin) of theta = p * base ** (-2 i / head_dim), (seq_len, head_dim / 2) float32, computed in
+    float64 so that the angles of late positions lose nothing before the one rounding to float32."""
+    positions = np.arange(seq_len, dtype=np.float64)[:, None]
+    frequencies = float(base) ** (-2.0 * np.arange(head_dim // 2, dtype=np.float64) / head_dim)
+    theta = positions * frequencies
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+
+def rotary(x, attrs):
+    """The IR's rotary on (..., S, heads * head_dim), half-split: each head's first half x1 and second
+    half x2 become (x1 cos - x2 sin, x2 cos + x1 sin), in float32, cast back to x's dtype."""
+    import jax.numpy as jnp
+
+    dim = attrs["head_dim"]
+    cos, sin = rotary_tables(x.shape[-2], dim, attrs["base"])
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over the heads
+    heads = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // dim, dim))
+    x1, x2 = heads[..., :dim // 2], heads[..., dim // 2:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def mixture_of_experts(x, params, attrs, precision: str = "fp32"):
+    """The IR's moe on (N, S, D): the router's top_k experts per token (lax.top_k puts the lower index
+    first among equals, as the IR does), gated by the softmax over their logits. Experts are GELU MLPs
+    with biases, or SwiGLU MLPs without ((silu(x w_gate) * (x w_in)) w_out, aiperf_core.ir.moe_mlp).
+    Static shapes, so every expert runs on every token and a gate of 0 drops what the token did not
+    choose: correct, and E/k times the work that is counted (docs/backends/jax.md)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from aiperf_core.ir import moe_mlp
 
     dtype = compute_dtype(precision) or x.dtype
     logits = dense(x, params["router"], precision).astype(jnp.float32)
     picked, chosen = lax.top_k(logits, attrs["top_k"])
     gates = jax.nn.softmax(picked, axis=-1)
     weight = jnp.sum(jax.nn.one_hot(chosen, attrs["experts"], dtype=jnp.float32) * gates[..., None], axis=-2)
-    hidden = jnp.einsum("nsd,edf->nsef", x.astype(dtype), params["w_in"].astype(dtype),
-                        precision=lax_precision(precision)) + params["b_in"].astype(dtype)
-    hidden = jax.nn.gelu(hidden, approximate=True)
-    out = jnp.einsum("nsef,efd->nsed", hidden, params["w_out"].astype(dtype),
-                     precision=lax_precision(precision)) + params["b_out"].astype(dtype)
+    x = x.astype(dtype)
+
+    def up(name):
+        return jnp.einsum("nsd,edf->nsef", x, params[name].astype(dtype), precision=lax_precision(precision))
+
+    if moe_mlp(attrs) == "swiglu":
+        hidden = jax.nn.silu(up("w_gate")) * up("w_in")
+    else:
+        hidden = jax.nn.gelu(up("w_in") + params["b_in"].astype(dtype), approximate=True)
+    out = jnp.einsum("nsef,efd->nsed", hidden, params["w_out"].astype(dtype), precision=lax_precision(precision))
+    if "b_out" in params:
+        out = out + params["b_out"].astype(dtype)
     return jnp.einsum("nse,nsed->nsd", weight.astype(out.dtype), out, precision=lax_precision(precision))
 
 
 def attention(q, k, v, attrs, precision: str = "fp32"):
-    """Multi-head scaled dot-product attention, (N, S, heads * head_dim) in and out.
+    """Multi-head scaled dot-product attention: query (N, S, heads * head_dim), key and value
+    (N, S, kv_heads * head_dim), out (N, S, heads * head_dim).
 
     Head h is features [h * d, (h + 1) * d), so (N, S, heads, d) is a reshape, and it is
-    jax.nn.dot_product_attention's layout (B, T, N, H): no transpose. Its softmax runs in float32
+    jax.nn.dot_product_attention's layout (B, T, N, H): no transpose. With fewer key-value heads the
+    key and value are (B, S, K, H), which the function takes as grouped-query attention: it views the
+    query as (B, T, K, heads / K, H), so query head h reads key-value head h // (heads / K), the IR's
+    rule, without repeating the key and value. Its softmax runs in float32
     and its causal mask sets the masked scores to a large negative number, whose probability is
     exactly 0 in float32, as the IR asks.
 
@@ -349,7 +435,7 @@ def attention(q, k, v, attrs, precision: str = "fp32"):
 
     heads, dim = attrs["heads"], attrs["head_dim"]
     dtype = compute_dtype(precision) or jnp.result_type(q, k, v)
-    q, k, v = (t.astype(dtype).reshape(t.shape[:-1] + (heads, dim)) for t in (q, k, v))
+    q, k, v = (t.astype(dtype).reshape(t.shape[:-1] + (t.shape[-1] // dim, dim)) for t in (q, k, v))
     with jax.default_matmul_precision(lax_precision(precision).name.lower()):
         out = jax.nn.dot_product_attention(q, k, v, scale=1.0 / float(np.sqrt(dim)), is_causal=attrs["causal"])
     return out.reshape(out.shape[:-2] + (heads * dim,))
@@ -477,6 +563,15 @@ def node_value(node, index: int, ins: list, params, state, x, *, training: bool,
         return attention(*ins, a, precision), None
     if op == "gelu":
         return jax.nn.gelu(ins[0], approximate=True), None
+    if op == "rms_norm":
+        return rms_norm(ins[0], params[node.id]["gamma"], a["epsilon"]), None
+    if op == "rotary":
+        return rotary(ins[0], a), None
+    if op == "silu":
+        return jax.nn.silu(ins[0]), None
+    if op == "mul":
+        dtype = jnp.result_type(*ins)
+        return ins[0].astype(dtype) * ins[1].astype(dtype), None
     if op == "moe":
         return mixture_of_experts(ins[0], params[node.id], a, precision), None
     if op == "dropout":
