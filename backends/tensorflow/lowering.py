@@ -56,7 +56,22 @@ for images):
   transpose_b=True)`` (a BatchMatMulV2), scaled by 1/sqrt(d) and masked (pairs j > i set to -inf, so
   their probability is exactly 0) and soft-maxed in float32, then ``tf.matmul(p, v)`` and the heads
   joined again. Under jit_compile (on GPUs by default) XLA fuses the scale, the mask and the softmax.
+  Grouped-query attention (kv_heads < heads) is the same two products with the query split as
+  (N, kv_heads, heads / kv_heads, S, d) and the key and value as (N, kv_heads, 1, S, d): BatchMatMulV2
+  broadcasts the group axis of 1, so each key-value head serves its query heads without being copied,
+  and the product's arithmetic is exactly multi-head attention's with the key-value heads repeated
+  (multi-head attention is the case of groups of 1). Its gradients sum over the broadcast axis.
 * gelu: ``tf.nn.gelu(approximate=True)`` (the IR's tanh form); softmax over the last axis of (S, classes).
+* rms_norm: written out in float32 over the last axis, ``x * rsqrt(mean(x^2) + epsilon) * gamma``,
+  returning its input's dtype (as layer_norm).
+* rotary: the cos and sin tables, (S, 1, head_dim / 2), are computed once per lowering in float64
+  (``rotary_tables``) and embedded as float32 constants; the input is viewed as (N, S, heads, 2,
+  head_dim / 2), so that the two halves of every head are its [..., 0, :] and [..., 1, :], and
+  rotated in float32 (x1 cos - x2 sin, x2 cos + x1 sin), returning its input's dtype.
+* silu: ``tf.nn.silu``; mul: the elementwise product (float32 where the two dtypes differ, as add).
+* moe: every expert runs on every token in einsums, and the gates (0 for an expert a token did not
+  choose) weight the sum (``_mixture_of_experts``); SwiGLU experts (mlp: swiglu) compute
+  ``silu(x w_gate) * (x w_in)`` and then ``w_out``, without biases, under the same routing.
 
 Activation checkpointing (``call(..., checkpoint=True)``, training only): each of the graph's blocks
 (Graph.blocks: two residual sub-layers of a transformer) runs as one function under
@@ -101,7 +116,7 @@ import numpy as np
 
 from aiperf_core.data.preprocess import INV_STD, MEAN
 from aiperf_core.errors import GraphError
-from aiperf_core.ir import Graph, Node, is_trainable
+from aiperf_core.ir import Graph, Node, is_trainable, kv_heads, moe_mlp
 from aiperf_core.weights import Weights, validate_weights
 from aiperf_backends.tensorflow.backend import framework, xla_setting
 
@@ -212,6 +227,10 @@ class LoweredModel(tf.Module):
         # Moving statistics (batch norm's), which a training pass updates.
         self.moving_variables = [v for ps in self.params.values() for k, v in ps.items() if k.startswith("moving_")]
         self._predict_fns: dict[str, Any] = {}
+        # Each rotary node's (cos, sin) tables, (S, 1, head_dim / 2) float32, made once here in float64.
+        self.rotary_tables = {node.id: rotary_tables(graph.shapes[node.id][0], node.attrs["head_dim"],
+                                                     node.attrs["base"])
+                              for node in graph.nodes if node.op == "rotary"}
         # Labels per sample: one for an image, one per position of a sequence output (N, S, classes).
         self.labels_per_sample = int(np.prod(graph.output_shape[:-1], dtype=np.int64))
         self.input_dtype = tf.int64 if graph.takes_tokens else tf.float32
@@ -392,6 +411,18 @@ class LoweredModel(tf.Module):
             return self._attention(node, ins)
         if op == "gelu":
             return tf.nn.gelu(ins[0], approximate=True)
+        if op == "rms_norm":
+            x = ins[0]
+            x32 = tf.cast(x, tf.float32)
+            mean_square = tf.reduce_mean(tf.square(x32), axis=-1, keepdims=True)
+            return tf.cast(x32 * tf.math.rsqrt(mean_square + a["epsilon"]) * self.params[node.id]["gamma"], x.dtype)
+        if op == "rotary":
+            return self._rotary(node, ins[0])
+        if op == "silu":
+            return tf.nn.silu(ins[0])
+        if op == "mul":
+            xs = _same_dtype(ins)
+            return xs[0] * xs[1]
         if op == "moe":
             return self._mixture_of_experts(node, ins[0])
         raise GraphError(f"op '{op}' is not supported by the tensorflow backend", node.id)
@@ -407,9 +438,13 @@ class LoweredModel(tf.Module):
         picked, chosen = tf.math.top_k(logits, k=a["top_k"])
         gates = tf.nn.softmax(picked, axis=-1)
         weight = tf.reduce_sum(tf.one_hot(chosen, a["experts"], dtype=tf.float32) * gates[..., None], axis=-2)
-        hidden = tf.einsum("nsd,edf->nsef", x, tf.cast(p["w_in"], cd)) + tf.cast(p["b_in"], cd)
-        hidden = tf.nn.gelu(hidden, approximate=True)
-        out = tf.einsum("nsef,efd->nsed", hidden, tf.cast(p["w_out"], cd)) + tf.cast(p["b_out"], cd)
+        up = tf.einsum("nsd,edf->nsef", x, tf.cast(p["w_in"], cd))
+        if moe_mlp(a) == "swiglu":
+            hidden = tf.nn.silu(tf.einsum("nsd,edf->nsef", x, tf.cast(p["w_gate"], cd))) * up
+            out = tf.einsum("nsef,efd->nsed", hidden, tf.cast(p["w_out"], cd))
+        else:
+            hidden = tf.nn.gelu(up + tf.cast(p["b_in"], cd), approximate=True)
+            out = tf.einsum("nsef,efd->nsed", hidden, tf.cast(p["w_out"], cd)) + tf.cast(p["b_out"], cd)
         return tf.einsum("nse,nsed->nsd", tf.cast(weight, cd), out)
 
     def _conv2d(self, node: Node, x):
@@ -453,21 +488,35 @@ class LoweredModel(tf.Module):
 
     def _attention(self, node: Node, ins):
         a, cd = node.attrs, self.compute_dtype
-        heads, dim = a["heads"], a["head_dim"]
+        heads, kv, dim = a["heads"], kv_heads(a), a["head_dim"]
+        group = heads // kv  # query heads per key-value head
         seq = self.graph.shapes[node.id][0]
         n = _batch_size(ins[0])
 
-        def split_heads(t):  # (N, S, A*d) -> (N, A, S, d)
-            return tf.transpose(tf.reshape(tf.cast(t, cd), [n, seq, heads, dim]), [0, 2, 1, 3])
+        def split_heads(t, width):  # (N, S, kv*width*d) -> (N, kv, width, S, d)
+            return tf.transpose(tf.reshape(tf.cast(t, cd), [n, seq, kv, width, dim]), [0, 2, 3, 1, 4])
 
-        q, k, v = (split_heads(t) for t in ins)
+        # Query head h = g * group + j reads key-value head g: the key and value's group axis of 1
+        # broadcasts in the batched products, so that they are never copied per query head.
+        q, k, v = split_heads(ins[0], group), split_heads(ins[1], 1), split_heads(ins[2], 1)
         scores = tf.cast(tf.matmul(q, k, transpose_b=True), tf.float32) * (1.0 / float(np.sqrt(dim)))
         if a["causal"]:
             keep = tf.constant(np.tri(seq, dtype=bool))  # key j <= query i
             scores = tf.where(keep, scores, tf.constant(-np.inf, tf.float32))
         probs = tf.cast(tf.nn.softmax(scores, axis=-1), cd)
-        out = tf.matmul(probs, v)  # (N, A, S, d)
-        return tf.reshape(tf.transpose(out, [0, 2, 1, 3]), [n, seq, heads * dim])
+        out = tf.matmul(probs, v)  # (N, kv, group, S, d)
+        return tf.reshape(tf.transpose(out, [0, 3, 1, 2, 4]), [n, seq, heads * dim])
+
+    def _rotary(self, node: Node, x):
+        """Half-split rotary positions in float32: each head's halves (x1, x2) become
+        (x1 cos - x2 sin, x2 cos + x1 sin); returns the input's dtype."""
+        seq, width = self.graph.shapes[node.id]
+        half = node.attrs["head_dim"] // 2
+        cos, sin = (tf.constant(t) for t in self.rotary_tables[node.id])
+        halves = tf.reshape(tf.cast(x, tf.float32), [_batch_size(x), seq, width // (2 * half), 2, half])
+        x1, x2 = halves[..., 0, :], halves[..., 1, :]
+        rotated = tf.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-2)
+        return tf.cast(tf.reshape(rotated, [_batch_size(x), seq, width]), x.dtype)
 
     def _batch_norm(self, node: Node, x, run: "_Pass"):
         p = self.params[node.id]
@@ -567,6 +616,14 @@ def _taps_ratio(in_shape, attrs) -> np.ndarray:
     ho, wo = (h + pt + pb - kh) // sh + 1, (w + pl + pr - kw) // sw + 1
     count = np.array([[real[i * sh:i * sh + kh, j * sw:j * sw + kw].sum() for j in range(wo)] for i in range(ho)])
     return (kh * kw / count).reshape(1, ho, wo, 1).astype(np.float32)
+
+
+def rotary_tables(seq: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of theta = p * base ** (-2 i / head_dim), (S, 1, head_dim / 2) float32, computed in
+    float64: the angles of late positions (p up to S - 1) lose no digits before the one rounding."""
+    inverse_frequency = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    theta = np.arange(seq, dtype=np.float64)[:, None, None] * inverse_frequency
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
 
 
 def _same_dtype(xs):
