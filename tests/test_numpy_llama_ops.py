@@ -86,7 +86,7 @@ def test_rotary_gradients(head_dim, base):
 
 
 def test_rotary_angles_are_float64_in_a_float32_run():
-    # At position 4095 a float32 angle would be off by up to 2^-12 rad: far beyond float32's rounding of cos.
+    # At position 4095 a float32 angle table is off by about 2e-5 in cos: far beyond float32's rounding of cos.
     seq, head_dim = 4096, 8
     graph = chain((seq, head_dim), ("rotary", {"head_dim": head_dim}))
     x = np.random.default_rng(5).standard_normal((1, seq, head_dim)).astype(np.float32)

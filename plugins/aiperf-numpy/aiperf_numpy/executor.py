@@ -59,7 +59,15 @@ Semantics
   ids no gradient); ``dense``, ``layer_norm`` (biased variance over the last axis), ``gelu`` (tanh
   form) and ``softmax`` work over the last axis of (N, S, D); ``attention`` splits its (N, S, A*d)
   query, key and value into A heads of width d, scales the scores by 1/sqrt(d), masks the pairs
-  j > i when causal (their probability is exactly 0), and joins the heads again.
+  j > i when causal (their probability is exactly 0), and joins the heads again. With ``kv_heads``
+  (grouped-query attention) the key and value have kv_heads heads and query head h reads key-value head
+  h // (heads / kv_heads); a key-value head's gradient is the sum of its query heads' contributions.
+* The Llama family's ops: ``rms_norm`` is ``x / sqrt(mean(x^2) + epsilon) * gamma`` over the last axis;
+  ``rotary`` rotates each head's pairs (i, i + head_dim/2) of (N, S, heads * head_dim) by
+  ``p * base^(-2i/head_dim)`` at position p, with the angles and their cos and sin computed in float64
+  whatever the run's dtype (its backward rotates back); ``silu`` is ``x * sigmoid(x)``; ``mul`` is the
+  elementwise product of its two inputs. A ``moe`` with ``mlp: swiglu`` has experts
+  ``(silu(x w_gate[e]) * (x w_in[e])) w_out[e]``, routed and gated as the GELU experts.
 * ``conv2d`` with ``groups`` convolves each group of input channels with its block of filters;
   ``lrn`` is ONNX's LRN over the channel axis; ``avg_pool`` averages each window over its real taps,
   or over every tap, padded ones included, with ``count_padding``; ``mul_const`` and ``add_const``
