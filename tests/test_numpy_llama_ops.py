@@ -74,8 +74,12 @@ def test_rotary_leaves_position_zero_and_keeps_each_pairs_length():
     x = np.random.default_rng(3).standard_normal((1, 9, 8))
     y = forward(graph, {}, x)
     np.testing.assert_array_equal(y[:, 0], x[:, 0])
-    pairs = lambda t: np.hypot(t.reshape(1, 9, 2, 2, 2)[..., 0, :], t.reshape(1, 9, 2, 2, 2)[..., 1, :])  # noqa: E731
-    np.testing.assert_allclose(pairs(y), pairs(x), rtol=1e-14)
+
+    def pair_lengths(t):  # (batch, position, head, half, i): pair i is (half 0, half 1)
+        halves = t.reshape(1, 9, 2, 2, 2)
+        return np.hypot(halves[..., 0, :], halves[..., 1, :])
+
+    np.testing.assert_allclose(pair_lengths(y), pair_lengths(x), rtol=1e-14)
 
 
 @pytest.mark.parametrize("head_dim,base", ROTARY_CASES)
