@@ -86,7 +86,7 @@ from aiperf_backends.torch import conv_probe
 from aiperf_backends.torch.loss import normalise_pixels, summed_loss
 from aiperf_backends.torch.precision import AUTOCAST_DTYPES, compute_dtype
 from aiperf_core.errors import GraphError
-from aiperf_core.ir import Graph, is_trainable
+from aiperf_core.ir import Graph, is_trainable, kv_heads, moe_mlp
 from aiperf_core.weights import Weights, validate_weights
 
 # Producers whose output autograd does not keep (their backward needs only their input),
@@ -189,13 +189,29 @@ def concat_mixed(*xs):
     return torch.cat(xs, dim=1)
 
 
-def attention(q, k, v, heads: int, causal: bool):
-    """The IR's attention on (N, S, heads * d) query, key and value: heads split to (N, A, S, d), the
-    fused kernel (its scale is 1/sqrt(d), its causal mask the pairs j > i), heads joined again."""
+def attention(q, k, v, heads: int, causal: bool, kv_heads: int):
+    """The IR's attention on an (N, S, heads * d) query and (N, S, kv_heads * d) key and value: heads split
+    to (N, A, S, d), the fused kernel (its scale is 1/sqrt(d), its causal mask the pairs j > i; with fewer
+    key-value heads, enable_gqa: query head h reads key-value head h // (heads / kv_heads), as the IR says,
+    without a repeated copy of the keys and values where the kernel takes the groups itself), heads joined
+    again."""
     n, s, width = q.shape
-    q, k, v = (t.view(n, s, heads, width // heads).transpose(1, 2) for t in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    d = width // heads
+    q = q.view(n, s, heads, d).transpose(1, 2)
+    k, v = (t.view(n, s, kv_heads, d).transpose(1, 2) for t in (k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=kv_heads != heads)
     return y.transpose(1, 2).reshape(n, s, width)
+
+
+def rotary(x, cos, sin):
+    """The IR's rotary on (N, S, heads * d), half-split form: in each head, out1 = x1 cos - x2 sin and
+    out2 = x2 cos + x1 sin, x1 and x2 its first and second halves; `cos` and `sin` are the (S, 1, d/2)
+    tables of a `Rotary` module, taken in x's dtype (a bf16 projection is rotated in bf16, as Hugging Face's
+    Llama does). unflatten and unbind are views, so that a split of the fused projection is read in place."""
+    halves = x.unflatten(-1, (-1, 2, cos.shape[-1]))  # (N, S, heads, 2, d/2)
+    x1, x2 = halves.unbind(-2)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-2).flatten(-3)
 
 
 def run_block(model, block, x):
@@ -279,17 +295,28 @@ class PositionTable(nn.Module):
 
 
 class Experts(nn.Module):
-    """A moe node: its router (D, E) and expert stacks (E, D, F), (E, F), (E, F, D), (E, D) in the IR's
-    layout. Each expert runs on the tokens routed to it only (index_select, index_add), so the work
-    done is the work counted; the routing is data-dependent, which costs torch.compile a graph break."""
+    """A moe node: its router (D, E) and expert stacks in the IR's layout: GELU experts w_in (E, D, F),
+    b_in (E, F), w_out (E, F, D), b_out (E, D); SwiGLU experts w_gate and w_in (E, D, F), w_out (E, F, D).
+    Each expert runs on the tokens routed to it only (index_select, index_add), so the work done is the
+    work counted; the routing is data-dependent, which costs torch.compile a graph break."""
 
     def __init__(self, width: int, attrs):
         super().__init__()
         e, f = attrs["experts"], attrs["units"]
         self.top_k = attrs["top_k"]
+        self.swiglu = moe_mlp(attrs) == "swiglu"
         self.router = nn.Parameter(torch.zeros(width, e))
-        self.w_in, self.b_in = nn.Parameter(torch.zeros(e, width, f)), nn.Parameter(torch.zeros(e, f))
-        self.w_out, self.b_out = nn.Parameter(torch.zeros(e, f, width)), nn.Parameter(torch.zeros(e, width))
+        self.w_in, self.w_out = nn.Parameter(torch.zeros(e, width, f)), nn.Parameter(torch.zeros(e, f, width))
+        if self.swiglu:
+            self.w_gate = nn.Parameter(torch.zeros(e, width, f))
+        else:
+            self.b_in, self.b_out = nn.Parameter(torch.zeros(e, f)), nn.Parameter(torch.zeros(e, width))
+
+    def expert(self, e: int, tokens):
+        """Expert e's output for `tokens` (T, D)."""
+        if self.swiglu:
+            return (F.silu(tokens @ self.w_gate[e]) * (tokens @ self.w_in[e])) @ self.w_out[e]
+        return F.gelu(tokens @ self.w_in[e] + self.b_in[e], approximate="tanh") @ self.w_out[e] + self.b_out[e]
 
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
@@ -302,10 +329,22 @@ class Experts(nn.Module):
             tokens, slot = (chosen == e).nonzero(as_tuple=True)
             if tokens.numel() == 0:
                 continue
-            hidden = F.gelu(flat[tokens] @ self.w_in[e] + self.b_in[e], approximate="tanh")
-            expert = hidden @ self.w_out[e] + self.b_out[e]
-            out = out.index_add(0, tokens, expert * gates[tokens, slot].unsqueeze(1))
+            out = out.index_add(0, tokens, self.expert(e, flat[tokens]) * gates[tokens, slot].unsqueeze(1))
         return out.reshape(x.shape)
+
+
+class Rotary(nn.Module):
+    """A rotary node's cos and sin of theta = p * base^(-2i / head_dim), (S, 1, head_dim / 2), computed once
+    in float64 and kept as float32 buffers (not persistent: they are the attributes' function, not
+    weights), so that a step reads them instead of computing them."""
+
+    def __init__(self, seq_len: int, attrs):
+        super().__init__()
+        half = attrs["head_dim"] // 2
+        inverse_frequency = float(attrs["base"]) ** (-2.0 * np.arange(half) / attrs["head_dim"])
+        theta = np.arange(seq_len, dtype=np.float64)[:, None] * inverse_frequency[None, :]
+        for name, table in (("cos", np.cos(theta)), ("sin", np.sin(theta))):
+            self.register_buffer(name, torch.from_numpy(table[:, None, :].astype(np.float32)), persistent=False)
 
 
 class RealTaps(nn.Module):
@@ -507,6 +546,10 @@ def _make_module(graph: Graph, node):
         return PositionTable(*in_shape)
     if node.op == "layer_norm":
         return nn.LayerNorm(in_shape[-1], eps=a["epsilon"])
+    if node.op == "rms_norm":
+        return nn.RMSNorm(in_shape[-1], eps=a["epsilon"])
+    if node.op == "rotary":
+        return Rotary(in_shape[0], a)
     if node.op == "moe":
         return Experts(in_shape[-1], a)
     if node.op == "avg_pool" and not a["count_padding"] and _torch_pads_pool(a["kernel"], a["padding"]) is None:
@@ -518,8 +561,9 @@ def _namespace() -> dict[str, Any]:
     """The globals of the generated code (read when it is generated: a planted kernel must be in
     place before lowering)."""
     return {"torch": torch, "F": F, "inf": math.inf, "conv2d": conv2d, "add_mixed": add_mixed,
-            "concat_mixed": concat_mixed, "attention": attention, "channel_shuffle": channel_shuffle,
-            "normalise_pixels": normalise_pixels, "summed_loss": summed_loss, "run_block": run_block}
+            "concat_mixed": concat_mixed, "attention": attention, "rotary": rotary,
+            "channel_shuffle": channel_shuffle, "normalise_pixels": normalise_pixels, "summed_loss": summed_loss,
+            "run_block": run_block}
 
 
 def generate_source(graph: Graph, module_names: Mapping[str, str], conv_forms: Mapping[str, str],
@@ -616,6 +660,7 @@ def _statements(graph: Graph, items, var: Mapping[str, str], module_names: Mappi
         for src in reads(item):
             last_reader[src] = i
     fused = fused_projections(graph, [item for item in items if not isinstance(item, tuple)])
+    emitted: set[tuple[str, ...]] = set()
     lines = []
     for i, item in enumerate(items):
         if isinstance(item, tuple):
@@ -629,7 +674,8 @@ def _statements(graph: Graph, items, var: Mapping[str, str], module_names: Mappi
         node = item
         if node.id in fused:
             group = fused[node.id]
-            if group and node.id == group[0]:
+            if group not in emitted:  # at the group's first member: a rotary may follow any of them
+                emitted.add(group)
                 lines.append(f"    {', '.join(var[g] for g in group)} = "
                              f"{_fused_linear(graph, group, var, module_names)}  # dense {', '.join(group)}")
             dead = [var[s] for s in dict.fromkeys(node.inputs) if last_reader[s] == i]
@@ -653,23 +699,40 @@ def _statements(graph: Graph, items, var: Mapping[str, str], module_names: Mappi
     return lines
 
 
+# Ops that may sit between a fused projection and the node that reads the group (fused_projections):
+# rotary on a query or key, silu on a SwiGLU gate.
+_AFTER_PROJECTION = frozenset({"rotary", "silu"})
+
+
 def fused_projections(graph: Graph, nodes) -> dict[str, tuple[str, ...]]:
-    """{dense node id: its group} for an attention's query, key and value projections that read one
-    tensor, have the same bias setting and feed only that attention: the generated forward runs them
-    as one product with the three kernels side by side (one GEMM of 3x the width, as a hand-written
-    GPT's fused QKV does), then splits it. Their parameters stay three nn.Linear modules, so weights,
-    gradients and state dicts are the IR's per node."""
+    """{dense node id: its group} for the projections one node reads, an attention's query, key and value
+    or a mul's two operands (a SwiGLU's gate and up), each directly or through a rotary or silu of its
+    own: when they are distinct, read one tensor, have the same bias setting and feed nothing else, the
+    generated forward runs them as one product with the kernels side by side (one GEMM of the summed width,
+    as a hand-written GPT's fused QKV or Llama's fused gate-up does), then splits it at their own widths
+    (grouped-query attention's key and value are narrower than its query). Their parameters stay
+    nn.Linear modules, one per node, so weights, gradients and state dicts are the IR's per node."""
     present = {n.id for n in nodes}
+
+    def sole_reader(node_id: str) -> bool:
+        return node_id in present and node_id != graph.output_id and len(graph.consumers(node_id)) == 1
+
+    def projection(node_id: str) -> str | None:
+        while graph[node_id].op in _AFTER_PROJECTION:
+            if not sole_reader(node_id):
+                return None
+            node_id = graph[node_id].inputs[0]
+        return node_id if graph[node_id].op == "dense" and sole_reader(node_id) else None
+
     out: dict[str, tuple[str, ...]] = {}
     for node in nodes:
-        if node.op != "attention":
+        if node.op not in ("attention", "mul"):
             continue
-        group = tuple(node.inputs)
+        group = tuple(projection(src) for src in node.inputs)
+        if None in group or len(set(group)) != len(group):
+            continue
         sources = [graph[g] for g in group]
-        if (all(g in present for g in group) and all(n.op == "dense" for n in sources)
-                and len({n.inputs[0] for n in sources}) == 1
-                and len({n.attrs["use_bias"] for n in sources}) == 1
-                and all(len(graph.consumers(g)) == 1 and g != graph.output_id for g in group)):
+        if len({n.inputs[0] for n in sources}) == 1 and len({n.attrs["use_bias"] for n in sources}) == 1:
             for g in group:
                 out[g] = group
     return out
@@ -766,9 +829,18 @@ def _expression(graph: Graph, node, args: list[str], layer: str | None, inplace:
         y = f"F.layer_norm({src}, {tuple(graph.shapes[node.id][-1:])}, {layer}.weight, {layer}.bias, {a['epsilon']!r})"
         return f"{y}.permute(0, 3, 1, 2)" if image else y
     if op == "attention":
-        return f"attention({', '.join(args)}, {a['heads']}, {a['causal']})"
+        return f"attention({', '.join(args)}, {a['heads']}, {a['causal']}, {kv_heads(a)})"
     if op == "gelu":
         return f"F.gelu({args[0]}, approximate='tanh')"
+    if op == "rms_norm":  # in fp32 under mixed precision, as layer_norm (and the fused kernel wants one dtype)
+        src = f"{args[0]}.float()" if mixed else args[0]
+        return f"F.rms_norm({src}, {tuple(graph.shapes[node.id][-1:])}, {layer}.weight, {a['epsilon']!r})"
+    if op == "rotary":
+        return f"rotary({args[0]}, {layer}.cos, {layer}.sin)"
+    if op == "silu":
+        return f"F.silu({args[0]})"
+    if op == "mul":
+        return f"{args[0]} * {args[1]}"
     if op == "moe":
         return f"{layer}({args[0]})"
     raise GraphError(f"the torch backend cannot lower op '{op}'", node.id)
@@ -797,8 +869,10 @@ def _torch_param(module: nn.Module, pname: str, canonical: np.ndarray | None):
         return module.table, canonical
     elif isinstance(module, Constant) and pname == "value":
         return module.value, canonical
-    elif isinstance(module, Experts) and pname in ("router", "w_in", "b_in", "w_out", "b_out"):
+    elif isinstance(module, Experts) and isinstance(getattr(module, pname, None), nn.Parameter):
         return getattr(module, pname), canonical
+    elif isinstance(module, nn.RMSNorm) and pname == "gamma":
+        return module.weight, canonical
     raise GraphError(f"no parameter '{pname}' in a lowered {type(module).__name__}")
 
 
