@@ -17,7 +17,7 @@ import pytest
 import torch  # noqa: E402  (`make test` installs torch: missing it is a failure, never a skip)
 
 from aiperf_core.backend import Dataset, Schedule, TrainConfig, cpu_share_of_ram
-from aiperf_core.builders import gpt
+from aiperf_core.builders import gpt, llama
 from aiperf_core.data.batch import TRAIN, VAL
 from aiperf_core.data.text_corpus import embedded_corpus
 from aiperf_core.data.text_stream import TokenStream
@@ -221,10 +221,16 @@ def test_an_image_graph_has_no_blocks_and_trains_alike_with_the_flag(backend):
 
 
 @pytest.mark.parametrize("checkpoint", [False, True])
-def test_the_dense_gpt_step_compiles_to_one_graph_without_a_break(backend, small_gpt, corpus, checkpoint):
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_the_dense_step_compiles_to_one_graph_without_a_break(backend, small_gpt, corpus, family, checkpoint):
     """torch._dynamo.explain of the step's loss (what Stepper compiles): dynamo only, no code
-    generated (inductor's CPU build of a GPT step takes minutes here, docs/backends/torch.md)."""
-    graph, weights = small_gpt
+    generated (inductor's CPU build of a GPT step takes minutes here, docs/backends/torch.md). The Llama
+    has grouped-query attention, rotary tables read from buffers, RMS norm and SwiGLU."""
+    if family == "gpt":
+        graph, weights = small_gpt
+    else:
+        graph = llama(layers=2, hidden=32, heads=4, kv_heads=2, seq_len=SEQ, vocab=VOCAB)
+        weights = trained_looking_weights(graph, 0)
     model = backend.lower(graph, weights)
     x, y = (torch.from_numpy(a) for a in windows(corpus, 4, 6))
     model.train()
