@@ -464,18 +464,14 @@ class RMSNorm(nn.Cell):
 class Rotary(nn.Cell):
     """rotary over (N, S, heads * head_dim), the half-split form: each head viewed as (2, head_dim/2) halves
     (x1, x2), y = (x1, x2) * cos + (x2, x1) * (-sin, sin). The tables, cos and signed sin of
-    position * base^(-2i/head_dim), are constants of the lowering, computed once in float64 on the host;
-    the product runs in the input's dtype."""
+    position * base^(-2i/head_dim), are constants computed in float64 on the host once per lowering and
+    shape (`rotary_tables`: a Llama's query and key rotations of every layer share them); the product runs
+    in the input's dtype."""
 
-    def __init__(self, seq_len: int, attrs: Mapping[str, Any]):
+    def __init__(self, tables: tuple[Tensor, Tensor], head_dim: int):
         super().__init__()
-        self.head_dim = attrs["head_dim"]
-        half = self.head_dim // 2
-        inverse = float(attrs["base"]) ** (-2.0 * np.arange(half, dtype=np.float64) / self.head_dim)
-        theta = np.arange(seq_len, dtype=np.float64)[:, None] * inverse[None, :]  # (S, half)
-        # (S, 1, 2, half): broadcast over the batch and the heads
-        self.cos = Tensor(np.stack([np.cos(theta)] * 2, axis=1)[:, None].astype(np.float32))
-        self.sin = Tensor(np.stack([-np.sin(theta), np.sin(theta)], axis=1)[:, None].astype(np.float32))
+        self.cos, self.sin = tables
+        self.head_dim = head_dim
 
     def construct(self, x):
         n, s, width = x.shape
@@ -484,6 +480,17 @@ class Rotary(nn.Cell):
         cos, sin = (self.cos, self.sin) if x.dtype == ms.float32 else (self.cos.astype(x.dtype),
                                                                        self.sin.astype(x.dtype))
         return (halves * cos + swapped * sin).reshape(n, s, width)
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[Tensor, Tensor]:
+    """Rotary's (S, 1, 2, head_dim/2) float32 tables, broadcast over the batch and the heads: cos twice, and
+    (-sin, sin), of theta = position * base^(-2i/head_dim), computed in float64."""
+    half = head_dim // 2
+    theta = np.arange(seq_len, dtype=np.float64)[:, None] * base ** (-2.0 * np.arange(half, dtype=np.float64)
+                                                                     / head_dim)
+    cos = np.stack([np.cos(theta)] * 2, axis=1)[:, None]
+    sin = np.stack([-np.sin(theta), np.sin(theta)], axis=1)[:, None]
+    return Tensor(cos.astype(np.float32)), Tensor(sin.astype(np.float32))
 
 
 def _add(xs):
@@ -546,8 +553,9 @@ class LoweredCell(nn.Cell):
         compute = None if precision == "fp32" else COMPUTE_DTYPES[precision]
         self.layers = nn.CellList()
         self.layer_of: dict[str, int] = {}  # node id -> index in self.layers
+        tables: dict[tuple, tuple[Tensor, Tensor]] = {}  # rotary's, by (seq_len, head_dim, base)
         for node in graph.nodes:
-            cell = self._make_cell(graph, node, compute)
+            cell = self._make_cell(graph, node, compute, tables)
             if cell is not None:
                 self.layer_of[node.id] = len(self.layers)
                 self.layers.append(cell)
@@ -555,7 +563,7 @@ class LoweredCell(nn.Cell):
         self._build_plan()
 
     @staticmethod
-    def _make_cell(graph: Graph, node: Node, compute_dtype):
+    def _make_cell(graph: Graph, node: Node, compute_dtype, tables: dict):
         a = node.attrs
         in_shape = graph.shapes[node.inputs[0]] if node.inputs else None
         if node.op == "conv2d":
@@ -587,7 +595,10 @@ class LoweredCell(nn.Cell):
         if node.op == "rms_norm":
             return RMSNorm(in_shape[-1], a)
         if node.op == "rotary":
-            return Rotary(in_shape[0], a)
+            key = (in_shape[0], a["head_dim"], a["base"])
+            if key not in tables:
+                tables[key] = rotary_tables(*key)
+            return Rotary(tables[key], a["head_dim"])
         return None
 
     def _build_plan(self) -> None:
