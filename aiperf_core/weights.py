@@ -59,7 +59,7 @@ def init_node_weights(graph: Graph, node_id: str, rng: np.random.Generator, dtyp
     node = graph[node_id]
     w: dict[str, np.ndarray] = {}
     for pname, shape in graph.param_shapes(node_id).items():
-        if pname in ("kernel", "router", "w_in", "w_out"):
+        if pname in ("kernel", "router", "w_gate", "w_in", "w_out"):
             # A conv's fan-in is its window times its input channels; an expert stack's (E, in, out) is `in`.
             w[pname] = he_normal(shape, math.prod(shape[:-1]) if pname == "kernel" else shape[-2], rng, dtype)
         elif pname == "table":

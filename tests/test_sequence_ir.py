@@ -114,8 +114,8 @@ def test_version_1_graphs_load_and_are_written_as_version_1():
     data = g.to_dict()
     assert data["schema_version"] == 1
     assert Graph.from_dict(data) == g
-    with pytest.raises(GraphError, match="schema_version 4"):
-        Graph.from_dict(dict(data, schema_version=4))
+    with pytest.raises(GraphError, match="schema_version 5"):
+        Graph.from_dict(dict(data, schema_version=5))
 
 
 # -- the NumPy reference against finite differences -----------------------------------------------------
