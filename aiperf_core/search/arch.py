@@ -7,7 +7,15 @@ An architecture is reduced to two sequences:
           kind 2 attention: its width heads * head_dim, and its heads in the kernel's place (so that
                  more heads of the same width move it in both);
           kind 3 moe: its experts' hidden units, and its experts in the kernel's place;
-          a transformer's attention and mixture of experts count as layers, as its dense ones do;
+          kind 4 grouped-query attention (kv_heads below heads, multi-query included): as kind 2; its
+                 key-value width is the k and v projections' units;
+          kind 5 moe of SwiGLU experts (mlp: swiglu): as kind 3;
+          a transformer's attention and mixture of experts count as layers, as its dense ones do. The
+          ops that are no layer of the code pass the rank through: batch norm, relu and pooling; layer
+          norm, positions and gelu; and Llama's rms_norm, rotary, silu and mul. In every block of its
+          family each is fixed by the layers around it and no morph changes one alone, so a row for it
+          would repeat what the dense and attention rows say (and weigh a deeper morph more). A SwiGLU's
+          mul joins two parallel projections (gate and up), not a skip connection: only an add is one;
   skips:  one row per `add` node: (u, d), u the rank of the layer the connection leaves from
           and d the number of weighted layers it skips.
 
@@ -31,9 +39,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from aiperf_core.errors import AiperfError
-from aiperf_core.ir import Graph
+from aiperf_core.ir import Graph, kv_heads, moe_mlp
 
-CONV, DENSE, ATTENTION, MOE = 0, 1, 2, 3
+CONV, DENSE, ATTENTION, MOE, GQA_ATTENTION, SWIGLU_MOE = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True)
@@ -72,10 +80,12 @@ def encode(graph: Graph) -> ArchCode:
             layers.append((DENSE, node.attrs["units"], 1))
             rank[node.id] = len(layers) - 1
         elif node.op == "attention":
-            layers.append((ATTENTION, node.attrs["heads"] * node.attrs["head_dim"], node.attrs["heads"]))
+            kind = GQA_ATTENTION if kv_heads(node.attrs) != node.attrs["heads"] else ATTENTION
+            layers.append((kind, node.attrs["heads"] * node.attrs["head_dim"], node.attrs["heads"]))
             rank[node.id] = len(layers) - 1
         elif node.op == "moe":
-            layers.append((MOE, node.attrs["units"], node.attrs["experts"]))
+            kind = SWIGLU_MOE if moe_mlp(node.attrs) == "swiglu" else MOE
+            layers.append((kind, node.attrs["units"], node.attrs["experts"]))
             rank[node.id] = len(layers) - 1
         else:
             rank[node.id] = below
