@@ -1,8 +1,8 @@
 """aiperf morph MODEL: grow a model by function-preserving morphs and write the child's graph and weights.
 
 The graph says which morphs apply: a CNN's (aiperf_core.morph: deeper, wider, skip, kernel) or, for a
-graph of token sequences, a transformer's (aiperf_core.transformer_morph: deeper, wider_mlp, more_heads,
-double_width, upcycle_moe)."""
+graph of token sequences (a GPT's or a Llama's), a transformer's (aiperf_core.transformer_morph: deeper,
+wider_mlp, more_heads, double_width, upcycle_moe)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,14 @@ from aiperf_core.errors import AiperfError
 HELP = "apply function-preserving morphs (a CNN's or a transformer's) to a model and write the child"
 CNN_OPS = ("deeper", "wider", "skip", "kernel")
 TRANSFORMER_OPS = ("deeper", "wider_mlp", "more_heads", "double_width", "upcycle_moe")
-# What --node names for each transformer op (double_width takes none).
+# The record argument --node fills for each transformer op (double_width takes none): the residual-stream node
+# for deeper (h0_res2, positions, a Llama's embed), the MLP's opening dense for wider_mlp and upcycle_moe (a GPT's
+# h0_fc1, a Llama's h0_gate), the attention for more_heads (h0_attn).
 TRANSFORMER_TARGETS = {"deeper": "after", "wider_mlp": "fc1", "more_heads": "attention", "upcycle_moe": "fc1"}
 
 
 def add_arguments(p) -> None:
-    add_model_arguments(p, "builder name (resnet50, resnet_small, gpt) or IR .json file")
+    add_model_arguments(p, "builder name (resnet50, resnet_small, gpt, llama) or IR .json file")
     add_gpt_size_arguments(p)
     p.add_argument("--weights", metavar="W.npz", default=None,
                    help="the model's weights (default: He-initialised from --seed)")
@@ -30,9 +32,9 @@ def add_arguments(p) -> None:
                         "skip, kernel; a transformer's: deeper, wider_mlp, more_heads, double_width, upcycle_moe")
     p.add_argument("--node", metavar="ID", default=None,
                    help="target of every step: for a CNN the relu for deeper, the conv for wider and kernel, the "
-                        "destination for skip; for a transformer the residual-stream node for deeper, the MLP's "
-                        "first dense for wider_mlp and upcycle_moe, the attention for more_heads "
-                        "(default: a random valid one)")
+                        "destination for skip; for a transformer the residual-stream node for deeper (an add, the "
+                        "positions, a llama's embed), the MLP's first dense for wider_mlp and upcycle_moe (a gpt's "
+                        "h0_fc1, a llama's h0_gate), the attention for more_heads (default: a random valid one)")
     p.add_argument("--src", metavar="ID", default=None, help="source of the skip connection (with --op skip --node)")
     p.add_argument("--steps", type=positive_int, default=1, metavar="N", help="number of morphs (default 1)")
     p.add_argument("--seed", type=non_negative_int, default=0, metavar="S",
