@@ -51,15 +51,19 @@ Per op:
   (N, S, A, d) -> (N, A, S, d); the scores are scaled, masked (-inf where j > i, so their
   probability is exactly 0) and soft-maxed in float32. MindSpore's fused kernel
   (``ops.flash_attention_score``) exists on Ascend only;
-* gelu: ``ops.gelu(approximate='tanh')``, the IR's form.
+* gelu: ``ops.gelu(approximate='tanh')``, the IR's form; silu: ``ops.silu``; mul: ``a * b``;
+* rms_norm: written out in float32 (MindSpore 2.10's fused ``ops.rms_norm`` has no CPU kernel);
+* rotary: the half-split form, cos/sin tables computed on the host once per lowering and shape;
+* grouped-query attention: the key-value heads repeated (``ops.repeat_interleave``) for their query heads,
+  then the multi-head products; moe with SwiGLU experts: ``(silu(x @ w_gate) * (x @ w_in)) @ w_out``.
 
 Input: a float32 batch is taken as already normalised (in-memory datasets); uint8 pixels (streamed
 batches, synthetic data) are normalised by MindSpore ops on the device target, with exactly the
 host's arithmetic (`normalised_pixels`), so a quarter of the bytes cross to the device.
 
 Mixed precision (fp16 / bf16): conv, dense and attention's two products run in the compute dtype
-on cast copies of the float32 master weights; batch norm (statistics included), lrn, layer norm,
-the softmaxes (attention's included) and the loss stay float32.
+on cast copies of the float32 master weights; batch norm (statistics included), lrn, layer norm, RMS
+norm, the softmaxes (attention's included) and the loss stay float32.
 
 Activation checkpointing (TrainConfig.checkpoint_blocks; ``LoweredCell.checkpointing``): in
 training, each block of ``Graph.blocks()`` runs through ``mindspore.recompute(...,
