@@ -18,14 +18,23 @@ How each IR op is written, and read back:
 - token_input: an int64 input [N, S]; embedding: Gather of the table (axis 0); position_embedding:
   Add of an [S, D] initializer; dense over a sequence: MatMul (+ Add of the bias); layer_norm:
   LayerNormalization (axis -1); gelu: Gelu(approximate="tanh"); attention: ONNX's Attention on the
-  3-D (N, S, heads * head_dim) inputs, q_num_heads = kv_num_heads = heads, is_causal = causal and
-  the default scale 1/sqrt(head_dim).
+  3-D (N, S, heads * head_dim) inputs, q_num_heads = heads, kv_num_heads = kv_heads (grouped-query
+  attention when fewer), is_causal = causal and the default scale 1/sqrt(head_dim).
+- rms_norm: RMSNormalization (axis -1, opset 23); rotary: RotaryEmbedding (opset 23, num_heads = width /
+  head_dim, not interleaved: the half-split form) with float32 cos and sin caches (S, head_dim / 2) of
+  the angles computed in float64 (rotary_tables), and position ids [0, S) expanded to the input's
+  [N, S] (onnxruntime wants the input's own batch there, so a Shape and an Expand compute them); read
+  back, the caches give the base (rotary_base: the shortest decimal whose tables they are, to float32
+  rounding). silu: Sigmoid and a Mul by its input, at any opset (ONNX's Swish came in opset 24 and
+  would lift every Llama above the 23 its other ops need; a Swish of alpha 1 reads as silu); mul: Mul
+  of two activations.
 
 Export opset: DEFAULT_OPSET (17) unless the graph holds an op that ONNX added later, then the first
-opset that has all of them (23 for attention, 20 for gelu): a CNN keeps the opset 17 it always had
-(no consumer's support changes), a transformer gets ONNX's own Attention op, which
-onnx.reference.ReferenceEvaluator and onnxruntime both run. An explicit opset below what the graph
-needs is refused naming the op.
+opset that has all of them (23 for attention, rms_norm and rotary, 20 for gelu): a CNN keeps the opset
+17 it always had (no consumer's support changes), a transformer gets ONNX's own Attention,
+RMSNormalization and RotaryEmbedding ops, which onnx.reference.ReferenceEvaluator and onnxruntime 1.31
+both run (grouped-query Attention included). An explicit opset below what the graph needs is refused
+naming the op.
 
 Import also reads what the model-zoo CNNs write: a Mul or Add of a per-channel or scalar constant
 (batch norm folded into Unsqueeze'd constants) becomes mul_const / add_const, an Add of a constant
@@ -52,7 +61,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from aiperf_core.atomic import write_bytes_atomic
 from aiperf_core.errors import AiperfError, GraphError
-from aiperf_core.ir import OPS, Graph, Node
+from aiperf_core.ir import OPS, Graph, Node, kv_heads
 from aiperf_core.weights import Weights, init_weights, validate_weights
 
 INPUT_NAME = "input"
@@ -60,7 +69,7 @@ DEFAULT_OPSET = 17
 MIN_EXPORT_OPSET = 11  # Gemm's bias is optional from 11 on
 MIN_IMPORT_OPSET = 9
 # The first opset holding the ONNX op that an IR op is written as, where that is newer than MIN_EXPORT_OPSET.
-FIRST_OPSET = {"layer_norm": 17, "gelu": 20, "attention": 23}
+FIRST_OPSET = {"layer_norm": 17, "gelu": 20, "attention": 23, "rms_norm": 23, "rotary": 23}
 # Metadata key keeping the IR input node's id, since the ONNX input is always "input".
 INPUT_ID_KEY = "aiperf.input_id"
 
@@ -222,10 +231,33 @@ def export_onnx(graph: Graph, weights: Mapping | None = None, path=None, opset: 
         elif node.op == "attention":
             nodes.append(helper.make_node(
                 "Attention", x, [out], name=nid, is_causal=int(a["causal"]),
-                q_num_heads=a["heads"], kv_num_heads=a["heads"],
+                q_num_heads=a["heads"], kv_num_heads=kv_heads(a),
             ))
         elif node.op == "gelu":
             nodes.append(helper.make_node("Gelu", x, [out], name=nid, approximate="tanh"))
+        elif node.op == "rms_norm":
+            nodes.append(helper.make_node("RMSNormalization", [x[0], param(nid, "gamma", w["gamma"])], [out],
+                                          name=nid, axis=-1, epsilon=a["epsilon"]))
+        elif node.op == "rotary":
+            seq_len, width = in_shape
+            cos, sin = rotary_tables(seq_len, a["head_dim"], a["base"])
+            # onnxruntime wants position ids of the input's own batch: [0, S) broadcast to [N, S].
+            batch_and_seq, positions = f"{out}/batch_and_seq", f"{out}/positions"
+            nodes.append(helper.make_node("Shape", x, [batch_and_seq], name=batch_and_seq, start=0, end=2))
+            nodes.append(helper.make_node(
+                "Expand", [shape_const(nid, "position_ids", np.arange(seq_len)[None]), batch_and_seq], [positions],
+                name=positions,
+            ))
+            nodes.append(helper.make_node(
+                "RotaryEmbedding", [x[0], param(nid, "cos", cos), param(nid, "sin", sin), positions], [out],
+                name=nid, num_heads=width // a["head_dim"],
+            ))
+        elif node.op == "silu":
+            sigmoid = f"{out}/sigmoid"
+            nodes.append(helper.make_node("Sigmoid", x, [sigmoid], name=sigmoid))
+            nodes.append(helper.make_node("Mul", [x[0], sigmoid], [out], name=nid))
+        elif node.op == "mul":
+            nodes.append(helper.make_node("Mul", x, [out], name=nid))
         else:  # pragma: no cover - every IR op is handled above
             raise GraphError(f"ONNX export does not know op '{node.op}'", nid)
 
@@ -250,6 +282,41 @@ def export_onnx(graph: Graph, weights: Mapping | None = None, path=None, opset: 
     if path is not None:
         write_bytes_atomic(path, model.SerializeToString())
     return model
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float) -> tuple[np.ndarray, np.ndarray]:
+    """The IR rotary's cos and sin tables (S, head_dim / 2) as float32: the angles position * base^(-2i /
+    head_dim) and their cos and sin are computed in float64 (as the NumPy reference does), then rounded."""
+    positions = np.arange(seq_len, dtype=np.float64)[:, None]
+    theta = positions * float(base) ** (-2.0 * np.arange(head_dim // 2, dtype=np.float64) / head_dim)
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+
+def rotary_base(cos: np.ndarray, sin: np.ndarray, head_dim: int) -> float | None:
+    """The base of rotary tables cos and sin (S, head_dim / 2) of positions 0 to S - 1, or None when no base
+    gives them: the shortest decimal whose rotary_tables equal them within float32 rounding of the angles.
+
+    The estimate reads the slowest pair's angle at position 1, base^(-(head_dim - 2) / head_dim), whose sine
+    is small and exact to float32's relative precision. Where no angle depends on the base (head_dim 2, or
+    one position) the IR's default, 10000, stands for any."""
+    cos, sin = np.asarray(cos, np.float64), np.asarray(sin, np.float64)
+    seq_len = cos.shape[0]
+    # An angle computed in float32 (as the exporters' models do) is off by a few ulps of position * 1.
+    tolerance = 1e-6 + 4e-7 * seq_len
+    candidates = [10000.0]
+    if seq_len > 1 and head_dim > 2:
+        slowest = math.atan2(sin[1, -1], cos[1, -1])
+        if not 0.0 < slowest < 1.0:
+            return None
+        estimate = slowest ** (-head_dim / (head_dim - 2))
+        candidates = [float(f"{estimate:.{digits}g}") for digits in range(1, 10)] + [estimate]
+    for base in candidates:
+        if base < 1.0:
+            continue
+        want_cos, want_sin = rotary_tables(seq_len, head_dim, base)
+        if np.abs(want_cos - cos).max() <= tolerance and np.abs(want_sin - sin).max() <= tolerance:
+            return base
+    return None
 
 
 def _tensor_name(graph: Graph, node: Node) -> str:
@@ -292,6 +359,7 @@ _LAYOUT_TEXT = {
     "tokens": "token ids [N, S]",
     "split": "a channel split [N, G, C/G, H, W]",
     "swapped": "a transposed channel split [N, C/G, G, H, W]",
+    "sigmoid": "the sigmoid of a tensor",
 }
 # Layouts that only the handler expecting them may read.
 _PRIVATE_LAYOUTS = {
@@ -300,6 +368,7 @@ _PRIVATE_LAYOUTS = {
              "[0, 2, 1, 3, 4] -> Reshape [N, C, H, W]",
     "swapped": "half of a channel shuffle; aiperf reads only Reshape [N, G, C/G, H, W] -> Transpose "
                "[0, 2, 1, 3, 4] -> Reshape [N, C, H, W]",
+    "sigmoid": "a sigmoid, which the IR has only inside SiLU: aiperf reads it only as x * Sigmoid(x)",
 }
 
 
@@ -934,9 +1003,9 @@ class _Importer:
         if len(node.input) != 2:
             self._fail(node, f"expects 2 inputs, got {len(node.input)}")
         consts = [k for k, name in enumerate(node.input) if name in self.consts]
-        if len(consts) != 1:
-            self._fail(node, "multiplies two activations; only a product by a per-channel or scalar constant "
-                             "is supported")
+        if not consts:
+            self._product(node)
+            return
         k = 1 - consts[0]
         self._by_constant(node, self._act(node, k), np.asarray(self.consts[node.input[consts[0]]]), "mul_const")
 
@@ -1264,10 +1333,10 @@ class _Importer:
             self._fail(node, "masks, caches and padding lengths are not supported (only q, k, v)")
         self._only_first_output(node)
         a = _attrs(node)
-        heads = a.get("q_num_heads")
-        if heads is None or a.get("kv_num_heads") != heads:
-            self._fail(node, "only 3-D inputs with q_num_heads == kv_num_heads are supported "
-                             f"(got {heads} and {a.get('kv_num_heads')})")
+        heads, kv = a.get("q_num_heads"), a.get("kv_num_heads")
+        if heads is None or kv is None or kv < 1 or heads % kv:
+            self._fail(node, "only 3-D inputs with kv_num_heads dividing q_num_heads are supported "
+                             f"(got {heads} and {kv})")
         width = self.shapes[q.node][-1]
         if heads < 1 or width % heads:
             self._fail(node, f"{heads} heads do not divide the width {width}")
@@ -1280,8 +1349,94 @@ class _Importer:
         for side in ("left_window_size", "right_window_size"):
             if a.get(side, -1) != -1:
                 self._fail(node, f"a sliding window ({side} {a[side]}) is not supported")
-        attrs = {"heads": int(heads), "head_dim": int(head_dim), "causal": bool(a.get("is_causal", 0))}
+        attrs = {"heads": int(heads), "head_dim": int(head_dim), "causal": bool(a.get("is_causal", 0)),
+                 "kv_heads": int(kv)}
         self._set(node, _Act(self._emit(node, "attention", [q.node, k.node, v.node], attrs), "seq"))
+
+    def _op_RMSNormalization(self, node) -> None:
+        x = self._act(node, 0, ("seq", "flat"))
+        a = _attrs(node)
+        rank = 1 + len(self._onnx_shape(x))
+        axis = a.get("axis", -1)
+        if not -rank <= axis < rank or axis % rank != rank - 1:
+            self._fail(node, f"only an RMS norm over the last axis is supported, got axis {axis}")
+        gamma = self._const(node, 1).reshape(-1)
+        if x.order is not None and gamma.size == x.order.size:
+            gamma = gamma[x.order]
+        attrs = {"epsilon": _clean_float(a.get("epsilon", 1e-5))}
+        self._set(node, _Act(self._emit(node, "rms_norm", [x.node], attrs, {"gamma": gamma}), x.layout, x.order))
+
+    def _op_RotaryEmbedding(self, node) -> None:
+        x = self._act(node, 0, ("seq",))
+        a = _attrs(node)
+        if a.get("interleaved", 0):
+            self._fail(node, "the interleaved form (pairs (2i, 2i + 1)) is not supported; the IR's rotary is the "
+                             "half-split form")
+        heads = a.get("num_heads", 0)
+        seq_len, width = self.shapes[x.node]
+        if heads < 1 or width % heads or (width // heads) % 2:
+            self._fail(node, f"num_heads {heads} does not split the width {width} into heads of an even width")
+        head_dim = width // heads
+        if a.get("rotary_embedding_dim", 0) not in (0, head_dim):
+            self._fail(node, f"partial rotation (rotary_embedding_dim {a['rotary_embedding_dim']} of head_dim "
+                             f"{head_dim}) is not supported")
+        cos, sin = self._const(node, 1), self._const(node, 2)
+        positions = self._const(node, 3, optional=True)
+        if positions is not None:
+            positions = np.asarray(positions).astype(np.int64)
+            if positions.ndim != 2 or positions.shape[1] != seq_len or np.any(positions != np.arange(seq_len)):
+                self._fail(node, f"only the positions 0 to {seq_len - 1} of every sequence are supported")
+            if cos.ndim != 2 or sin.shape != cos.shape or cos.shape[0] < seq_len:
+                self._fail(node, f"cos and sin caches of shapes {list(cos.shape)} and {list(sin.shape)} do not "
+                                 f"hold {seq_len} positions")
+            cos, sin = cos[:seq_len], sin[:seq_len]
+        else:
+            if cos.ndim != 3 or sin.shape != cos.shape or cos.shape[1] != seq_len or np.any(cos != cos[:1]) \
+                    or np.any(sin != sin[:1]):
+                self._fail(node, f"cos and sin caches of shapes {list(cos.shape)} and {list(sin.shape)} are not one "
+                                 f"table of {seq_len} positions for every sequence")
+            cos, sin = cos[0], sin[0]
+        if cos.shape[1] != head_dim // 2:
+            self._fail(node, f"cos and sin caches of width {cos.shape[1]} do not fit head_dim {head_dim}")
+        base = rotary_base(cos, sin, head_dim)
+        if base is None:
+            self._fail(node, "the cos and sin caches are not the angles position * base^(-2i / head_dim) of any base")
+        attrs = {"head_dim": head_dim, "base": base}
+        self._set(node, _Act(self._emit(node, "rotary", [x.node], attrs), "seq"))
+
+    def _op_Sigmoid(self, node) -> None:
+        x = self._act(node, 0)
+        readers = [self.g.node[i] for i in self.readers.get(node.output[0], [])]
+        if node.output[0] == self.output or not all(
+                r.op_type == "Mul" and sorted(r.input) == sorted([node.input[0], node.output[0]]) for r in readers):
+            self._fail(node, "unsupported op (the IR has a sigmoid only inside SiLU: x * Sigmoid(x))")
+        self._set(node, _Act(x.node, "sigmoid", x.order))
+
+    def _op_Swish(self, node) -> None:
+        x = self._act(node, 0)
+        alpha = _attrs(node).get("alpha", 1.0)
+        if alpha != 1.0:
+            self._fail(node, f"only SiLU (alpha 1) is supported, got alpha {alpha}")
+        self._set(node, _Act(self._emit(node, "silu", [x.node], {}), x.layout, x.order))
+
+    def _product(self, node) -> None:
+        """x * sigmoid(x) is a silu; any other product of two activations of one layout a mul."""
+        acts = [self.acts.get(name) for name in node.input]
+        sigmoids = [k for k, act in enumerate(acts) if act is not None and act.layout == "sigmoid"]
+        if len(sigmoids) == 1:
+            x = self._act(node, 1 - sigmoids[0])
+            if x.node == acts[sigmoids[0]].node and x.layout not in _PRIVATE_LAYOUTS:
+                self._set(node, _Act(self._emit(node, "silu", [x.node], {}), x.layout, x.order))
+                return
+        if node.input[0] == node.input[1]:
+            self._fail(node, "multiplies an activation by itself (a square), which the IR cannot express")
+        first, second = self._act(node, 0), self._act(node, 1)
+        same_order = (first.order is None and second.order is None) or (
+            first.order is not None and second.order is not None and np.array_equal(first.order, second.order))
+        if first.layout != second.layout or not same_order:
+            self._fail(node, f"multiplies {_LAYOUT_TEXT[first.layout]} and {_LAYOUT_TEXT[second.layout]} of "
+                             f"different layouts")
+        self._set(node, _Act(self._emit(node, "mul", [first.node, second.node], {}), first.layout, first.order))
 
     def _ir_op(self, node_id: str) -> str:
         return next(n.op for n in reversed(self.nodes) if n.id == node_id)

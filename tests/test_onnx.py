@@ -505,7 +505,7 @@ def _conv_then(node, opset=13, inits=None):
         (helper.make_node("Mul", ["k", "c"], ["y"], name="times"), {"k": (1, 1, 8)},
          "ONNX node 'times' (op Mul): multiplies by a constant of shape [1, 1, 8]"),
         (helper.make_node("Mul", ["c", "c"], ["y"], name="square"), None,
-         "ONNX node 'square' (op Mul): multiplies two activations"),
+         "ONNX node 'square' (op Mul): multiplies an activation by itself"),
         (helper.make_node("Softmax", ["c"], ["y"], name="sm"), None,
          "ONNX node 'sm' (op Softmax): expects a flat [N, F] tensor or a pooled"),
         (helper.make_node("Gelu", ["c"], ["y"], name="erf_gelu"), None,
