@@ -1,7 +1,10 @@
 """Level 'morph' (fp32): each morph preserves the backend's output, and the change in the native op
 count equals the change in the analytic count under the counter's convention (a native count of zero
 or below, before or after the morph, for a category with operations is a failure, never a match).
-The CNN morphs grow the small ResNet; the transformer morphs (the LM workload's) the train level's GPT."""
+The CNN morphs grow the small ResNet; the transformer morphs (the LM workload's) the train level's GPT and its
+Llama (RMS norm, rotary, grouped-query attention with 2 query heads per key-value head, SwiGLU): deeper inserts
+a Llama block there, wider_mlp widens a SwiGLU's gate and up, more_heads adds a key-value group, double_width
+doubles the key-value heads and the RMS norms, upcycle_moe makes SwiGLU experts."""
 
 from __future__ import annotations
 
@@ -10,17 +13,19 @@ from functools import partial
 import numpy as np
 
 from aiperf_core import transformer_morph
-from aiperf_core.builders import gpt, resnet_small
+from aiperf_core.builders import gpt, llama, resnet_small
+from aiperf_core.ir import SWIGLU_MOE
 from aiperf_core.morph import random_morph
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_conformance.kit import Check, Context, Outcome, compare, new_ops
 from aiperf_conformance.levels.count import (BATCH, EXACT_CATEGORIES, analytic_for_counter, native_count,
                                              no_counter, non_positive)
-from aiperf_conformance.levels.train import GPT_SIZES
+from aiperf_conformance.levels.train import GPT_SIZES, LLAMA_SIZES
 
 MORPHS = ("deeper", "wider", "skip", "kernel")
-# Check names: gpt_<op>, the transformer operators on the GPT.
-GPT_MORPHS = transformer_morph.OPERATORS
+# Check names: gpt_<op> and llama_<op>, the transformer operators on the GPT and on the Llama.
+TRANSFORMER_MORPHS = transformer_morph.OPERATORS
+TRANSFORMERS = {"gpt": lambda: gpt(**GPT_SIZES), "llama": lambda: llama(**LLAMA_SIZES)}
 
 
 def _family(ctx: Context, op: str):
@@ -28,11 +33,11 @@ def _family(ctx: Context, op: str):
     key = ("morph", op)
     if key in ctx.cache:
         return ctx.cache[key]
-    if op.startswith("gpt_"):
-        graph = gpt(**GPT_SIZES)
+    model, _, operator = op.partition("_")
+    if model in TRANSFORMERS:
+        graph = TRANSFORMERS[model]()
         weights = trained_looking_weights(graph, ctx.seed)
-        ctx.cache[key] = (graph, weights, transformer_morph.random_morph(graph, weights, ctx.rng(33),
-                                                                        ops=(op[len("gpt_"):],)))
+        ctx.cache[key] = (graph, weights, transformer_morph.random_morph(graph, weights, ctx.rng(33), ops=(operator,)))
     else:
         graph = resnet_small((16, 16, 3), 5)
         weights = trained_looking_weights(graph, ctx.seed)
@@ -93,7 +98,11 @@ def checks(ctx: Context):
     for op in MORPHS:
         yield Check("morph", f"{op}/preserves_function", partial(preserves_function, op=op))
         yield Check("morph", f"{op}/count_delta", partial(count_delta, op=op), needs_counter=True)
-    lm = dict(workload="lm", ops=new_ops(gpt(**GPT_SIZES)))
-    for op in GPT_MORPHS:
-        yield Check("morph", f"gpt_{op}/preserves_function", partial(preserves_function, op=f"gpt_{op}"), **lm)
-        yield Check("morph", f"gpt_{op}/count_delta", partial(count_delta, op=f"gpt_{op}"), needs_counter=True, **lm)
+    for model, build in TRANSFORMERS.items():
+        ops = new_ops(build())
+        for op in TRANSFORMER_MORPHS:
+            # A Llama's upcycled MLP becomes SwiGLU experts; the other morphs keep the parent's ops.
+            lm = dict(workload="lm", ops=ops | {SWIGLU_MOE} if model == "llama" and op == "upcycle_moe" else ops)
+            name = f"{model}_{op}"
+            yield Check("morph", f"{name}/preserves_function", partial(preserves_function, op=name), **lm)
+            yield Check("morph", f"{name}/count_delta", partial(count_delta, op=name), needs_counter=True, **lm)
