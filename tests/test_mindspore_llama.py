@@ -198,3 +198,17 @@ def test_grouped_query_attention_counts_as_multi_head_attention(backend):
         counts.append([counter.count(model, 2, backward)["attention"] for backward in (False, True)])
     # 2 samples x 2 products x 2 FLOPs x heads 4 x S^2 36 x head_dim 2; the backward doubles it
     assert counts == [[2 * 2 * 2 * 4 * 36 * 2, 3 * 2 * 2 * 2 * 4 * 36 * 2]] * 3
+
+
+def test_training_at_another_precision_switches_the_experts_too(backend):
+    """computing_in (training at a precision other than the lowering's) reaches every cell that casts to a
+    compute dtype: the experts' products as well as the dense layers'."""
+    import mindspore as ms
+
+    case = next(c for c in SEQUENCE_CASES if c.name == "moe_swiglu_top2")
+    graph = case.with_head()
+    model = backend.lower(graph, trained_looking_weights(graph, 3))
+    experts, head = model.layers[model.layer_of["op"]], model.layers[model.layer_of["head_dense"]]
+    with model.computing_in("fp16"):
+        assert experts.compute_dtype == head.compute_dtype == ms.float16
+    assert experts.compute_dtype is None and head.compute_dtype is None

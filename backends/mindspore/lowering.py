@@ -714,7 +714,7 @@ class LoweredCell(nn.Cell):
         return scope()
 
     def computing_in(self, precision: str):
-        """Context manager: conv, dense and attention compute in `precision` inside the block (training
+        """Context manager: conv, dense, attention and experts compute in `precision` inside the block (training
         at a precision other than the lowering's), restored on exit."""
         from contextlib import contextmanager
 
@@ -733,7 +733,7 @@ class LoweredCell(nn.Cell):
         self.precision = precision
         compute = None if precision == "fp32" else COMPUTE_DTYPES[precision]
         for cell in self.layers:
-            if isinstance(cell, (Conv, Dense, Attention)):
+            if isinstance(cell, (Conv, Dense, Attention, Experts)):
                 cell.compute_dtype = compute
 
     # -- layouts at the boundary -------------------------------------------------
