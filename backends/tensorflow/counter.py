@@ -25,12 +25,19 @@ and nn_ops.py) count 2 per multiply-accumulate:
   MatMul is 'dense', BatchMatMul* is 'attention'. The registered rule reads k from the first
   operand's last axis whatever its adjoint flag, which is right for attention's products and their
   gradients because the one operand ever adjointed first is the square (S, S) score matrix. The
-  profiler counts every one of the S x S scores: the paper convention.
+  profiler counts every one of the S x S scores: the paper convention. Grouped-query attention's
+  products broadcast each key-value head over its query heads (batch shapes (kv, group) against
+  (kv, 1)): the output holds one (S, S) or (S, d) matrix per query head, so the count is multi-head
+  attention's with `heads` query heads, opcount's rule; the gradients' sums over the broadcast
+  axis are Sum ops, category 'other'.
 
 Bias additions, normalisation, activations, pooling, softmax and the loss are counted by the
 profiler with its own rules, which are not opcount's, so only 'conv', 'dense' and 'attention' are
 covered. A grouped convolution is lowered as one Conv2D per group (lowering.py), each counted by the
-rules above. The embedding's gather moves rows and computes nothing.
+rules above. The embedding's gather moves rows and computes nothing. Rotary positions, RMS norm,
+silu and mul are elementwise and reductions ('other' here; opcount's embedding, norm, activation and
+elementwise). A moe node's products are Einsums, which have no flop statistics in TensorFlow: the
+category 'moe' is not covered.
 Nothing assigns variables: batch-norm statistics are left as they were, and the weight update
 (SGD) is not part of the counted graph.
 """
