@@ -57,6 +57,18 @@ The ops of the IR's second version:
 * ``gelu``: F.gelu(approximate="tanh"); ``softmax`` over the last axis, per position of a
   sequence.
 
+The ops of the IR's fourth version (Llama's family):
+
+* ``rms_norm``: F.rms_norm (torch's fused kernel), its input in fp32 under mixed precision as
+  layer_norm's; the gamma is an nn.RMSNorm's weight;
+* ``rotary``: `rotary` below, half-split, with the cos/sin tables of a `Rotary` module's buffers;
+* ``silu``: F.silu; ``mul``: ``a * b``;
+* ``attention`` with ``kv_heads``: F.scaled_dot_product_attention(enable_gqa=True);
+* ``moe`` with ``mlp: swiglu``: `Experts` with w_gate and no biases.
+
+An attention's query, key and value projections, and a SwiGLU's gate and up projections, run as one
+product where that is valid (`fused_projections`).
+
 Batch norm is ``nn.BatchNorm2d``/``nn.BatchNorm1d`` with ``eps = epsilon`` and
 ``momentum = 1 - IR momentum`` (the IR's momentum is Keras-style, torch's is its complement). Like
 the NumPy reference, training normalises with the biased batch variance and feeds the unbiased one
