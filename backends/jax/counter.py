@@ -23,11 +23,11 @@ time, with the node's shapes at the requested batch:
   narrower key and value: jax.nn.dot_product_attention multiplies the heads / kv_heads query heads
   that share a key-value head by that head in one product, so its products hold as many
   multiply-adds as multi-head attention's with `heads` heads (opcount's rule for it). XLA lowers
-  the causal mask as a select over the full S x S scores, so every score is multiplied and counted, masked or not: attention is
-  counted in the paper convention (``CONVENTION.attention``), whatever the padding convention of
-  the convolutions.
+  the causal mask as a select over the full S x S scores, so every score is multiplied and counted,
+  masked or not: attention is counted in the paper convention (``CONVENTION.attention``), whatever
+  the padding convention of the convolutions.
 
-Bias additions, normalisation, activations, pooling, the softmax (attention's included) and the
+Bias additions, normalisation, activations, rotary, mul, pooling, the softmax (attention's included) and the
 embedding's gather are not attributed, so only 'conv', 'dense' and 'attention' are measured. The
 weight update is not counted. Compiled costs are cached per (op, shapes, attributes), so counting
 many similar graphs (morphs) is cheap.
