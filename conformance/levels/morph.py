@@ -2,9 +2,7 @@
 count equals the change in the analytic count under the counter's convention (a native count of zero
 or below, before or after the morph, for a category with operations is a failure, never a match).
 The CNN morphs grow the small ResNet; the transformer morphs (the LM workload's) the train level's GPT and its
-Llama (RMS norm, rotary, grouped-query attention with 2 query heads per key-value head, SwiGLU): deeper inserts
-a Llama block there, wider_mlp widens a SwiGLU's gate and up, more_heads adds a key-value group, double_width
-doubles the key-value heads and the RMS norms, upcycle_moe makes SwiGLU experts."""
+Llama (RMS norm, rotary, grouped-query attention, SwiGLU)."""
 
 from __future__ import annotations
 
