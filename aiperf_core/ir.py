@@ -628,14 +628,18 @@ class Graph:
     def blocks(self) -> list["Block"]:
         """The stretches of a sequence graph that activation checkpointing recomputes in the backward
         pass: two residual sub-layers each (a transformer block, whatever morphs inserted), cut at
-        every second point of the residual stream (the position embedding's sum, then the `add`s of
-        (S, D) shape). A stretch is a block only when its nodes, contiguous in the stored order, read
-        nothing from before it but its input: then a backend keeps just its input for the backward
-        pass. An image graph, or a sequence graph with no residual stream, has none."""
+        every second point of the residual stream (where it starts, the position embedding's sum or,
+        with rotary positions, the embedding; then the `add`s of (S, D) shape). A stretch is a block
+        only when its nodes, contiguous in the stored order, read nothing from before it but its input:
+        then a backend keeps just its input for the backward pass. An image graph, or a sequence graph
+        with no residual stream, has none."""
         if not self.takes_tokens:
             return []
         order = {n.id: k for k, n in enumerate(self.nodes)}
-        points = [n.id for n in self.nodes if n.op in ("add", "position_embedding") and len(self.shapes[n.id]) == 2]
+        adds = [n.id for n in self.nodes if n.op == "add" and len(self.shapes[n.id]) == 2]
+        starts = [n.id for n in self.nodes if n.op in ("embedding", "position_embedding")
+                  and (not adds or order[n.id] < order[adds[0]])]
+        points = starts[-1:] + adds
         found = []
         for k in range(0, len(points) - 1, 2):
             start, stop = points[k], points[min(k + 2, len(points) - 1)]  # an odd last sub-layer alone
