@@ -123,3 +123,11 @@ def test_cli_counts_a_llama(capsys):
     out = json.loads(capsys.readouterr().out)
     want = standard_formula(layers=2, hidden=64, heads=4, kv_heads=2, ffn=llama_ffn(64), seq_len=16, vocab=50)
     assert out["by_category"]["dense"]["fp"] + out["by_category"]["attention"]["fp"] == want
+
+
+def test_llama_blocks_are_whole_transformer_blocks():
+    """Activation checkpointing's stretches (Graph.blocks) start at the embedding when positions are
+    rotary: one attention and one MLP sub-layer each, as a GPT's."""
+    graph = llama(layers=3, hidden=32, heads=4, kv_heads=2, seq_len=8, vocab=20)
+    assert [(b.input, b.output) for b in graph.blocks()] == [("embed", "h0_res2"), ("h0_res2", "h1_res2"),
+                                                             ("h1_res2", "h2_res2")]
