@@ -363,7 +363,11 @@ def test_list_prints_every_check_with_level_precision_and_counter(capsys):
     assert {r["precision"] for r in listed} == {"fp32"}
     assert "parallel/refuses_two_devices" in {r["id"] for r in listed}
     assert "parallel/matches_one_device" not in {r["id"] for r in listed}
-    assert sum(r["needs_native_counter"] for r in listed) == 15  # count: 3 graphs x 2; morph: 4 CNN, 5 GPT
+    # count: 4 graphs x 2; morph: 4 CNN, 5 GPT, 5 Llama
+    assert sum(r["needs_native_counter"] for r in listed) == 22
+    assert rows["op/attention_grouped_query/backward@bf16"] == ["op", "bf16", "lm", "-"]
+    assert {"rms_norm", "rotary", "silu", "mul", "grouped_query_attention"} <= set(
+        by_id_ops(listed, "train/llama_gradients_match_reference"))
     by_id = {r["id"]: r for r in listed}
     assert by_id["train/gpt_gradients_match_reference"]["workload"] == "lm"
     assert {"attention", "embedding", "gelu", "layer_norm"} <= set(by_id["train/gpt_gradients_match_reference"]["ops"])
@@ -379,3 +383,7 @@ def test_plugin_discovered_from_its_own_package():
     assert info.available and info.module == "aiperf_numpy.backend:NumpyBackend"
     assert info.distribution == "aiperf-numpy"
     assert np.__version__ in info.version
+
+
+def by_id_ops(listed, check_id: str) -> list:
+    return next(r["ops"] for r in listed if r["id"] == check_id)
