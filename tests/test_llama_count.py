@@ -131,3 +131,26 @@ def test_llama_blocks_are_whole_transformer_blocks():
     graph = llama(layers=3, hidden=32, heads=4, kv_heads=2, seq_len=8, vocab=20)
     assert [(b.input, b.output) for b in graph.blocks()] == [("embed", "h0_res2"), ("h0_res2", "h1_res2"),
                                                              ("h1_res2", "h2_res2")]
+
+
+# Three sizes: multi-head through SDPA, grouped-query written out by hand, multi-query through SDPA.
+TORCH_SIZES = [dict(layers=2, hidden=64, heads=4, kv_heads=4, ffn=176, seq_len=32, vocab=97, sdpa=True),
+               dict(layers=2, hidden=96, heads=8, kv_heads=2, ffn=256, seq_len=24, vocab=64, sdpa=False),
+               dict(layers=3, hidden=48, heads=6, kv_heads=1, ffn=128, seq_len=17, vocab=50, sdpa=True)]
+
+
+@pytest.mark.parametrize("sizes", TORCH_SIZES, ids=["mha_sdpa", "gqa_by_hand", "mqa_sdpa"])
+def test_llama_dense_and_attention_fp_equal_flopcountermode_on_a_plain_torch_llama(sizes):
+    """Item 2: the builder's count on the matrix products equals what torch's FlopCounterMode books for a
+    Llama written independently in plain torch (tests/torch_transformers.py), per sequence."""
+    import torch
+    from torch_transformers import Llama, forward_flops
+
+    sizes = dict(sizes)
+    sdpa = sizes.pop("sdpa")
+    module = Llama(**sizes, sdpa=sdpa)
+    tokens = torch.randint(0, sizes["vocab"], (2, sizes["seq_len"]))
+    native = forward_flops(module, tokens)
+    cats = count(llama(**sizes)).by_category()
+    assert native == {"dense": cats["dense"]["fp"], "attention": cats["attention"]["fp"]}
+    assert native["dense"] + native["attention"] == standard_formula(**sizes)
