@@ -160,7 +160,8 @@ def gpt_step_lowers_loss(ctx: Context, precision: str, model: str = "gpt") -> Ou
         return Outcome(False, reports[0].train_images if reports else None, len(x), 0,
                        "train() must report the sequences it trained on")
     return Outcome(bool(after < before), after, f"< {before}", None,
-                   f"GPT training-mode loss (mean over every position) on the fixed batch went from {before:.5f} "
+                   f"{graph.name} training-mode loss (mean over every position) on the fixed batch went from "
+                   f"{before:.5f} "
                    f"to {after:.5f}")
 
 
