@@ -161,8 +161,7 @@ def gpt_step_lowers_loss(ctx: Context, precision: str, model: str = "gpt") -> Ou
                        "train() must report the sequences it trained on")
     return Outcome(bool(after < before), after, f"< {before}", None,
                    f"{graph.name} training-mode loss (mean over every position) on the fixed batch went from "
-                   f"{before:.5f} "
-                   f"to {after:.5f}")
+                   f"{before:.5f} to {after:.5f}")
 
 
 def gpt_gradients(ctx: Context, precision: str, model: str = "gpt") -> Outcome:
