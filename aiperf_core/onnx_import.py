@@ -107,6 +107,7 @@ LAYOUT_TEXT = {
     "rot_sin": "rotated attention heads times a sine table",
     "scores": "attention scores [N, H, S, S]",
     "probs": "attention probabilities [N, H, S, S]",
+    "probs_nan": "where attention probabilities are NaN",
 }
 _ATTENTION_ONLY = ("the inside of an attention, which aiperf reads only as its written-out form (heads reshaped and "
                    "transposed, an optional rotary embedding, MatMul, scale, causal mask, Softmax, MatMul) or as "
@@ -125,7 +126,7 @@ PRIVATE_LAYOUTS = {
             "decomposition",
     **{layout: _ATTENTION_ONLY for layout in ("split_heads", "heads", "heads_t", "heads_rows", "heads_rows_t",
                                               "heads_unsq", "heads_rep", "half", "rotated", "rot_cos", "rot_sin",
-                                              "scores", "probs")},
+                                              "scores", "probs", "probs_nan")},
 }
 
 

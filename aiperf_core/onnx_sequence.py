@@ -537,15 +537,20 @@ class TransformerImporter(Importer):
 
     # -- attention heads -----------------------------------------------------------------------------
     def _op_Reshape(self, node) -> None:
-        x = self._act(node, 0, ("nchw", "nhwc", "pooled", "flat", "seq", "swapped", "rows") + HEADS_LAYOUTS)
+        x = self._act(node, 0, ("nchw", "nhwc", "pooled", "flat", "seq", "swapped", "rows", "tokens") + HEADS_LAYOUTS)
         target = [int(v) for v in np.asarray(self._const(node, 1)).reshape(-1)]
         dims = self._reshaped(node, x, target)
         batch = self.batch or 1
+        if dims == self._full_shape(x):  # to its own shape, as Hugging Face's input_ids.view(-1, S)
+            self._alias(node, x)
+            return
+        if x.layout == "tokens":
+            self._fail(node, f"reshapes the token ids {self._full_shape(x)} to {dims}; only to their own shape")
         seq_len, width = self.shapes[x.node][0], self.shapes[x.node][-1]
         layout = x.layout
         if layout in HEADS_LAYOUTS:
             h, d = x.heads, self._head_dim(x)
-            moves = {("split_heads", (batch, seq_len, h * d)): "seq",
+            moves = {("split_heads", (batch, seq_len, h * d)): "seq", ("split_heads", (batch * seq_len, h * d)): "rows",
                      ("heads", (batch * h, seq_len, d)): "heads_rows",
                      ("heads_t", (batch * h, d, seq_len)): "heads_rows_t",
                      ("heads_rows", (batch, h, seq_len, d)): "heads",
@@ -554,10 +559,10 @@ class TransformerImporter(Importer):
                 self._set(node, replace(x, layout="heads" if len(dims) == 4 else "heads_rows"))
                 return
             to = moves.get((layout, tuple(dims)))
-            if to is None or (to == "seq" and (x.group != 1 or x.scale != 1.0)):
+            if to is None or (to in ("seq", "rows") and (x.group != 1 or x.scale != 1.0)):
                 self._fail(node, f"reshapes {LAYOUT_TEXT[layout]} ({self._full_shape(x)}) to {dims}; aiperf reads "
                                  f"only the head reshapes of an attention, the batch axis kept first")
-            self._set(node, Act(x.node, "seq") if to == "seq" else replace(x, layout=to))
+            self._set(node, Act(x.node, to) if to in ("seq", "rows") else replace(x, layout=to))
             return
         if layout == "rows":
             if dims != [batch, seq_len, width]:
@@ -734,7 +739,21 @@ class TransformerImporter(Importer):
         self._fail(node, "masks the scores other than causally (a sliding window or a prefix mask); the IR's attention "
                          "is causal or unmasked")
 
+    def _op_IsNaN(self, node) -> None:
+        x = self._raw(node, 0)
+        if x is None or x.layout != "probs":
+            self._fail(node, "unsupported op (aiperf reads IsNaN only in SDPA's guard of fully masked rows)")
+        self._set(node, Act(x.node, "probs_nan", heads=x.heads, info=node.input[0]))
+
     def _op_Where(self, node) -> None:
+        guard = self._raw(node, 0)
+        if guard is not None and guard.layout == "probs_nan":
+            # Where(IsNaN(p), 0, p): rows with every score masked read 0; a causal mask leaves none.
+            fill = np.asarray(self.consts.get(node.input[1], np.nan))
+            if node.input[2] != guard.info or fill.size != 1 or fill.reshape(()) != 0.0:
+                self._fail(node, "reads IsNaN of attention probabilities other than as Where(IsNaN(p), 0, p)")
+            self._set(node, self.acts[guard.info])
+            return
         condition = self._const(node, 0)
         a, b = self._raw(node, 1), self._raw(node, 2)
         if a is not None and b is None and a.layout == "scores":
@@ -765,7 +784,8 @@ class TransformerImporter(Importer):
             self._fail(node, f"multiplies the probabilities of {probs.heads} heads of width {d} by {v.heads} value "
                              f"heads of width {self._head_dim(v)} (key heads repeated {info.group} times, value heads "
                              f"{v.group} times)")
-        if not self._single_reader(node.input[0]):
+        readers = self.readers.get(node.input[0], [])
+        if not all(self.g.node[i].op_type in ("MatMul", "IsNaN", "Where") for i in readers):
             self._fail(node, "the attention probabilities are also read elsewhere")
         self._check_scale(node, probs.scale, d)
         attrs = {"heads": probs.heads, "head_dim": d, "causal": info.causal, "kv_heads": probs.heads // info.group}
@@ -784,14 +804,18 @@ class TransformerImporter(Importer):
             return
         k, v = self._raw(node, 1), self._raw(node, 2)
         for x in (q, k, v):
-            if x is None or x.layout != "heads" or x.group != 1 or x.scale != 1.0:
+            if x is None or x.layout != "heads" or x.scale != 1.0:
                 self._fail(node, "reads 4-D inputs that are not all attention heads [N, H, S, d]")
         if any(node.input[4:]):
             self._fail(node, "caches and padding lengths are not supported (only q, k, v and a mask)")
         self._only_first_output(node)
         a = node_attrs(node)
         d = self._head_dim(q)
-        if k.heads != v.heads or q.heads % k.heads or self._head_dim(k) != d or self._head_dim(v) != d:
+        # Key-value heads as ONNX's Attention repeats them (fewer heads), or repeated before it (repeat_kv).
+        kv = k.heads // k.group
+        if q.group != 1 or (k.heads, k.group) != (v.heads, v.group) or q.heads % kv or (k.heads != q.heads and
+                                                                                      k.group != 1) or \
+                self._head_dim(k) != d or self._head_dim(v) != d:
             self._fail(node, f"{q.heads} query heads, {k.heads} key and {v.heads} value heads of widths "
                              f"{d}, {self._head_dim(k)}, {self._head_dim(v)} are not grouped-query attention")
         self._check_scale(node, a.get("scale", 1.0 / math.sqrt(d)), d)
@@ -808,7 +832,7 @@ class TransformerImporter(Importer):
             if causal and masked:
                 self._fail(node, "a causal mask beside is_causal is not supported")
             causal = causal or masked
-        attrs = {"heads": q.heads, "head_dim": d, "causal": causal, "kv_heads": k.heads}
+        attrs = {"heads": q.heads, "head_dim": d, "causal": causal, "kv_heads": kv}
         nid = self._emit(node, "attention", [q.node, k.node, v.node], attrs)
         self._set(node, Act(nid, "heads", heads=q.heads))
 

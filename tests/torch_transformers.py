@@ -29,21 +29,28 @@ from torch import nn
 EXPORTERS = ("torchscript", "dynamo")
 
 
-def _init(module: nn.Module, seed: int) -> None:
-    """Deterministic weights from `seed` (module docstring), in the order of named_parameters."""
+def init_weights(module: nn.Module, seed: int) -> None:
+    """Deterministic weights from `seed` at the module docstring's scales, by layer type, each parameter once
+    (a tied lm_head keeps its embedding's): embeddings N(0, 1); nn.Linear and Hugging Face's Conv1D (whose
+    weight is (in, out)) N(0, 1/fan-in) and biases of standard deviation 0.1; other 1-D weights (norm gains) U(0.5, 1.5)."""
     generator = torch.Generator().manual_seed(seed)
+    done: set[int] = set()
     with torch.no_grad():
-        for name, param in module.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if "embed" in name or name.startswith(("wte", "wpe")):
-                values = torch.randn(param.shape, generator=generator)
-            elif leaf == "weight" and param.dim() == 2:  # a Linear's (out, in)
-                values = torch.randn(param.shape, generator=generator) / math.sqrt(param.shape[1])
-            elif leaf == "weight":  # a norm's gain
-                values = 0.5 + torch.rand(param.shape, generator=generator)
-            else:  # biases
-                values = 0.1 * torch.randn(param.shape, generator=generator)
-            param.copy_(values)
+        for layer in module.modules():
+            for name, param in layer.named_parameters(recurse=False):
+                if id(param) in done:
+                    continue
+                done.add(id(param))
+                if isinstance(layer, nn.Embedding):
+                    values = torch.randn(param.shape, generator=generator)
+                elif name == "weight" and param.dim() == 2:
+                    fan_in = param.shape[0] if type(layer).__name__ == "Conv1D" else param.shape[1]
+                    values = torch.randn(param.shape, generator=generator) / math.sqrt(fan_in)
+                elif name == "weight":
+                    values = 0.5 + torch.rand(param.shape, generator=generator)
+                else:
+                    values = 0.1 * torch.randn(param.shape, generator=generator)
+                param.copy_(values)
 
 
 def _causal_where(scores: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
@@ -100,7 +107,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(GPTBlock(hidden, heads, ffn, seq_len, sdpa, fused_qkv) for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden, eps=1e-5)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
-        _init(self, seed)
+        init_weights(self, seed)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -188,7 +195,7 @@ class Llama(nn.Module):
                                     for _ in range(layers))
         self.norm = RMSNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
-        _init(self, seed)
+        init_weights(self, seed)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)
