@@ -388,7 +388,8 @@ class Importer:
             for pname, array in params.items():
                 if tuple(array.shape) != tuple(want[pname]):
                     self._fail(node, f"{pname} has shape {list(array.shape)}, expected {list(want[pname])}")
-            self.weights[nid] = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in params.items()}
+            # Copies: an initializer's array is read-only, and the weights are trained.
+            self.weights[nid] = {k: np.array(v, dtype=np.float32, order="C") for k, v in params.items()}
         self.nodes.append(Node(nid, op, tuple(inputs), norm))
         self.shapes[nid] = shape
         return nid
@@ -647,7 +648,7 @@ class Importer:
             position = next(i for i, n in enumerate(self.nodes) if n.id == dense_id)
             old = self.nodes[position]
             self.nodes[position] = Node(old.id, old.op, old.inputs, {**old.attrs, "use_bias": True})
-            self.weights[dense_id]["bias"] = np.ascontiguousarray(value.reshape(units), dtype=np.float32)
+            self.weights[dense_id]["bias"] = np.array(value.reshape(units), dtype=np.float32)
             del self.bias_slot[source]
             self._set(node, self.acts[source])
             return

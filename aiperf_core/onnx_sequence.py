@@ -387,7 +387,7 @@ class TransformerImporter(Importer):
             return False
         if param == "beta" and op != "layer_norm":
             return False
-        self.weights[nid][param] = np.ascontiguousarray(value.reshape(width), dtype=np.float32)
+        self.weights[nid][param] = np.array(value.reshape(width), dtype=np.float32)
         self._set(node, self.acts[name])
         del self.norm_slot[name]
         if param == "gamma" and op == "layer_norm":

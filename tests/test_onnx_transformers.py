@@ -5,23 +5,43 @@ attention are written as ONNX's RMSNormalization, RotaryEmbedding, Sigmoid times
 Attention (kv_num_heads), a builders.llama graph reads back to the identical graph, weights and count,
 and runs in onnxruntime and onnx.reference as the NumPy reference does; what the IR cannot express is
 refused in one line naming the ONNX node and op.
+
+Transformers from real exporters: a GPT and a Llama written in plain torch (tests/torch_transformers.py;
+attention by hand and through F.scaled_dot_product_attention) and Hugging Face's GPT-2 and Llama (eager and
+sdpa attention), tiny and randomly initialised from their configs, exported by torch.onnx's TorchScript
+exporter (opsets 14 and 17) and its dynamo exporter (opsets 18 and 23: attention written out, then ONNX's
+Attention). Each export imports; `aiperf count` gives the dense and attention FP that FlopCounterMode counts
+on the torch model; the IR's forward (NumPy reference) equals onnxruntime's logits; every export of one
+model reads as the same IR graph with the same weights; each model trains on the numpy and torch backends.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import math
+import re
 from collections import Counter
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
+import torch.nn.functional as F
+from torch import nn
+from torch_transformers import GPT, Llama, export, forward_flops, init_weights
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from aiperf_conformance.cases import trained_looking_weights
+from aiperf_core.backend import Dataset, Schedule, TrainConfig
 from aiperf_core.builders import llama
+from aiperf_core.cli import main
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.ir import Graph, Node
+from aiperf_core.registry import load_backend
 from aiperf_core.onnx_import import rotary_base, rotary_tables
 from aiperf_core.onnx_io import export_onnx, import_onnx
 from aiperf_numpy.executor import forward
@@ -201,3 +221,268 @@ def test_a_sigmoid_alone_is_refused():
     with pytest.raises(GraphError, match=r"ONNX node 'gate' \(op Sigmoid\): unsupported op \(an elementwise function "
                                          r"the IR has no op for; aiperf reads GELU's tanh form, x \* sigmoid\(x\) and a x \+ b\)"):
         import_onnx(model)
+
+
+# -- transformers from real exporters ------------------------------------------------------------------
+
+SEQ, BATCH, VOCAB = 8, 2, 50
+
+
+class Logits(nn.Module):
+    """A Hugging Face causal LM's logits for token ids, as one output; with `ones_mask`, an attention mask of
+    ones is passed (its shape is the input's, so it folds to a constant)."""
+
+    def __init__(self, model: nn.Module, ones_mask: bool):
+        super().__init__()
+        self.model, self.ones_mask = model, ones_mask
+
+    def forward(self, tokens):
+        mask = torch.ones_like(tokens) if self.ones_mask else None
+        return self.model(input_ids=tokens, attention_mask=mask, use_cache=False).logits
+
+
+def hf_gpt2(attention: str) -> nn.Module:
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=4, n_inner=64, n_positions=16, vocab_size=VOCAB,
+                        attn_implementation=attention)
+    model = GPT2LMHeadModel(config)
+    init_weights(model, seed=0)
+    return model
+
+
+def hf_llama(attention: str, **rope) -> nn.Module:
+    config = LlamaConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=16,
+                         attn_implementation=attention, **rope)
+    model = LlamaForCausalLM(config)
+    init_weights(model, seed=0)
+    return model
+
+
+MODELS = {
+    "gpt_hand": lambda: GPT(2, 32, 4, 64, SEQ, VOCAB, sdpa=False),
+    "gpt_sdpa": lambda: GPT(2, 32, 4, 64, SEQ, VOCAB, sdpa=True),
+    "gpt_separate_qkv": lambda: GPT(2, 32, 4, 64, SEQ, VOCAB, sdpa=False, fused_qkv=False),
+    "llama_hand": lambda: Llama(2, 32, 4, 2, 48, SEQ, VOCAB, rope_base=500000.0, sdpa=False),
+    "llama_sdpa": lambda: Llama(2, 32, 4, 2, 48, SEQ, VOCAB, sdpa=True),
+    "llama_mqa": lambda: Llama(2, 32, 4, 1, 48, SEQ, VOCAB, rope_base=1000.0, sdpa=False),
+    "hf_gpt2_eager": lambda: hf_gpt2("eager"),
+    "hf_gpt2_sdpa": lambda: hf_gpt2("sdpa"),
+    "hf_llama_eager": lambda: hf_llama("eager", rope_theta=500000.0),
+    "hf_llama_sdpa": lambda: hf_llama("sdpa"),
+}
+# TorchScript writes layer norm decomposed below opset 17, LayerNormalization from 17 (18 writes as 17);
+# the dynamo exporter writes attention out at 18 and as ONNX's Attention (SDPA) or RMSNormalization at 23.
+EXPORTS = (("torchscript", 14), ("torchscript", 17), ("dynamo", 18), ("dynamo", 23))
+CASES = [(name, exporter, opset) for name in MODELS for exporter, opset in EXPORTS
+         if name != "gpt_separate_qkv" or opset == 17]
+TRAINED = ("gpt_hand", "llama_hand", "hf_gpt2_sdpa", "hf_llama_eager")
+
+
+@functools.cache
+def torch_model(name: str) -> nn.Module:
+    return MODELS[name]().eval()
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """The ONNX file of (model, exporter, opset), exported once per module. Hugging Face's models go through
+    TorchScript with an attention mask of ones: without one, transformers 5 checks position ids for packed
+    sequences with aten::diff, which that exporter cannot write (test_torchscript_cannot_export_...)."""
+    folder = tmp_path_factory.mktemp("exports")
+
+    @functools.cache
+    def get(name: str, exporter: str, opset: int):
+        model = torch_model(name)
+        if name.startswith("hf_"):
+            model = Logits(model, ones_mask=exporter == "torchscript")
+        return export(model, folder / f"{name}_{exporter}{opset}.onnx", exporter, opset, tokens())
+
+    return get
+
+
+@functools.cache
+def flops(name: str) -> dict[str, int]:
+    model = torch_model(name)
+    return forward_flops(Logits(model, ones_mask=False) if name.startswith("hf_") else model, tokens())
+
+
+def logits_graph(graph: Graph) -> Graph:
+    """The imported graph without the softmax that import appends to a language model's logits."""
+    assert graph.nodes[-1].op == "softmax" and graph.nodes[-2].op == "dense"
+    return Graph(graph.nodes[:-1], name=graph.name)
+
+
+@pytest.mark.parametrize("name, exporter, opset", CASES, ids=[f"{n}-{e}{o}" for n, e, o in CASES])
+def test_an_export_counts_as_flop_counter_mode_and_runs_as_onnxruntime(exported, capsys, name, exporter, opset):
+    path = exported(name, exporter, opset)
+    assert main(["count", str(path), "--json"]) == 0
+    by_category = json.loads(capsys.readouterr().out)["by_category"]
+    want = flops(name)
+    assert {c: by_category[c]["fp"] for c in ("dense", "attention")} == want
+    assert want["attention"] == 2 * 2 * SEQ * SEQ * 32 * 2  # two products, full S x S, 2 layers
+
+    graph, weights = import_onnx(path)
+    logits = logits_graph(graph)
+    ids = tokens().numpy()
+    expected = run_ort(onnx.load(str(path)), {onnx.load(str(path)).graph.input[0].name: ids})
+    got = forward(logits, {k: v for k, v in weights.items() if k in logits}, ids)
+    assert got.shape == expected.shape == (BATCH, SEQ, VOCAB)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+def _ops(graph: Graph) -> dict:
+    return dict(Counter(n.op for n in graph.nodes))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_export_of_a_model_reads_as_one_graph(exported, name):
+    """Whatever the exporter, opset and attention form: the same IR graph, the same weights, and the ops
+    that say what the model is (GPT: learned positions, layer norm, tanh GELU; Llama: RMS norm, rotary on
+    queries and keys at the model's base, grouped-query attention, SwiGLU)."""
+    reads = [import_onnx(exported(name, e, o)) for n, e, o in CASES if n == name]
+    graph, weights = reads[0]
+    for other, other_weights in reads[1:]:
+        assert other.signature() == graph.signature()
+        for node, other_node in zip(graph.nodes, other.nodes):
+            for param, value in weights.get(node.id, {}).items():
+                np.testing.assert_allclose(other_weights[other_node.id][param], value, rtol=1e-6, atol=1e-7)
+    attention = [n.attrs for n in graph.nodes if n.op == "attention"]
+    assert all(a["causal"] and a["heads"] == 4 and a["head_dim"] == 8 for a in attention) and len(attention) == 2
+    if "gpt" in name:
+        assert _ops(graph) == {"token_input": 1, "embedding": 1, "position_embedding": 1, "layer_norm": 5, "dense": 13,
+                               "attention": 2, "add": 4, "gelu": 2, "softmax": 1}
+        assert all(n.attrs["use_bias"] for n in graph.nodes if n.op == "dense" and n.attrs["units"] != VOCAB)
+    else:
+        kv_heads = 1 if name == "llama_mqa" else 2
+        base = {"llama_hand": 500000.0, "llama_mqa": 1000.0, "hf_llama_eager": 500000.0}.get(name, 10000.0)
+        assert _ops(graph) == {"token_input": 1, "embedding": 1, "rms_norm": 5, "dense": 15, "rotary": 4,
+                               "attention": 2, "add": 4, "silu": 2, "mul": 2, "softmax": 1}
+        assert all(a["kv_heads"] == kv_heads for a in attention)
+        assert {n.attrs["base"] for n in graph.nodes if n.op == "rotary"} == {base}
+        assert not any(n.attrs["use_bias"] for n in graph.nodes if n.op == "dense")
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "torch"])
+@pytest.mark.parametrize("name", TRAINED)
+def test_an_imported_model_trains(exported, name, backend_name):
+    graph, weights = import_onnx(exported(name, "dynamo", 18))
+    backend = load_backend(backend_name)
+    rng = np.random.default_rng(1)
+    text = rng.integers(0, VOCAB, (8, SEQ + 1))
+    x, labels = text[:, :-1], text[:, 1:]
+    model = backend.lower(graph, weights)
+    before, _ = backend.loss_and_grads(model, x, labels)
+    config = TrainConfig(epochs=3, batch_size=4, optimizer="adamw", schedule=Schedule(initial=1e-2),
+                         compile="never")
+    reports = backend.train(model, Dataset(x, labels, x, labels, VOCAB), config)
+    after, _ = backend.loss_and_grads(model, x, labels)
+    assert math.isfinite(before) and after < 0.8 * before, [r.loss for r in reports]
+
+
+def test_torchscript_cannot_export_hugging_face_models_without_an_attention_mask(tmp_path):
+    with pytest.raises(Exception, match="aten::diff"):
+        export(Logits(torch_model("hf_llama_eager"), ones_mask=False), tmp_path / "m.onnx", "torchscript", 17,
+               tokens())
+
+
+# -- what the IR cannot express is refused, naming the ONNX node and op ----------------------------------
+
+
+class BatchAsSequence(nn.Module):
+    """Reads the batch as one long sequence: its projection mixes nothing, but the Reshape moves the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.proj = nn.Embedding(VOCAB, 32), nn.Linear(32, VOCAB)
+
+    def forward(self, tokens):
+        n, s = tokens.shape
+        return self.proj(self.embed(tokens).reshape(1, n * s, 32)).reshape(n, s, VOCAB)
+
+
+class ErfGelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.fc, self.proj = nn.Embedding(VOCAB, 32), nn.Linear(32, 64), nn.Linear(64, VOCAB)
+
+    def forward(self, tokens):
+        return self.proj(F.gelu(self.fc(self.embed(tokens))))
+
+
+class OddScale(nn.Module):
+    """One causal attention through SDPA with scale 1/d instead of 1/sqrt(d)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.qkv, self.out = nn.Embedding(VOCAB, 32), nn.Linear(32, 96), nn.Linear(32, VOCAB)
+
+    def forward(self, tokens):
+        n, s = tokens.shape
+        q, k, v = (t.view(n, s, 4, 8).transpose(1, 2) for t in self.qkv(self.embed(tokens)).split(32, dim=-1))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1 / 8)
+        return self.out(out.transpose(1, 2).reshape(n, s, 32))
+
+
+def with_relative_bias():
+    """The Llama with a distance bias added to the causal mask (a relative position bias, as ALiBi's)."""
+    model = Llama(1, 32, 4, 2, 48, SEQ, VOCAB, sdpa=False)
+    distance = torch.arange(SEQ)[None, :] - torch.arange(SEQ)[:, None]
+    model.blocks[0].mask = model.blocks[0].mask + 0.25 * distance.clamp(max=0).float()
+    return model
+
+
+def with_sliding_window():
+    model = GPT(1, 32, 4, 64, SEQ, VOCAB, sdpa=False)
+    model.blocks[0].keep = torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool)) & \
+        torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=-2)
+    return model
+
+
+REFUSED = [
+    (BatchAsSequence, "Reshape", r"reshapes a sequence \[2, 8, 32\] to \[1, 16, 32\]; aiperf reads a sequence's reshape "
+                                 r"only into heads"),
+    (ErfGelu, "Mul", r"computes GELU's erf form; the IR's GELU is the tanh form"),
+    (OddScale, "MatMul", r"scales the attention scores by 0\.125; the IR's attention scales by 1/sqrt\(head_dim\) = "
+                         r"0\.353553"),
+    (with_relative_bias, "Add", r"adds a bias to the attention scores \(ALiBi or a relative position bias\)"),
+    (with_sliding_window, "Where", r"masks the scores other than causally \(a sliding window or a prefix mask\)"),
+    (lambda: Logits(hf_llama("eager", rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": SEQ}), ones_mask=False), "Add",
+     r"the cos and sin tables are not the angles position \* base\^\(-2i / head_dim\) of any base \(scaled rotary"),
+]
+
+
+@pytest.mark.parametrize("make, op_type, expected", REFUSED, ids=["batch_as_sequence", "erf_gelu", "odd_scale",
+                                                                   "relative_bias", "sliding_window", "llama3_rope"])
+@pytest.mark.parametrize("exporter, opset", [("torchscript", 17), ("dynamo", 18)])
+def test_what_the_ir_cannot_express_is_refused_naming_the_node(tmp_path, make, op_type, expected, exporter, opset):
+    model = make().eval()
+    if isinstance(model, Logits) and exporter == "torchscript":
+        model.ones_mask = True
+    path = export(model, tmp_path / "m.onnx", exporter, opset, tokens())
+    with pytest.raises(GraphError) as info:
+        import_onnx(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert re.search(rf"ONNX node '[^']+' \(op {op_type}\): {expected}", message), message
+
+
+def test_a_bias_on_some_projections_only_is_read(tmp_path):
+    """The IR's dense layers each have their own use_bias: a GPT whose key projection has no bias reads."""
+    model = GPT(1, 32, 4, 64, SEQ, VOCAB, sdpa=False, fused_qkv=False)
+    model.blocks[0].k_proj = nn.Linear(32, 32, bias=False)
+    init_weights(model, seed=1)
+    path = export(model, tmp_path / "m.onnx", "dynamo", 18, tokens())
+    graph, weights = import_onnx(path)
+    biased = {n.attrs["use_bias"] for n in graph.nodes if n.op == "dense" and n.attrs["units"] == 32}
+    assert biased == {True, False}
+    logits = logits_graph(graph)
+    ids = tokens().numpy()
+    expected = model(tokens()).detach().numpy()
+    np.testing.assert_allclose(forward(logits, {k: v for k, v in weights.items() if k in logits}, ids), expected,
+                               rtol=1e-4, atol=1e-4 * np.abs(expected).max())

@@ -20,6 +20,7 @@ mask, norm or rotation shows in the output. The forward takes token ids (N, S) a
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -210,7 +211,11 @@ def export(module: nn.Module, path: Path, exporter: str, opset: int, tokens: tor
     if exporter not in EXPORTERS:
         raise ValueError(f"exporter must be one of {EXPORTERS}, got {exporter!r}")
     module.eval()
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # The trace is specialised to the static shape of `tokens`, as it is meant to be, and the legacy
+        # TorchScript exporter is used on purpose.
+        for category in (torch.jit.TracerWarning, DeprecationWarning, FutureWarning):
+            warnings.simplefilter("ignore", category)
         if exporter == "torchscript":
             torch.onnx.export(module, (tokens,), str(path), dynamo=False, opset_version=opset,
                               input_names=["input_ids"], output_names=["logits"])
