@@ -4,9 +4,14 @@ ONNX is NCHW with a batch axis; the IR is NHWC without one. Export writes a
 model whose input "input" is [N, C, H, W] (N symbolic), [N, F] or [N, S, D],
 or for a token graph the int64 token ids [N, S]. Import reads the CNNs that
 real exporters (torch.onnx, tf2onnx, Keras, Caffe2) write, opset 9 and newer,
-and the transformers that export writes, and maps each ONNX tensor to an IR
-node plus the ONNX layout it stands for, so that layout changes (transposes,
-flattening, pooling to 1x1) cost no IR node.
+the transformers that export writes, and those of torch.onnx's TorchScript and
+dynamo exporters and Hugging Face's models (docs/onnx.md). It folds every node
+computed from constants and fixed shapes (aiperf_core.onnx_fold), then maps each
+ONNX tensor to an IR node plus the ONNX layout it stands for, so that layout
+changes (transposes, flattening, pooling to 1x1, a transformer's head reshapes)
+cost no IR node: aiperf_core.onnx_import holds the core of that reader,
+aiperf_core.onnx_sequence what it takes to read a transformer's decomposed
+attention, norms, activations and rotary embedding.
 
 How each IR op is written, and read back:
 - conv2d: Conv (group = groups); batch_norm: BatchNormalization; relu: Relu; add: Add (Sum for 3+);
