@@ -566,8 +566,8 @@ class TransformerImporter(Importer):
             return
         if layout == "rows":
             if dims != [batch, seq_len, width]:
-                self._fail(node, f"reshapes the rows of a sequence to {dims}; only back to [{batch}, {seq_len}, {width}] "
-                                 f"is supported")
+                self._fail(node, f"reshapes the rows of a sequence to {dims}; only back to [{batch}, {seq_len}, "
+                                 f"{width}] is supported")
             self._set(node, Act(x.node, "seq"))
             return
         if layout == "seq" and len(dims) == 4 and dims[:2] == [batch, seq_len] and dims[2] * dims[3] == width:
@@ -794,8 +794,8 @@ class TransformerImporter(Importer):
 
     def _check_scale(self, node, scale: float, head_dim: int) -> None:
         if not math.isclose(scale, 1.0 / math.sqrt(head_dim), rel_tol=1e-5):
-            self._fail(node, f"scales the attention scores by {scale:.6g}; the IR's attention scales by 1/sqrt(head_dim) "
-                             f"= {1.0 / math.sqrt(head_dim):.6g}")
+            self._fail(node, f"scales the attention scores by {scale:.6g}; the IR's attention scales by "
+                             f"1/sqrt(head_dim) = {1.0 / math.sqrt(head_dim):.6g}")
 
     def _op_Attention(self, node) -> None:
         q = self._raw(node, 0)

@@ -12,7 +12,10 @@ sdpa attention), tiny and randomly initialised from their configs, exported by t
 exporter (opsets 14 and 17) and its dynamo exporter (opsets 18 and 23: attention written out, then ONNX's
 Attention). Each export imports; `aiperf count` gives the dense and attention FP that FlopCounterMode counts
 on the torch model; the IR's forward (NumPy reference) equals onnxruntime's logits; every export of one
-model reads as the same IR graph with the same weights; each model trains on the numpy and torch backends.
+model reads as the same IR graph with the same weights; four of them train on the numpy and torch
+backends and take every transformer morph, function preserved. What the IR cannot express (a relative
+position bias, a sliding window, another attention scale, the erf GELU, scaled rotary, a batch moved into
+the sequence) is refused naming the node, from either exporter.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch_transformers import GPT, Llama, export, forward_flops, init_weights
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from aiperf_conformance.cases import trained_looking_weights
+from aiperf_core import transformer_morph
 from aiperf_core.backend import Dataset, Schedule, TrainConfig
 from aiperf_core.builders import llama
 from aiperf_core.cli import main
@@ -218,8 +222,9 @@ def test_a_sigmoid_alone_is_refused():
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 6])
     nodes = [helper.make_node("Sigmoid", ["x"], ["s"], name="gate"), helper.make_node("Relu", ["s"], ["y"], name="r")]
     model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=[helper.make_opsetid("", 17)])
-    with pytest.raises(GraphError, match=r"ONNX node 'gate' \(op Sigmoid\): unsupported op \(an elementwise function "
-                                         r"the IR has no op for; aiperf reads GELU's tanh form, x \* sigmoid\(x\) and a x \+ b\)"):
+    with pytest.raises(GraphError, match=r"ONNX node 'gate' \(op Sigmoid\): unsupported op \(an elementwise "
+                                         r"function the IR has no op for; aiperf reads GELU's tanh form, "
+                                         r"x \* sigmoid\(x\) and a x \+ b\)"):
         import_onnx(model)
 
 
@@ -383,6 +388,26 @@ def test_an_imported_model_trains(exported, name, backend_name):
     assert math.isfinite(before) and after < 0.8 * before, [r.loss for r in reports]
 
 
+@pytest.mark.parametrize("name", TRAINED)
+def test_an_imported_model_morphs_preserving_its_function(exported, name):
+    """Every transformer morph applies to the imported graph (found by structure, not by a builder's ids) and
+    the child computes the parent's probabilities."""
+    graph, weights = import_onnx(exported(name, "torchscript", 17))
+    ids = tokens().numpy()
+    want = forward(graph, weights, ids)
+    children = {
+        "deeper": transformer_morph.deeper(graph, weights, after=transformer_morph.residual_points(graph)[1]),
+        "wider_mlp": transformer_morph.wider_mlp(graph, weights, fc1=transformer_morph.mlp_inputs(graph)[0]),
+        "more_heads": transformer_morph.more_heads(graph, weights,
+                                                   attention=transformer_morph.growable_attention(graph)[0]),
+        "double_width": transformer_morph.double_width(graph, weights),
+        "upcycle_moe": transformer_morph.upcycle_moe(graph, weights, fc1=transformer_morph.mlp_inputs(graph)[-1]),
+    }
+    for op, child in children.items():
+        assert child.graph.signature() != graph.signature(), op
+        np.testing.assert_allclose(forward(child.graph, child.weights, ids), want, rtol=1e-6, atol=1e-9, err_msg=op)
+
+
 def test_torchscript_cannot_export_hugging_face_models_without_an_attention_mask(tmp_path):
     with pytest.raises(Exception, match="aten::diff"):
         export(Logits(torch_model("hf_llama_eager"), ones_mask=False), tmp_path / "m.onnx", "torchscript", 17,
@@ -443,8 +468,8 @@ def with_sliding_window():
 
 
 REFUSED = [
-    (BatchAsSequence, "Reshape", r"reshapes a sequence \[2, 8, 32\] to \[1, 16, 32\]; aiperf reads a sequence's reshape "
-                                 r"only into heads"),
+    (BatchAsSequence, "Reshape", r"reshapes a sequence \[2, 8, 32\] to \[1, 16, 32\]; aiperf reads a sequence's "
+                                 r"reshape only into heads"),
     (ErfGelu, "Mul", r"computes GELU's erf form; the IR's GELU is the tanh form"),
     (OddScale, "MatMul", r"scales the attention scores by 0\.125; the IR's attention scales by 1/sqrt\(head_dim\) = "
                          r"0\.353553"),

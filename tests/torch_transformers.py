@@ -33,7 +33,8 @@ EXPORTERS = ("torchscript", "dynamo")
 def init_weights(module: nn.Module, seed: int) -> None:
     """Deterministic weights from `seed` at the module docstring's scales, by layer type, each parameter once
     (a tied lm_head keeps its embedding's): embeddings N(0, 1); nn.Linear and Hugging Face's Conv1D (whose
-    weight is (in, out)) N(0, 1/fan-in) and biases of standard deviation 0.1; other 1-D weights (norm gains) U(0.5, 1.5)."""
+    weight is (in, out)) N(0, 1/fan-in) and biases of standard deviation 0.1; other 1-D weights (norm gains)
+    U(0.5, 1.5)."""
     generator = torch.Generator().manual_seed(seed)
     done: set[int] = set()
     with torch.no_grad():
