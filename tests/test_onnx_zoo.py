@@ -172,7 +172,9 @@ def test_gpt_export_refuses_an_opset_without_attention():
 
 @pytest.mark.parametrize("op_type, name, value, expected", [
     ("Attention", "scale", 0.5, "only the scale 1/sqrt(head_dim) is supported, got 0.5"),
-    ("Attention", "kv_num_heads", 2, "only 3-D inputs with q_num_heads == kv_num_heads"),
+    # Grouped-query attention (kv_num_heads dividing q_num_heads) is read; 3 does not divide 4.
+    ("Attention", "kv_num_heads", 3,
+     "only 3-D inputs with kv_num_heads dividing q_num_heads are supported (got 4 and 3)"),
     ("Gelu", "approximate", "none", "only the tanh GELU"),
     ("LayerNormalization", "axis", 1, "only a layer norm over the last axis is supported, got axis 1"),
     ("Gather", "axis", 1, "only a lookup of table rows (axis 0) is supported"),
