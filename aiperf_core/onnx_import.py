@@ -422,6 +422,15 @@ class Importer:
             self._fail(node, f"input {k} ('{name}') must be a constant (weights or attributes computed from constants)")
         return self.consts[name]
 
+    def _axes(self, node, since_opset: int) -> list[int] | None:
+        """The axes of an op that takes them as its input 1 from `since_opset` on and as an attribute before;
+        None where the node gives none."""
+        if self.opset >= since_opset:
+            given = self._const(node, 1, optional=True)
+            return None if given is None else [int(v) for v in np.asarray(given).reshape(-1)]
+        given = node_attrs(node).get("axes")
+        return None if given is None else list(given)
+
     def _set(self, node, act: Act) -> None:
         self.acts[node.output[0]] = act
 
@@ -760,11 +769,7 @@ class Importer:
     def _op_ReduceMean(self, node) -> None:
         x = self._act(node, 0, ("nchw", "nhwc"))
         a = node_attrs(node)
-        if self.opset >= 18:
-            given = self._const(node, 1, optional=True)
-            axes = [] if given is None else [int(v) for v in np.asarray(given).reshape(-1)]
-        else:
-            axes = list(a.get("axes", []))
+        axes = self._axes(node, since_opset=18) or []
         keep = bool(a.get("keepdims", 1))
         spatial = {2, 3} if x.layout == "nchw" else {1, 2}
         if {v % 4 for v in axes} != spatial or len(axes) != 2 or (keep and x.layout == "nhwc"):
@@ -827,11 +832,7 @@ class Importer:
 
     def _op_Squeeze(self, node) -> None:
         x = self._act(node, 0, ("pooled",))
-        if self.opset >= 13:
-            given = self._const(node, 1, optional=True)
-            axes = None if given is None else [int(v) for v in np.asarray(given).reshape(-1)]
-        else:
-            axes = node_attrs(node).get("axes")
+        axes = self._axes(node, since_opset=13)
         if axes is None or sorted(v % 4 for v in axes) != [2, 3]:
             self._fail(node, f"only squeezing the 1x1 spatial axes [2, 3] is supported, got {axes}")
         self._set(node, Act(x.node, "flat"))
@@ -966,21 +967,30 @@ class Importer:
         self._set(node, Act(nid, "seq"))
 
     def _op_LayerNormalization(self, node) -> None:
+        self._norm_over_last_axis(node, "layer_norm")
+
+    def _op_RMSNormalization(self, node) -> None:
+        self._norm_over_last_axis(node, "rms_norm")
+
+    def _norm_over_last_axis(self, node, op: str) -> None:
+        """LayerNormalization (scale, optional bias) or RMSNormalization (scale) as the IR's `op`."""
         x = self._act(node, 0, ("seq", "flat"))
         a = node_attrs(node)
         rank = 1 + len(self._onnx_shape(x))
         axis = a.get("axis", -1)
         if not -rank <= axis < rank or axis % rank != rank - 1:
-            self._fail(node, f"only a layer norm over the last axis is supported, got axis {axis}")
-        self._only_first_output(node)
+            what = "a layer norm" if op == "layer_norm" else "an RMS norm"
+            self._fail(node, f"only {what} over the last axis is supported, got axis {axis}")
+        self._only_first_output(node)  # LayerNormalization's mean and inverse deviation
         gamma = self._const(node, 1).reshape(-1)
-        beta = self._const(node, 2, optional=True)
-        beta = np.zeros_like(gamma) if beta is None else beta.reshape(-1)
-        params = {"gamma": gamma, "beta": beta}
+        params = {"gamma": gamma}
+        if op == "layer_norm":
+            beta = self._const(node, 2, optional=True)
+            params["beta"] = np.zeros_like(gamma) if beta is None else beta.reshape(-1)
         if x.order is not None:
             params = {k: v[x.order] if v.size == x.order.size else v for k, v in params.items()}
         attrs = {"epsilon": clean_float(a.get("epsilon", 1e-5))}
-        self._set(node, Act(self._emit(node, "layer_norm", [x.node], attrs, params), x.layout, x.order))
+        self._set(node, Act(self._emit(node, op, [x.node], attrs, params), x.layout, x.order))
 
     def _op_Attention(self, node) -> None:
         q, k, v = (self._act(node, i, ("seq",)) for i in range(3))
@@ -1007,19 +1017,6 @@ class Importer:
         attrs = {"heads": int(heads), "head_dim": int(head_dim), "causal": bool(a.get("is_causal", 0)),
                  "kv_heads": int(kv)}
         self._set(node, Act(self._emit(node, "attention", [q.node, k.node, v.node], attrs), "seq"))
-
-    def _op_RMSNormalization(self, node) -> None:
-        x = self._act(node, 0, ("seq", "flat"))
-        a = node_attrs(node)
-        rank = 1 + len(self._onnx_shape(x))
-        axis = a.get("axis", -1)
-        if not -rank <= axis < rank or axis % rank != rank - 1:
-            self._fail(node, f"only an RMS norm over the last axis is supported, got axis {axis}")
-        gamma = self._const(node, 1).reshape(-1)
-        if x.order is not None and gamma.size == x.order.size:
-            gamma = gamma[x.order]
-        attrs = {"epsilon": clean_float(a.get("epsilon", 1e-5))}
-        self._set(node, Act(self._emit(node, "rms_norm", [x.node], attrs, {"gamma": gamma}), x.layout, x.order))
 
     def _op_RotaryEmbedding(self, node) -> None:
         x = self._act(node, 0, ("seq",))

@@ -231,30 +231,18 @@ class TransformerImporter(Importer):
         with np.errstate(all="ignore"):
             self._pending(node, f, fn(f.values))
 
-    def _op_Tanh(self, node) -> None:
-        self._unary(node, _UNARY["Tanh"])
+    def _unary_of_table(self, node) -> None:
+        """Tanh, Sigmoid, Erf, Exp, Sqrt, Reciprocal, Neg: the op's function in _UNARY."""
+        self._unary(node, _UNARY[node.op_type])
 
-    def _op_Sigmoid(self, node) -> None:
-        self._unary(node, _UNARY["Sigmoid"])
-
-    def _op_Erf(self, node) -> None:
-        self._unary(node, _UNARY["Erf"])
-
-    def _op_Exp(self, node) -> None:
-        self._unary(node, _UNARY["Exp"])
-
-    def _op_Sqrt(self, node) -> None:
-        self._unary(node, _UNARY["Sqrt"])
-
-    def _op_Reciprocal(self, node) -> None:
-        self._unary(node, _UNARY["Reciprocal"])
+    _op_Tanh = _op_Sigmoid = _op_Erf = _op_Exp = _op_Sqrt = _op_Reciprocal = _unary_of_table
 
     def _op_Neg(self, node) -> None:
         x = self._raw(node, 0)
         if x is not None and x.layout == "half" and x.info[1] == "high":
             self._set(node, replace(x, info=(x.info[0], "neg_high")))
             return
-        self._unary(node, _UNARY["Neg"])
+        self._unary_of_table(node)
 
     def _op_Pow(self, node) -> None:
         exponent = self._const(node, 1)
@@ -295,11 +283,7 @@ class TransformerImporter(Importer):
         x = self._raw(node, 0)
         f = self._pointwise_of(x)
         a = node_attrs(node)
-        if self.opset >= 18:
-            given = self._const(node, 1, optional=True)
-            axes = [] if given is None else [int(v) for v in np.asarray(given).reshape(-1)]
-        else:
-            axes = list(a.get("axes", []))
+        axes = self._axes(node, since_opset=18) or []
         if f is None or f.source.layout != "seq" or len(axes) != 1 or axes[0] % 3 != 2:
             super()._op_ReduceMean(node)
             return

@@ -59,8 +59,8 @@ The ops of the IR's second version:
 
 The ops of the IR's fourth version (Llama's family):
 
-* ``rms_norm``: F.rms_norm (torch's fused kernel), its input in fp32 under mixed precision as
-  layer_norm's; the gamma is an nn.RMSNorm's weight;
+* ``rms_norm``: F.rms_norm (torch's fused kernel), as layer_norm: an image's channels through its
+  NHWC view, in fp32 under mixed precision; the gamma is an nn.RMSNorm's weight;
 * ``rotary``: `rotary` below, half-split, with the cos/sin tables of a `Rotary` module's buffers;
 * ``silu``: F.silu; ``mul``: ``a * b``;
 * ``attention`` with ``kv_heads``: F.scaled_dot_product_attention(enable_gqa=True);
@@ -834,19 +834,17 @@ def _expression(graph: Graph, node, args: list[str], layer: str | None, inplace:
         return f"F.embedding({args[0]}, {layer}.weight)"
     if op == "position_embedding":
         return f"{args[0]} + {layer}.table"
-    if op == "layer_norm":
+    if op in ("layer_norm", "rms_norm"):  # in fp32 under mixed precision: the fused kernels want one dtype
         image = len(graph.shapes[node.id]) == 3  # over the channels: the last axis of the NHWC view
         src = f"{args[0]}.permute(0, 2, 3, 1)" if image else args[0]
         src = f"{src}.float()" if mixed else src
-        y = f"F.layer_norm({src}, {tuple(graph.shapes[node.id][-1:])}, {layer}.weight, {layer}.bias, {a['epsilon']!r})"
+        affine = f"{layer}.weight, {layer}.bias" if op == "layer_norm" else f"{layer}.weight"
+        y = f"F.{op}({src}, {tuple(graph.shapes[node.id][-1:])}, {affine}, {a['epsilon']!r})"
         return f"{y}.permute(0, 3, 1, 2)" if image else y
     if op == "attention":
         return f"attention({', '.join(args)}, {a['heads']}, {a['causal']}, {kv_heads(a)})"
     if op == "gelu":
         return f"F.gelu({args[0]}, approximate='tanh')"
-    if op == "rms_norm":  # in fp32 under mixed precision, as layer_norm (and the fused kernel wants one dtype)
-        src = f"{args[0]}.float()" if mixed else args[0]
-        return f"F.rms_norm({src}, {tuple(graph.shapes[node.id][-1:])}, {layer}.weight, {a['epsilon']!r})"
     if op == "rotary":
         return f"rotary({args[0]}, {layer}.cos, {layer}.sin)"
     if op == "silu":
