@@ -24,15 +24,13 @@ import pytest
 from aiperf_core.builders import llama
 from aiperf_core.ir import VERSION_4_OPS, Graph, Node
 from aiperf_core.registry import load_backend
-from aiperf_conformance.cases import SEQUENCE_CASES, case_input, case_labels, trained_looking_weights
+from aiperf_conformance.cases import case_input, case_labels, trained_looking_weights
 from aiperf_conformance.expectations import load_expectations
 from aiperf_conformance.kit import compare, reference
 from aiperf_conformance.levels.count import BATCH as COUNT_BATCH, analytic_for_counter
 from aiperf_conformance.levels.op import compare_grads, key_biases
 
-# The kit's cases of schema 4: its new ops, and attention and moe with their new attributes.
-NEW_CASES = {case.name: case for case in SEQUENCE_CASES
-             if any(n.op in VERSION_4_OPS or "kv_heads" in n.attrs or "mlp" in n.attrs for n in case.nodes)}
+from llama_spec import NEW_CASES, rotary as spec_rotary
 
 
 @functools.cache
@@ -98,11 +96,7 @@ def test_rotary_angles_hold_float32_accuracy_at_late_positions():
 
     seq, dim, base = 8192, 8, 10000.0
     x = np.random.default_rng(0).normal(0, 1, (1, seq, 2 * dim)).astype(np.float32)
-    theta = np.arange(seq, dtype=np.float64)[:, None] * base ** (-2.0 * np.arange(dim // 2) / dim)
-    heads = x.astype(np.float64).reshape(1, seq, 2, dim)
-    x1, x2 = heads[..., :dim // 2], heads[..., dim // 2:]
-    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
-    want = np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(x.shape)
+    want = spec_rotary(x.astype(np.float64), dim, base)
     got = np.asarray(rotary(x, {"head_dim": dim, "base": base}), np.float64)
     assert np.max(np.abs(got - want)) <= 1e-6 * np.max(np.abs(want))
 
@@ -137,36 +131,24 @@ def _swiglu_moe_graph() -> Graph:
                   Node("probs", "softmax", ("head",), {})), name="swiglu_moe")
 
 
-def _step_products(graph: Graph, precision: str) -> list[str]:
-    """The dots of the graph's jitted training step (forward and backward), StableHLO."""
-    import jax
-    import jax.numpy as jnp
-
-    from aiperf_backends.jax import training
-    from aiperf_backends.jax.lowering import lower_graph
-
-    model = lower_graph(graph, trained_looking_weights(graph, 0), "fp32")
-    step = training.make_train_step(graph, precision, 0.9, 0.0)
-    x = jnp.zeros((2,) + graph.input_shape, jnp.int32)
-    text = step.jitted.lower(model.params, model.state, model.params, x, x, np.float32(0.1), jax.random.PRNGKey(0),
-                             np.int32(0)).as_text()
-    return [line for line in text.splitlines() if "stablehlo.dot_general" in line]
-
-
 def test_a_llama_step_at_fp32_asks_for_highest_on_every_product_grouped_query_attention_included():
     _backend()
-    fp32 = _step_products(llama(layers=1, hidden=16, heads=4, kv_heads=2, seq_len=6, vocab=13, ffn=24), "fp32")
+    from test_jax_lm_scale import step_products
+
+    fp32 = step_products(llama(layers=1, hidden=16, heads=4, kv_heads=2, seq_len=6, vocab=13, ffn=24), "fp32")
     # 8 dense layers (q, k, v, proj, gate, up, down, lm_head: forward, input and weight gradients; the
     # embedding below them is trained) and attention (2 forward, 4 backward)
     assert len(fp32) == 8 * 3 + 6
     assert all("precision = [HIGHEST, HIGHEST]" in line for line in fp32), fp32
-    tf32 = _step_products(llama(layers=1, hidden=16, heads=4, kv_heads=2, seq_len=6, vocab=13, ffn=24), "tf32")
+    tf32 = step_products(llama(layers=1, hidden=16, heads=4, kv_heads=2, seq_len=6, vocab=13, ffn=24), "tf32")
     assert len(tf32) == len(fp32) and all("HIGHEST" not in line for line in tf32), tf32
 
 
 def test_a_swiglu_mixture_step_at_fp32_asks_for_highest_on_every_product():
     _backend()
-    products = _step_products(_swiglu_moe_graph(), "fp32")
+    from test_jax_lm_scale import step_products
+
+    products = step_products(_swiglu_moe_graph(), "fp32")
     assert products and all("precision = [HIGHEST, HIGHEST]" in line for line in products), products
 
 
@@ -190,26 +172,14 @@ def test_the_native_counter_counts_multi_query_attention_as_the_analytic_rule(ba
 def test_a_llama_with_checkpointed_blocks_gives_the_plain_gradients():
     """Rotary's constant tables and the grouped-query attention inside jax.checkpoint'ed blocks."""
     _backend()
-    import jax
     import jax.numpy as jnp
 
-    from aiperf_backends.jax import training
     from aiperf_backends.jax.lowering import lower_graph
+    from test_jax_lm_scale import assert_checkpointed_blocks_give_the_plain_gradients
 
     graph = llama(layers=2, hidden=16, heads=4, kv_heads=2, seq_len=6, vocab=13, ffn=24)
     assert graph.blocks()
     model = lower_graph(graph, trained_looking_weights(graph, 3), "fp32")
     rng = np.random.default_rng(4)
     x, y = (jnp.asarray(rng.integers(0, 13, (3, 6)), jnp.int32) for _ in range(2))
-
-    def grads(checkpoint_blocks):
-        def loss(params):
-            return training.summed_loss(graph, params, model.state, x, y, 0.1,
-                                        checkpoint_blocks=checkpoint_blocks)[0] / y.size
-        return jax.value_and_grad(loss)(model.params)
-
-    (plain_loss, plain), (kept_loss, kept) = grads(False), grads(True)
-    assert float(kept_loss) == float(plain_loss)
-    for node, params in plain.items():
-        for name, value in params.items():
-            np.testing.assert_allclose(kept[node][name], value, rtol=1e-6, atol=1e-8, err_msg=f"{node}.{name}")
+    assert_checkpointed_blocks_give_the_plain_gradients(graph, model, x, y)

@@ -78,14 +78,32 @@ def test_accumulated_micro_batches_equal_one_step_on_the_whole_batch():
     assert traces == {"train": 2, "eval": 1}, traces
 
 
-def _step_products(graph, checkpoint_blocks: bool) -> list[str]:
+def step_products(graph, precision: str = "fp32", checkpoint_blocks: bool = False) -> list[str]:
     """The dots of the jitted training step (forward and backward), StableHLO."""
     model = lower_graph(graph, init_weights(graph, seed=0), "fp32")
-    step = training.make_train_step(graph, "fp32", 0.9, 0.0, checkpoint_blocks=checkpoint_blocks)
-    x = jnp.zeros((2, graph.input_shape[0]), jnp.int32)
+    step = training.make_train_step(graph, precision, 0.9, 0.0, checkpoint_blocks=checkpoint_blocks)
+    x = jnp.zeros((2,) + graph.input_shape, jnp.int32)
     text = step.jitted.lower(model.params, model.state, model.params, x, x, np.float32(0.1), jax.random.PRNGKey(0),
                              np.int32(0)).as_text()
     return [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+
+
+def assert_checkpointed_blocks_give_the_plain_gradients(graph, model, x, y):
+    """The mean token loss of the lowered `model` of `graph` and its gradients on (x, y), with the graph's blocks
+    checkpointed and without; returns the jaxprs of the two gradients (plain, checkpointed)."""
+    def loss_and_grads(checkpoint_blocks):
+        def loss(params):
+            return training.summed_loss(graph, params, model.state, x, y, 0.1,
+                                        checkpoint_blocks=checkpoint_blocks)[0] / y.size
+        return jax.value_and_grad(loss)(model.params), jax.make_jaxpr(jax.grad(loss))(model.params)
+
+    (plain_loss, plain), plain_jaxpr = loss_and_grads(False)
+    (kept_loss, kept), kept_jaxpr = loss_and_grads(True)
+    assert float(kept_loss) == float(plain_loss)
+    for node, params in plain.items():
+        for name, value in params.items():
+            np.testing.assert_allclose(kept[node][name], value, rtol=1e-6, atol=1e-8, err_msg=f"{node}.{name}")
+    return plain_jaxpr, kept_jaxpr
 
 
 def test_checkpointed_blocks_give_the_same_gradients_and_recompute_each_block():
@@ -95,19 +113,7 @@ def test_checkpointed_blocks_give_the_same_gradients_and_recompute_each_block():
     model = lower_graph(graph, weights, "fp32")
     rng = np.random.default_rng(4)
     x, y = (jnp.asarray(rng.integers(0, 13, (3, 6)), jnp.int32) for _ in range(2))
-
-    def grads(checkpoint_blocks):
-        def loss(params):
-            return training.summed_loss(graph, params, model.state, x, y, 0.1,
-                                        checkpoint_blocks=checkpoint_blocks)[0] / y.size
-        return jax.value_and_grad(loss)(model.params), jax.make_jaxpr(jax.grad(loss))(model.params)
-
-    (plain_loss, plain), plain_jaxpr = grads(False)
-    (kept_loss, kept), kept_jaxpr = grads(True)
-    assert float(kept_loss) == float(plain_loss)
-    for node, params in plain.items():
-        for name, value in params.items():
-            np.testing.assert_allclose(kept[node][name], value, rtol=1e-6, atol=1e-8, err_msg=f"{node}.{name}")
+    plain_jaxpr, kept_jaxpr = assert_checkpointed_blocks_give_the_plain_gradients(graph, model, x, y)
     # The backward pass recomputes each block (jax.checkpoint's primitive, differentiated), and
     # nothing is recomputed without the flag.
     recomputed = re.compile(r"remat\w*\[\s*differentiated=True")
@@ -116,7 +122,8 @@ def test_checkpointed_blocks_give_the_same_gradients_and_recompute_each_block():
     # The step recomputes, per block, the forward products its backward reads: q, k, v, attention's
     # two, the projection and the first MLP layer (the second one's output is read by nothing but
     # the residual add, whose gradient does not need it), all still IEEE fp32.
-    plain_products, kept_products = _step_products(graph, False), _step_products(graph, True)
+    plain_products = step_products(graph)
+    kept_products = step_products(graph, checkpoint_blocks=True)
     assert len(kept_products) == len(plain_products) + 2 * 7
     assert all("precision = [HIGHEST, HIGHEST]" in line for line in kept_products)
 

@@ -12,24 +12,15 @@ from aiperf_core.errors import GraphError
 from aiperf_core.ir import Graph, Node, kv_heads, load_graph
 from aiperf_core.search.arch import (ATTENTION, DENSE, GQA_ATTENTION, MOE, SWIGLU_MOE, distance_matrix,
                                      encode)
-from aiperf_core.weights import init_weights, load_weights, validate_weights
+from aiperf_core.weights import init_weights, load_weights
 from aiperf_core.workloads.lm import seed_graph
-from aiperf_opcount import count
 
-import aiperf_numpy  # noqa: E402  (installed by `make test`)
+import test_transformer_morph as gpt_morph
+from test_transformer_morph import (assert_cli_refuses, assert_computes_as, assert_copied_units_part_under_training,
+                                    assert_delta, assert_morph_case, assert_new_block_learns, next_token_gradients,
+                                    replayed, trained_weights)
 
 SIZES = dict(layers=2, hidden=32, heads=4, kv_heads=2, seq_len=12, vocab=40, ffn=48)
-
-
-def trained_weights(graph, seed=0):
-    """Norm gains away from 1, as training leaves them: a gain of 1 would hide a wrong copy."""
-    rng = np.random.default_rng(seed)
-    weights = init_weights(graph, seed, dtype=np.float64)
-    for params in weights.values():
-        for name, value in params.items():
-            if name == "gamma":
-                params[name] = rng.uniform(0.5, 1.5, value.shape)
-    return weights
 
 
 def family(**sizes):
@@ -42,31 +33,10 @@ def parent():
     return family()
 
 
-def tokens(graph, n=3, seed=5):
-    return np.random.default_rng(seed).integers(0, graph.vocab, (n,) + graph.input_shape)
-
-
-def logits(graph, weights, x):
-    trace = aiperf_numpy.run(graph, weights, x, training=False, dtype=np.float64)
-    return trace.outputs[graph[graph.output_id].inputs[0]]
-
-
 def assert_same_function(parent_graph, parent_weights, child):
-    validate_weights(child.graph, child.weights)
+    """As for a GPT's morphs, and the child's graph reads back from its JSON as itself."""
+    gpt_morph.assert_same_function(parent_graph, parent_weights, child)
     assert Graph.from_json(child.graph.to_json()).signature() == child.graph.signature()
-    x = tokens(parent_graph)
-    want = logits(parent_graph, parent_weights, x)
-    np.testing.assert_allclose(logits(child.graph, child.weights, x), want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
-
-
-def assert_delta(parent_graph, child):
-    before, after = count(parent_graph), count(child.graph)
-    assert (after.fp - before.fp, after.bp - before.bp) == (child.record["delta"]["fp"], child.record["delta"]["bp"])
-    assert child.record["delta"]["fp"] > 0
-
-
-def replayed(graph, weights, op, args):
-    return T.replay(graph, weights, {"op": op, "args": args, "parent": T._Index(graph).signature_hash})
 
 
 CASES = [
@@ -84,16 +54,8 @@ CASES = [
 
 @pytest.mark.parametrize("op,args", CASES)
 def test_each_morph_preserves_function_and_counts_its_change_exactly(parent, op, args):
-    graph, weights = parent
-    child = replayed(graph, weights, op, args)
-    assert_same_function(graph, weights, child)
-    assert_delta(graph, child)
-    assert child.graph.history[-1] == child.record and child.record["op"] == op
-    again = T.replay(graph, weights, child.record)
-    assert again.graph.signature() == child.graph.signature()
-    for node, params in child.weights.items():
-        for name, value in params.items():
-            np.testing.assert_array_equal(again.weights[node][name], value)
+    child = assert_morph_case(*parent, op, args)
+    assert Graph.from_json(child.graph.to_json()).signature() == child.graph.signature()
 
 
 @pytest.mark.parametrize("kv", [4, 2, 1])  # multi-head, grouped-query, multi-query
@@ -157,14 +119,7 @@ def test_wider_mlp_copies_gate_and_up_together_and_splits_down(parent):
 def test_wider_mlp_copies_do_not_stay_copies_under_training(parent):
     graph, weights = parent
     child = T.wider_mlp(graph, weights, "h0_gate", units=4, seed=7)
-    x = tokens(graph, n=4)
-    _, grads, _ = aiperf_numpy.loss_and_grads(child.graph, child.weights, x, np.roll(x, -1, axis=1))
-    kernel = child.weights["h0_gate"]["kernel"]
-    for new in range(48, 52):
-        source = next(j for j in range(48) if np.array_equal(kernel[:, j], kernel[:, new]))
-        for node in ("h0_gate", "h0_up"):
-            g_new, g_source = grads[node]["kernel"][:, new], grads[node]["kernel"][:, source]
-            assert np.abs(g_new).max() > 0 and not np.allclose(g_new, g_source, rtol=1e-3), node
+    assert_copied_units_part_under_training(graph, child, ("h0_gate", "h0_up"))
 
 
 def test_more_heads_adds_a_whole_key_value_group(parent):
@@ -213,20 +168,14 @@ def test_upcycle_moe_makes_swiglu_experts(parent):
     assert wide.graph[moe].attrs["units"] == 96
     assert_same_function(graph, weights, wide)
     assert_delta(child.graph, wide)
-    x = tokens(graph, n=4)
-    _, grads, _ = aiperf_numpy.loss_and_grads(child.graph, child.weights, x, np.roll(x, -1, axis=1))
+    grads = next_token_gradients(graph, child)
     w_gate = grads[moe]["w_gate"]  # identical experts part: the router sends them different tokens and gates
     assert np.abs(w_gate).max() > 0 and not np.allclose(w_gate[0], w_gate[1], rtol=1e-3)
 
 
 def test_the_new_block_learns_from_its_first_step(parent):
     graph, weights = parent
-    child = T.deeper(graph, weights, "embed", seed=1)
-    x = tokens(graph, n=4)
-    _, grads, _ = aiperf_numpy.loss_and_grads(child.graph, child.weights, x, np.roll(x, -1, axis=1))
-    prefix = child.record["args"]["prefix"]
-    for node in (f"{prefix}_proj", f"{prefix}_down"):
-        assert np.abs(grads[node]["kernel"]).max() > 0, node
+    assert_new_block_learns(graph, T.deeper(graph, weights, "embed", seed=1), ("proj", "down"))
 
 
 def with_biased_mlp(graph):
@@ -278,9 +227,7 @@ def test_candidates_and_a_chain_on_the_workloads_llama_seed():
         assert_delta(grown, child)
         grown, grown_weights = child.graph, child.weights
     assert [h["op"] for h in grown.history] == [T.OPERATORS[s % 5] for s in range(10)]
-    x = tokens(graph)
-    want = logits(graph, weights, x)
-    np.testing.assert_allclose(logits(grown, grown_weights, x), want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+    assert_computes_as(graph, weights, grown, grown_weights)
 
 
 def test_arch_codes_of_the_new_kinds(parent):
@@ -311,9 +258,7 @@ def test_cli_grows_a_llama_and_the_child_computes_what_its_parent_did(tmp_path, 
     graph = load_graph(tmp_path / "out" / "graph.json")
     weights = load_weights(tmp_path / "out" / "weights.npz", graph)
     parent = llama(**SIZES)
-    x = tokens(parent)
-    want = logits(parent, init_weights(parent, 4), x)
-    np.testing.assert_allclose(logits(graph, weights, x), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    assert_computes_as(parent, init_weights(parent, 4), graph, weights, rtol=1e-4, atol=1e-5)
     for op, node in (("wider_mlp", "h0_gate"), ("upcycle_moe", "h1_gate"), ("more_heads", "h1_attn"),
                      ("deeper", "embed")):
         assert main(["morph", *LLAMA_ARGS, "--op", op, "--node", node, "--out", str(tmp_path / op)]) == 0
@@ -327,7 +272,4 @@ def test_cli_grows_a_llama_and_the_child_computes_what_its_parent_did(tmp_path, 
     (["--op", "more_heads", "--node", "h0_q_rope"], "node 'h0_q_rope': more_heads: 'attention' must be an attention"),
 ])
 def test_cli_errors_on_a_llama_are_one_line_with_status_2(tmp_path, capsys, argv, message):
-    assert main(["morph", *LLAMA_ARGS, *argv, "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("aiperf: error: ") and message in err
-    assert not (tmp_path / "out").exists()
+    assert_cli_refuses([*LLAMA_ARGS, *argv], tmp_path / "out", capsys, message)

@@ -1,6 +1,6 @@
 """The MindSpore backend's lowering of schema 4's ops (rms_norm, rotary, silu, mul, grouped-query attention,
-SwiGLU experts) against a float64 NumPy reading of the IR's spec written here, independently of the NumPy
-reference backend; a Llama's gradients against that reference, with and without activation checkpointing;
+SwiGLU experts) against a float64 NumPy reading of the IR's spec (tests/llama_spec.py), independent of the
+NumPy reference backend; a Llama's gradients against that reference, with and without activation checkpointing;
 its fp16 path; and the native count of grouped-query attention.
 
 Tolerance: float32 against float64 over sums of at most a few hundred products, 1e-5 of the largest output
@@ -15,97 +15,13 @@ import mindspore  # noqa: F401  (`make test` installs mindspore: missing it is a
 
 import aiperf_numpy
 from aiperf_backends.mindspore import MindSporeBackend
-from aiperf_conformance.cases import SEQUENCE_CASES, case_input, trained_looking_weights
+from aiperf_conformance.cases import case_input, trained_looking_weights
 from aiperf_core.builders import llama
-from aiperf_core.ir import Graph, Node, kv_heads, moe_mlp
+from aiperf_core.ir import Graph, Node
+
+from llama_spec import NEW_CASES, lowered_against_the_spec, relative_error
 
 TOL = 1e-5
-NEW_CASES = ("rms_norm", "rotary", "rotary_one_head_base_100", "silu", "mul", "attention_grouped_query",
-             "attention_multi_query", "attention_rotary_grouped_query", "moe_swiglu_top2")
-
-
-def silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
-def rotary(x, head_dim: int, base: float):
-    n, s, w = x.shape
-    half = head_dim // 2
-    theta = np.arange(s)[:, None] * base ** (-2.0 * np.arange(half) / head_dim)  # (S, d/2)
-    heads = x.reshape(n, s, w // head_dim, head_dim)
-    x1, x2 = heads[..., :half], heads[..., half:]
-    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).reshape(n, s, w)
-
-
-def attention(q, k, v, attrs):
-    n, s, _ = q.shape
-    heads, d, kv = attrs["heads"], attrs["head_dim"], kv_heads(attrs)
-    out = np.empty_like(q)
-    for h in range(heads):
-        g = h // (heads // kv)  # the key-value head query head h reads
-        scores = q[..., h * d:(h + 1) * d] @ k[..., g * d:(g + 1) * d].transpose(0, 2, 1) / np.sqrt(d)
-        if attrs["causal"]:
-            scores = np.where(np.tri(s, dtype=bool), scores, -np.inf)
-        p = np.exp(scores - scores.max(-1, keepdims=True))
-        out[..., h * d:(h + 1) * d] = (p / p.sum(-1, keepdims=True)) @ v[..., g * d:(g + 1) * d]
-    return out
-
-
-def moe(x, attrs, w):
-    assert moe_mlp(attrs) == "swiglu"
-    logits = x @ w["router"]
-    out = np.zeros_like(x)
-    for index in np.ndindex(x.shape[:-1]):
-        token, row = x[index], logits[index]
-        chosen = np.argsort(-row, kind="stable")[:attrs["top_k"]]
-        gates = np.exp(row[chosen] - row[chosen].max())
-        for e, gate in zip(chosen, gates / gates.sum()):
-            hidden = silu(token @ w["w_gate"][e]) * (token @ w["w_in"][e])
-            out[index] += gate * (hidden @ w["w_out"][e])
-    return out
-
-
-def spec_forward(graph: Graph, weights, x):
-    """The graph's output in float64, from the IR's definitions of its ops."""
-    values = {}
-    w64 = {n: {p: a.astype(np.float64) for p, a in ps.items()} for n, ps in weights.items()}
-    for node in graph.nodes:
-        a, w = node.attrs, w64.get(node.id, {})
-        args = [values[i] for i in node.inputs]
-        if node.op == "input":
-            y = x.astype(np.float64)
-        elif node.op == "token_input":
-            y = x
-        elif node.op == "embedding":
-            y = w["table"][args[0]]
-        elif node.op == "dense":
-            y = args[0] @ w["kernel"] + (w["bias"] if "bias" in w else 0.0)
-        elif node.op == "conv2d":  # 1x1, no padding: a product over the channels
-            y = args[0] @ w["kernel"][0, 0]
-        elif node.op == "rms_norm":
-            y = args[0] / np.sqrt((args[0] ** 2).mean(-1, keepdims=True) + a["epsilon"]) * w["gamma"]
-        elif node.op == "rotary":
-            y = rotary(args[0], a["head_dim"], a["base"])
-        elif node.op == "silu":
-            y = silu(args[0])
-        elif node.op in ("mul", "add"):
-            y = args[0] * args[1] if node.op == "mul" else args[0] + args[1]
-        elif node.op == "attention":
-            y = attention(*args, a)
-        elif node.op == "moe":
-            y = moe(args[0], a, w)
-        elif node.op == "softmax":
-            e = np.exp(args[0] - args[0].max(-1, keepdims=True))
-            y = e / e.sum(-1, keepdims=True)
-        else:
-            raise AssertionError(f"no spec here for {node.op}")
-        values[node.id] = y
-    return values[graph.output_id]
-
-
-def relative_error(got, want) -> float:
-    return float(np.abs(got - want).max() / np.abs(want).max())
 
 
 def small_llama():
@@ -117,14 +33,11 @@ def backend():
     return MindSporeBackend()
 
 
-@pytest.mark.parametrize("name", NEW_CASES)
+@pytest.mark.parametrize("name", list(NEW_CASES))
 def test_each_new_op_case_matches_the_spec(backend, name):
-    case = next(c for c in SEQUENCE_CASES if c.name == name)
-    graph = case.graph()
-    weights = trained_looking_weights(graph, 3)
-    x = case_input(graph, np.random.default_rng(4), 3)
-    got = backend.predict(backend.lower(graph, weights), x)
-    assert relative_error(got, spec_forward(graph, weights, x)) < TOL
+    graph = NEW_CASES[name].graph()
+    _, error = lowered_against_the_spec(backend, graph, 3, 4)
+    assert error < TOL
 
 
 def test_rms_norm_of_an_image_normalises_over_the_channels(backend):
@@ -132,18 +45,14 @@ def test_rms_norm_of_an_image_normalises_over_the_channels(backend):
     graph = Graph((Node("x", "input", (), {"shape": [3, 4, 5]}),
                    Node("c", "conv2d", ("x",), {"filters": 6, "kernel": [1, 1]}),
                    Node("op", "rms_norm", ("c",), {})), name="rms_norm_image")
-    weights = trained_looking_weights(graph, 5)
-    x = case_input(graph, np.random.default_rng(5), 2)
-    got = backend.predict(backend.lower(graph, weights), x)
-    assert relative_error(got, spec_forward(graph, weights, x)) < TOL
+    _, error = lowered_against_the_spec(backend, graph, 5, 5, batch=2)
+    assert error < TOL
 
 
 def test_a_llama_matches_the_spec_and_its_rotations_share_one_table(backend):
     graph = small_llama()
-    weights = trained_looking_weights(graph, 1)
-    x = case_input(graph, np.random.default_rng(2), 3)
-    model = backend.lower(graph, weights)
-    assert relative_error(backend.predict(model, x), spec_forward(graph, weights, x)) < TOL
+    model, error = lowered_against_the_spec(backend, graph, 1, 2)
+    assert error < TOL
     rotations = [model.layers[model.layer_of[n.id]] for n in graph.nodes if n.op == "rotary"]
     assert len(rotations) == 4 and len({id(cell.cos) for cell in rotations}) == 1
 
@@ -205,7 +114,7 @@ def test_training_at_another_precision_switches_the_experts_too(backend):
     compute dtype: the experts' products as well as the dense layers'."""
     import mindspore as ms
 
-    case = next(c for c in SEQUENCE_CASES if c.name == "moe_swiglu_top2")
+    case = NEW_CASES["moe_swiglu_top2"]
     graph = case.with_head()
     model = backend.lower(graph, trained_looking_weights(graph, 3))
     experts, head = model.layers[model.layer_of["op"]], model.layers[model.layer_of["head_dense"]]

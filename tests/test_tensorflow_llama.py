@@ -18,10 +18,11 @@ assert TensorFlowBackend.availability().available, TensorFlowBackend.availabilit
 
 import tensorflow as tf  # noqa: E402
 
-from aiperf_core.backend import Schedule, TrainConfig  # noqa: E402
 from aiperf_core.builders import llama  # noqa: E402
 from aiperf_core.weights import init_weights  # noqa: E402
-from aiperf_backends.tensorflow.training import Trainer  # noqa: E402
+
+from llama_spec import relative_error  # noqa: E402
+from test_tensorflow_lm_scale import assert_checkpointing_leaves_gradients_as_they_were  # noqa: E402
 
 HIDDEN, HEADS, SEQ, VOCAB, FFN = 32, 4, 8, 64, 48
 HEAD_DIM = HIDDEN // HEADS
@@ -41,11 +42,6 @@ def _repeat_heads(kernel: np.ndarray, group: int) -> np.ndarray:
     """A (D, kv * d) key or value kernel as (D, kv * group * d): each head's columns `group` times."""
     d_in = kernel.shape[0]
     return np.repeat(kernel.reshape(d_in, -1, 1, HEAD_DIM), group, axis=2).reshape(d_in, -1)
-
-
-def _relative(got: np.ndarray, expected: np.ndarray) -> float:
-    """Worst difference over the largest magnitude: float32 sums in another order differ by a few ulps of it."""
-    return float(np.abs(got - expected).max() / max(np.abs(expected).max(), 1e-30))
 
 
 def _logits_and_grads(backend, graph, weights, x, y):
@@ -73,12 +69,12 @@ def test_grouped_query_attention_is_multi_head_attention_with_key_value_heads_re
     logits, grads = _logits_and_grads(backend, grouped, weights, x, y)
     logits_mha, grads_mha = _logits_and_grads(backend, multi_head, repeated, x, y)
     # The key and value products of another width sum in another order: equal to float32 rounding.
-    assert _relative(logits, logits_mha) < 1e-5
+    assert relative_error(logits, logits_mha) < 1e-5
     for (node, param), grad in grads.items():
         expected = grads_mha[(node, param)]
         if node in key_value_nodes:  # the repeated columns' gradients, summed back onto their head
             expected = expected.reshape(HIDDEN, kv_heads, group, HEAD_DIM).sum(axis=2).reshape(HIDDEN, -1)
-        assert _relative(grad, expected) < 1e-5, f"{node}/{param}"
+        assert relative_error(grad, expected) < 1e-5, f"{node}/{param}"
 
 
 def test_rotary_tables_are_constants_of_the_lowering(backend):
@@ -97,16 +93,7 @@ def test_rotary_tables_are_constants_of_the_lowering(backend):
 def test_checkpointing_a_llama_leaves_its_gradients_as_they_were(backend):
     graph = llama(layers=2, hidden=HIDDEN, heads=HEADS, kv_heads=2, seq_len=SEQ, vocab=VOCAB, ffn=FFN)
     assert graph.blocks()  # something to checkpoint
-    x, y = _tokens(4, 1)
-    grads = {}
-    for checkpoint in (False, True):
-        model = backend.lower(graph)
-        trainer = Trainer(model, TrainConfig(epochs=1, batch_size=4, schedule=Schedule(0.01),
-                                             checkpoint_blocks=checkpoint))
-        _, values, _ = tf.function(lambda a, b: trainer._gradients(a, b, 4.0, model.trainables))(x, y)
-        grads[checkpoint] = [v.numpy() for v in values]
-    for plain, recomputed in zip(grads[False], grads[True]):
-        np.testing.assert_allclose(recomputed, plain, rtol=0, atol=1e-7)
+    assert_checkpointing_leaves_gradients_as_they_were(backend, graph, *_tokens(4, 1))
 
 
 def test_the_xla_compiled_llama_forward_equals_the_plain_one(backend):

@@ -21,7 +21,7 @@ SIZES = dict(layers=2, hidden=32, heads=2, seq_len=12, vocab=40)
 
 
 def trained_weights(graph, seed=0):
-    """Non-trivial biases and norms, as training leaves them: a zero bias would hide a wrong copy."""
+    """Non-trivial biases and norms, as training leaves them: a zero bias or a gain of 1 would hide a wrong copy."""
     rng = np.random.default_rng(seed)
     weights = init_weights(graph, seed, dtype=np.float64)
     for params in weights.values():
@@ -48,17 +48,77 @@ def logits(graph, weights, x):
     return trace.outputs[graph[graph.output_id].inputs[0]]
 
 
-def assert_same_function(parent_graph, parent_weights, child):
-    validate_weights(child.graph, child.weights)
+def assert_computes_as(parent_graph, parent_weights, graph, weights, rtol=1e-9, atol=1e-9):
+    """The logits of (graph, weights) are the parent's on the same tokens; atol is relative to the largest logit."""
     x = tokens(parent_graph)
     want = logits(parent_graph, parent_weights, x)
-    np.testing.assert_allclose(logits(child.graph, child.weights, x), want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+    np.testing.assert_allclose(logits(graph, weights, x), want, rtol=rtol, atol=atol * np.abs(want).max())
+
+
+def assert_same_function(parent_graph, parent_weights, child):
+    validate_weights(child.graph, child.weights)
+    assert_computes_as(parent_graph, parent_weights, child.graph, child.weights)
 
 
 def assert_delta(parent_graph, child):
     before, after = count(parent_graph), count(child.graph)
     assert (after.fp - before.fp, after.bp - before.bp) == (child.record["delta"]["fp"], child.record["delta"]["bp"])
     assert child.record["delta"]["fp"] > 0
+
+
+def replayed(graph, weights, op, args):
+    return T.replay(graph, weights, {"op": op, "args": args, "parent": T._Index(graph).signature_hash})
+
+
+def assert_morph_case(graph, weights, op, args):
+    """The morph made by replaying (op, args): the parent's function and the count change it records; its record
+    is the last of its history and replays to the same graph and weights. Returns the child."""
+    child = replayed(graph, weights, op, args)
+    assert_same_function(graph, weights, child)
+    assert_delta(graph, child)
+    assert child.graph.history[-1] == child.record and child.record["op"] == op
+    again = T.replay(graph, weights, child.record)
+    assert again.graph.signature() == child.graph.signature()
+    for node, params in child.weights.items():
+        for name, value in params.items():
+            np.testing.assert_array_equal(again.weights[node][name], value)
+    return child
+
+
+def next_token_gradients(parent_graph, child):
+    """The child's gradients on a batch of the parent's tokens, each labelled with the next one."""
+    x = tokens(parent_graph, n=4)
+    _, grads, _ = aiperf_numpy.loss_and_grads(child.graph, child.weights, x, np.roll(x, -1, axis=1))
+    return grads
+
+
+def assert_copied_units_part_under_training(parent_graph, child, projections):
+    """wider_mlp's new units of projections[0], and their copies in the other projections, get gradients other
+    than their source units': an even split would keep a unit and its copy equal forever."""
+    grads = next_token_gradients(parent_graph, child)
+    kernel = child.weights[projections[0]]["kernel"]
+    width = parent_graph[projections[0]].attrs["units"]
+    for new in range(width, kernel.shape[1]):
+        source = next(j for j in range(width) if np.array_equal(kernel[:, j], kernel[:, new]))
+        for node in projections:
+            g_new, g_source = grads[node]["kernel"][:, new], grads[node]["kernel"][:, source]
+            assert np.abs(g_new).max() > 0 and not np.allclose(g_new, g_source, rtol=1e-3), node
+
+
+def assert_new_block_learns(parent_graph, child, output_projections):
+    """The new block's zero output projections get gradients at once, so the block does not stay dead."""
+    grads = next_token_gradients(parent_graph, child)
+    prefix = child.record["args"]["prefix"]
+    for node in output_projections:
+        assert np.abs(grads[f"{prefix}_{node}"]["kernel"]).max() > 0, node
+
+
+def assert_cli_refuses(argv, out, capsys, message):
+    """`aiperf morph` with argv: status 2, one line naming the fault, nothing written to out."""
+    assert main(["morph", *argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("aiperf: error: ") and message in err
+    assert not out.exists()
 
 
 CASES = [
@@ -76,16 +136,7 @@ CASES = [
 
 @pytest.mark.parametrize("op,args", CASES)
 def test_each_morph_preserves_function_and_counts_its_change_exactly(parent, op, args):
-    graph, weights = parent
-    child = T.replay(graph, weights, {"op": op, "args": args, "parent": T._Index(graph).signature_hash})
-    assert_same_function(graph, weights, child)
-    assert_delta(graph, child)
-    assert child.graph.history[-1] == child.record and child.record["op"] == op
-    again = T.replay(graph, weights, child.record)
-    assert again.graph.signature() == child.graph.signature()
-    for node, params in child.weights.items():
-        for name, value in params.items():
-            np.testing.assert_array_equal(again.weights[node][name], value)
+    assert_morph_case(*parent, op, args)
 
 
 def test_the_shapes_each_morph_makes(parent):
@@ -147,47 +198,29 @@ def test_a_chain_of_random_morphs_still_computes_the_seed(parent):
         grown, grown_weights = child.graph, child.weights
         ops.append(child.record["op"])
     assert [h["op"] for h in grown.history] == ops
-    x = tokens(graph)
-    want = logits(graph, weights, x)
-    np.testing.assert_allclose(logits(grown, grown_weights, x), want, rtol=1e-9, atol=1e-9 * np.abs(want).max())
+    assert_computes_as(graph, weights, grown, grown_weights)
     assert Graph.from_json(grown.to_json()).signature() == grown.signature()
 
 
 def test_wider_mlp_copies_do_not_stay_copies_under_training(parent):
     """An even split would give a unit and its copy equal gradients forever; the random split does not."""
     graph, weights = parent
-    child = T.wider_mlp(graph, weights, "h0_fc1", units=4, seed=7)
-    x = tokens(graph, n=4)
-    y = np.roll(x, -1, axis=1)
-    _, grads, _ = aiperf_numpy.loss_and_grads(child.graph, child.weights, x, y)
-    kernel = child.weights["h0_fc1"]["kernel"]
-    width = graph["h0_fc1"].attrs["units"]
-    for new in range(width, width + 4):
-        source = next(j for j in range(width) if np.array_equal(kernel[:, j], kernel[:, new]))
-        g_new, g_source = grads["h0_fc1"]["kernel"][:, new], grads["h0_fc1"]["kernel"][:, source]
-        assert np.abs(g_new).max() > 0 and not np.allclose(g_new, g_source, rtol=1e-3)
+    assert_copied_units_part_under_training(graph, T.wider_mlp(graph, weights, "h0_fc1", units=4, seed=7), ("h0_fc1",))
 
 
 def test_upcycled_experts_part_under_training(parent):
     """Identical experts get different gradients: the router sends them different tokens and gates."""
     graph, weights = parent
     child = T.upcycle_moe(graph, weights, "h0_fc1", seed=2)
-    x = tokens(graph, n=4)
-    _, grads, _ = aiperf_numpy.loss_and_grads(child.graph, child.weights, x, np.roll(x, -1, axis=1))
+    grads = next_token_gradients(graph, child)
     w_in = grads[child.record["args"]["prefix"] + "_moe"]["w_in"]
     assert np.abs(w_in).max() > 0 and not np.allclose(w_in[0], w_in[1], rtol=1e-3)
     assert np.abs(grads[child.record["args"]["prefix"] + "_moe"]["router"]).max() > 0
 
 
 def test_the_new_block_learns_from_its_first_step(parent):
-    """Its zero output projections get gradients at once, so the block does not stay dead."""
     graph, weights = parent
-    child = T.deeper(graph, weights, "h0_res2", seed=1)
-    x = tokens(graph, n=4)
-    _, grads, _ = aiperf_numpy.loss_and_grads(child.graph, child.weights, x, np.roll(x, -1, axis=1))
-    prefix = child.record["args"]["prefix"]
-    for node in (f"{prefix}_proj", f"{prefix}_fc2"):
-        assert np.abs(grads[node]["kernel"]).max() > 0, node
+    assert_new_block_learns(graph, T.deeper(graph, weights, "h0_res2", seed=1), ("proj", "fc2"))
 
 
 def test_candidates_are_reproducible_distinct_and_capped(parent):
@@ -259,9 +292,7 @@ def test_cli_grows_a_gpt_and_the_child_computes_what_its_parent_did(tmp_path, ca
     weights = load_weights(tmp_path / "out" / "weights.npz", graph)
     assert len(graph.history) == 5 and all(h["op"] in T.OPERATORS for h in graph.history)
     parent = gpt(**SIZES)
-    x = tokens(parent)
-    want = logits(parent, init_weights(parent, 4), x)
-    np.testing.assert_allclose(logits(graph, weights, x), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    assert_computes_as(parent, init_weights(parent, 4), graph, weights, rtol=1e-4, atol=1e-5)
     assert main(["morph", *GPT_ARGS, "--op", "upcycle_moe", "--node", "h1_fc1", "--out", str(tmp_path / "moe")]) == 0
     assert "upcycle_moe fc1=h1_fc1 experts=4 top_k=2" in capsys.readouterr().out
 
@@ -274,9 +305,6 @@ def test_cli_grows_a_gpt_and_the_child_computes_what_its_parent_did(tmp_path, ca
     (["--op", "deeper", "--node", "h0_q"], "node 'h0_q': deeper: 'after' must be an add or position_embedding"),
 ])
 def test_cli_errors_are_one_line_with_status_2(tmp_path, capsys, argv, message):
-    assert main(["morph", *GPT_ARGS, *argv, "--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("aiperf: error: ") and message in err
-    assert not (tmp_path / "out").exists()
+    assert_cli_refuses([*GPT_ARGS, *argv], tmp_path / "out", capsys, message)
     assert main(["morph", "resnet_small", "--op", "upcycle_moe", "--out", str(tmp_path / "out")]) == 2
     assert "--op upcycle_moe is not a morph of a CNN" in capsys.readouterr().err
