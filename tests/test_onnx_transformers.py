@@ -9,8 +9,8 @@ refused in one line naming the ONNX node and op.
 Transformers from real exporters: a GPT and a Llama written in plain torch (tests/torch_transformers.py;
 attention by hand and through F.scaled_dot_product_attention) and Hugging Face's GPT-2 and Llama (eager and
 sdpa attention), tiny and randomly initialised from their configs, exported by torch.onnx's TorchScript
-exporter (opsets 14 and 17) and its dynamo exporter (opsets 18 and 23: attention written out, then ONNX's
-Attention). Each export imports; `aiperf count` gives the dense and attention FP that FlopCounterMode counts
+exporter (opsets 14 and 17; 15, 16 and 18 on two models) and its dynamo exporter (opsets 18 and 23:
+attention written out, then ONNX's Attention). Each export imports; `aiperf count` gives the dense and attention FP that FlopCounterMode counts
 on the torch model; the IR's forward (NumPy reference) equals onnxruntime's logits; every export of one
 model reads as the same IR graph with the same weights; four of them train on the numpy and torch
 backends and take every transformer morph, function preserved. What the IR cannot express (a relative
@@ -280,6 +280,8 @@ MODELS = {
 EXPORTS = (("torchscript", 14), ("torchscript", 17), ("dynamo", 18), ("dynamo", 23))
 CASES = [(name, exporter, opset) for name in MODELS for exporter, opset in EXPORTS
          if name != "gpt_separate_qkv" or opset == 17]
+# The TorchScript opsets between (the 14 to 18), on one GPT and one Llama through SDPA.
+CASES += [(name, "torchscript", opset) for name in ("gpt_sdpa", "llama_sdpa") for opset in (15, 16, 18)]
 TRAINED = ("gpt_hand", "llama_hand", "hf_gpt2_sdpa", "hf_llama_eager")
 
 
