@@ -12,10 +12,10 @@ sdpa attention), tiny and randomly initialised from their configs, exported by t
 exporter (opsets 14 and 17; 15, 16 and 18 on two models) and its dynamo exporter (opsets 18 and 23:
 attention written out, then ONNX's Attention). Each export imports; `aiperf count` gives the dense and
 attention FP that FlopCounterMode counts on the torch model; the IR's forward (NumPy reference) equals
-onnxruntime's logits; every export of one model reads as the same IR graph with the same weights; four of them train on the numpy and torch
-backends and take every transformer morph, function preserved. What the IR cannot express (a relative
-position bias, a sliding window, another attention scale, the erf GELU, scaled rotary, a batch moved into
-the sequence) is refused naming the node, from either exporter.
+onnxruntime's logits; every export of one model reads as the same IR graph with the same weights; four
+of them train on the numpy and torch backends and take every transformer morph, function preserved.
+What the IR cannot express (a relative position bias, a sliding window, another attention scale, the erf
+GELU, scaled rotary, a batch moved into the sequence) is refused naming the node, from either exporter.
 """
 
 from __future__ import annotations
