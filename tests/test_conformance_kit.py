@@ -363,8 +363,8 @@ def test_list_prints_every_check_with_level_precision_and_counter(capsys):
     assert {r["precision"] for r in listed} == {"fp32"}
     assert "parallel/refuses_two_devices" in {r["id"] for r in listed}
     assert "parallel/matches_one_device" not in {r["id"] for r in listed}
-    # count: 4 graphs x 2; morph: 4 CNN, 5 GPT, 5 Llama
-    assert sum(r["needs_native_counter"] for r in listed) == 22
+    # count: 4 graphs x 2 and 3 moe cases x 2; morph: 4 CNN, 5 GPT, 5 Llama
+    assert sum(r["needs_native_counter"] for r in listed) == 28
     assert rows["op/attention_grouped_query/backward@bf16"] == ["op", "bf16", "lm", "-"]
     assert {"rms_norm", "rotary", "silu", "mul", "grouped_query_attention"} <= set(
         by_id_ops(listed, "train/llama_gradients_match_reference"))

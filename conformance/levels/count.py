@@ -1,6 +1,6 @@
 """Level 'count': the backend's native op counter against the analytic count under the counter's
-declared convention, per category it covers, forward and forward+backward, on two ResNets and a
-2-layer GPT.
+declared convention, per category it covers, forward and forward+backward, on two ResNets, a 2-layer
+GPT and a 2-layer Llama.
 
 The matrix products (conv, dense, and attention's two products) must agree exactly under every
 convention; attention's count depends on it (paper: the full S x S scores; valid: the S(S+1)/2 pairs
@@ -8,15 +8,22 @@ a causal mask keeps), and a counter declares it apart from its padding (CounterC
 
 A native count of zero or below for a category that has operations is a failure with its own
 message, never a match: a counter that cannot see some kernels (XLA reports -1 for a cuDNN custom
-call) must not pass because the analytic side happens to be small."""
+call) must not pass because the analytic side happens to be small.
+
+A mixture of experts is counted apart (`count/moe_*`): its category `moe` holds the router and only the
+k experts each token chose, so a native count above 1.05 times it means the backend runs experts on
+tokens that did not choose them, and one below the chosen experts' products means the counter does not
+see them."""
 
 from __future__ import annotations
 
 from functools import partial
 
 import aiperf_opcount as opcount
-from aiperf_conformance.cases import trained_looking_weights
-from aiperf_conformance.kit import Check, Context, Outcome
+from aiperf_core.ir import Graph, Node, moe_mlp
+from aiperf_opcount.rules import MAC
+from aiperf_conformance.cases import OpCase, trained_looking_weights
+from aiperf_conformance.kit import Check, Context, Outcome, new_ops
 from aiperf_conformance.levels.graph import GRAPHS, checks_tags
 
 BATCH = 2
@@ -98,7 +105,70 @@ def native_vs_analytic(ctx: Context, name: str, backward: bool) -> Outcome:
     return Outcome(True, worst, 0.0, None, f"{name}: " + "; ".join(detail))
 
 
+# The routed mixture of experts (issue 40): 8 experts, so that running every expert on every token books
+# 4 (top-2) or 8 (top-1) times the counted expert work, far above the 1.05 the check allows.
+MOE_CASES = {
+    "gelu_top2": dict(experts=8, top_k=2, units=16),
+    "gelu_top1": dict(experts=8, top_k=1, units=16),
+    "swiglu_top2": dict(experts=8, top_k=2, units=16, mlp="swiglu"),
+}
+MOE_SEQ, MOE_WIDTH = 16, 8
+MOE_GOAL = 1.05  # the native count may exceed the analytic one by this factor, no more
+
+
+def moe_graph(name: str) -> Graph:
+    """A dense layer (so that the moe's input gradient is computed), the moe under test, and a head."""
+    nodes = (Node("pre", "dense", ("x",), {"units": MOE_WIDTH}), Node("op", "moe", ("pre",), MOE_CASES[name]))
+    return OpCase(f"moe_{name}", (MOE_SEQ, MOE_WIDTH), nodes, workload="lm").with_head()
+
+
+def moe_products(graph: Graph, backward: bool) -> int:
+    """The matrix products of the graph's moe node that any routed implementation runs, per sample: the
+    router's and the k chosen experts' (docs/counting.md, "Mixture of experts"), forward and, if asked,
+    their weight and input gradients."""
+    node = graph["op"]
+    seq, d = graph.shapes[node.inputs[0]]
+    e, k, f = node.attrs["experts"], node.attrs["top_k"], node.attrs["units"]
+    inputs = 2 if moe_mlp(node.attrs) == "swiglu" else 1  # the (D -> F) projections per expert
+    forward = MAC * (d * e + k * (inputs * d * f + f * d))
+    return seq * forward * (3 if backward else 1)  # each product's weight and input gradients
+
+
+def routed_moe(ctx: Context, name: str, backward: bool) -> Outcome:
+    """The native counter's `moe` category on a moe of 8 experts: at most MOE_GOAL times the analytic count
+    (so no backend runs more than the k chosen experts' work per token), and at least the products any
+    routed implementation runs (so a counter that cannot see the experts does not pass)."""
+    counter = ctx.backend.native_counter()
+    if counter is None:
+        return no_counter(ctx)
+    what = f"moe {name} {'forward+backward' if backward else 'forward'}"
+    if "moe" not in counter.convention.covers:
+        return Outcome(False, None, None, None,
+                       f"{what}: the native counter does not cover the category 'moe' "
+                       f"(CounterConvention.covers), so it cannot show the experts' work")
+    graph = moe_graph(name)
+    analytic = analytic_by_category(graph, counter.convention.convention_for("moe"), backward,
+                                    counter.convention.includes_update).get("moe", 0) * BATCH
+    floor = moe_products(graph, backward) * BATCH
+    model = ctx.backend.lower(graph, trained_looking_weights(graph, ctx.seed))
+    got = native_count(counter.count(model, BATCH, backward), "moe")
+    ratio = got / analytic
+    detail = (f"{what}: native {got:,}, analytic {analytic:,} (ratio {ratio:.3f}), the routed products "
+              f"{floor:,}")
+    if got < floor:
+        return Outcome(False, got, floor, None, f"{detail}: the counter books less than the chosen experts' "
+                                                f"products, so it does not see the work")
+    return Outcome(ratio <= MOE_GOAL, ratio, MOE_GOAL, None,
+                   detail if ratio <= MOE_GOAL else f"{detail}: more than {MOE_GOAL} times the counted work "
+                                                    f"(experts that run on tokens that did not choose them)")
+
+
 def checks(ctx: Context):
+    for name in MOE_CASES:
+        for backward in (False, True):
+            yield Check("count", f"moe_{name}/{'forward_backward' if backward else 'forward'}",
+                        partial(routed_moe, name=name, backward=backward), needs_counter=True, workload="lm",
+                        ops=new_ops(moe_graph(name)))
     for name in GRAPHS:
         yield Check("count", f"{name}/forward", partial(native_vs_analytic, name=name, backward=False),
                     needs_counter=True, **checks_tags(name))
