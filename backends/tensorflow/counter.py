@@ -36,8 +36,14 @@ profiler with its own rules, which are not opcount's, so only 'conv', 'dense' an
 covered. A grouped convolution is lowered as one Conv2D per group (lowering.py), each counted by the
 rules above. The embedding's gather moves rows and computes nothing. Rotary positions, RMS norm,
 silu and mul are elementwise and reductions ('other' here; opcount's embedding, norm, activation and
-elementwise). A moe node's products are Einsums, which have no flop statistics in TensorFlow: the
-category 'moe' is not covered.
+elementwise). A moe node's ops are under the name scope MOE_SCOPE (their gradients under
+gradient_tape/.../MOE_SCOPE/...): its matrix products, the router's and each expert's on the rows of the
+tokens that chose it (MatMul, the rules above), and their gradients are booked under 'moe'; its gates,
+activations and the scatter back are not mapped, as elsewhere. An expert's rows are known only when the
+graph runs, so the profiler has no statistics for its products in the graph alone: a graph whose shapes
+are not all static is run once (grappler off, software trace) on a sample input, and the profiler reads the
+missing shapes from the run's step statistics (tfprof_logger._fill_missing_graph_shape). The experts'
+rows sum to k per token whatever the routing, so the count does not depend on the sample.
 Nothing assigns variables: batch-norm statistics are left as they were, and the weight update
 (SGD) is not part of the counted graph.
 """
@@ -48,15 +54,19 @@ import numpy as np
 
 from aiperf_core.backend import CounterConvention, NativeCounter
 
+# The name scope of a moe node's ops (lowering.py), by which its products are booked under 'moe'.
+MOE_SCOPE = "aiperf_moe"
+
 CONVENTION = CounterConvention(
     mac_ops=2,
     padding="paper",
-    covers=("conv", "dense", "attention"),
+    covers=("conv", "dense", "attention", "moe"),
     includes_update=False,
     notes=("tf.compat.v1.profiler float_operation on a frozen static-shape graph: 2 FLOPs per MAC of Conv2D, "
            "Conv2DBackpropInput/Filter, depthwise convolutions, MatMul (dense) and BatchMatMulV2 (attention's "
-           "products, every score of the S x S matrix), padded taps included; other ops are not mapped; the "
-           "backward count has no weight update"),
+           "products, every score of the S x S matrix), padded taps included; a moe's MatMuls (the router and "
+           "each expert on its routed rows, shapes read from one traced run) as 'moe'; other ops are not mapped; "
+           "the backward count has no weight update"),
 )
 
 CATEGORIES = {
@@ -98,8 +108,13 @@ def _register_depthwise_gradients() -> None:
     _registered = True
 
 
-def category_of(op_type: str) -> str:
-    return CATEGORIES.get(op_type, "other")
+def category_of(op_type: str, op_name: str = "") -> str:
+    """The category of an op: a product under a moe node's name scope (in the forward, or its gradient
+    under gradient_tape/...) is 'moe', the others by op type."""
+    category = CATEGORIES.get(op_type, "other")
+    if category != "other" and MOE_SCOPE in op_name.split("/"):
+        return "moe"
+    return category
 
 
 def frozen_graph_def(concrete):
@@ -113,8 +128,27 @@ def frozen_graph_def(concrete):
     return tf.compat.v1.graph_util.extract_sub_graph(graph_def, outputs)
 
 
-def profile_op_types(graph_def) -> dict[str, int]:
-    """Float ops per op type of a GraphDef, by the v1 profiler (self flops of each op type)."""
+def _run_metadata(graph, feed: dict):
+    """One traced run of every op of `graph` (fed `feed`), whose step statistics hold the shapes of its
+    tensors. Grappler is off, so that every op runs under its own name (a fused op would hide its parts)."""
+    import tensorflow as tf
+
+    config = tf.compat.v1.ConfigProto()
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    sinks = [op for op in graph.get_operations() if not any(t.consumers() for t in op.outputs)]
+    run_meta = tf.compat.v1.RunMetadata()
+    with tf.compat.v1.Session(graph=graph, config=config) as session:
+        session.run(sinks, feed,
+                    options=tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.SOFTWARE_TRACE),
+                    run_metadata=run_meta)
+    return run_meta
+
+
+def profile_ops(graph_def, sample=None) -> list[tuple[str, str, int]]:
+    """(op name, op type, float ops) of each op of a GraphDef with any, by the v1 profiler (self flops).
+    An op whose shapes are not static (a routed moe's products: rows per expert) has no statistics in
+    the graph alone; given `sample` (the value of the graph's one placeholder) the graph is run once and
+    the profiler reads those shapes from the run (tfprof_logger fills them from the step statistics)."""
     import tensorflow as tf
     # The flop statistics of MatMul, Conv2DBackpropInput/Filter and more are registered by this
     # module, which TF does not import by itself (Conv2D's are in nn_ops).
@@ -124,18 +158,23 @@ def profile_op_types(graph_def) -> dict[str, int]:
     graph = tf.Graph()
     with graph.as_default():
         tf.compat.v1.import_graph_def(graph_def, name="")
+        static = all(t.shape.is_fully_defined() for op in graph.get_operations() for t in op.outputs)
+        run_meta = None
+        if not static and sample is not None:
+            placeholder, = [op.outputs[0] for op in graph.get_operations() if op.type == "Placeholder"]
+            run_meta = _run_metadata(graph, {placeholder: sample})
         builder = tf.compat.v1.profiler.ProfileOptionBuilder
         options = builder(builder.float_operation()).with_empty_output().build()
-        result = tf.compat.v1.profiler.profile(graph, cmd="scope", options=options)
+        result = tf.compat.v1.profiler.profile(graph, run_meta=run_meta, cmd="scope", options=options)
     op_type = {node.name: node.op for node in graph_def.node}
-    out: dict[str, int] = {}
+    out = []
     stack = list(result.children)
     while stack:  # the scope view: one node per op name (nested under name scopes); self flops
         node = stack.pop()
         stack.extend(node.children)
         kind = op_type.get(node.name)
         if kind is not None and node.float_ops:
-            out[kind] = out.get(kind, 0) + int(node.float_ops)
+            out.append((node.name, kind, int(node.float_ops)))
     return out
 
 
@@ -166,8 +205,12 @@ class TFProfilerCounter(NativeCounter):
                 return model.call(x, False)[0]
 
         concrete = tf.function(fn).get_concrete_function(spec)
-        by_type = profile_op_types(frozen_graph_def(concrete))
-        out = {"conv": 0, "dense": 0, "attention": 0, "other": 0}
-        for op_type, flops in by_type.items():
-            out[category_of(op_type)] += flops
+        # A sample for a graph whose shapes depend on the data (a routed moe): token 0 everywhere, or
+        # normal features; every routing runs k experts per token, so the count does not depend on it.
+        shape = [batch] + list(graph.input_shape)
+        sample = (np.zeros(shape, np.int64) if graph.takes_tokens else
+                  np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+        out = {"conv": 0, "dense": 0, "attention": 0, "moe": 0, "other": 0}
+        for name, op_type, flops in profile_ops(frozen_graph_def(concrete), sample):
+            out[category_of(op_type, name)] += flops
         return out

@@ -69,9 +69,19 @@ for images):
   head_dim / 2), so that the two halves of every head are its [..., 0, :] and [..., 1, :], and
   rotated in float32 (x1 cos - x2 sin, x2 cos + x1 sin), returning its input's dtype.
 * silu: ``tf.nn.silu``; mul: the elementwise product (float32 where the two dtypes differ, as add).
-* moe: every expert runs on every token in einsums, and the gates (0 for an expert a token did not
-  choose) weight the sum (``_mixture_of_experts``); SwiGLU experts (mlp: swiglu) compute
-  ``silu(x w_gate) * (x w_in)`` and then ``w_out``, without biases, under the same routing.
+* moe, routed: the router's product and tf.math.top_k (the lower index first among equals, as the IR)
+  give each token's k experts and its gates (the softmax of the k logits, float32). The T * k
+  (token, expert) assignments are sorted by expert (stable tf.argsort), the chosen tokens' rows gathered
+  in that order (one tf.gather) and split into one contiguous segment per expert, its size from
+  tf.math.bincount: the sizes are tensors of the graph, so no host read per expert. Each expert's products
+  (tf.matmul, dynamic rows) run on its segment only; the outputs, weighted by their gates in float32, are
+  summed back per token by tf.math.unsorted_segment_sum. The expert parameters are unstacked once, so
+  each one's gradient is one stack of the experts' gradients. SwiGLU experts (mlp: swiglu) compute
+  ``silu(x w_gate) * (x w_in)`` and then ``w_out``, without biases. Under XLA (jit_compile, on GPUs by
+  default), which needs static shapes (tf.split's sizes must be compile-time constants), every expert runs
+  on every token in einsums and a gate of 0 drops what a token did not choose: the same function at E/k
+  times the expert work (``_every_expert``). The node's ops are under the name scope MOE_SCOPE, by which
+  the native counter books them.
 
 Activation checkpointing (``call(..., checkpoint=True)``, training only): each of the graph's blocks
 (Graph.blocks: two residual sub-layers of a transformer) runs as one function under
@@ -119,8 +129,10 @@ from aiperf_core.errors import GraphError
 from aiperf_core.ir import Graph, Node, is_trainable, kv_heads, moe_mlp
 from aiperf_core.weights import Weights, validate_weights
 from aiperf_backends.tensorflow.backend import framework, xla_setting
+from aiperf_backends.tensorflow.counter import MOE_SCOPE
 
 tf = framework()  # configured before any use (backend.py): oneDNN, threads, AIPERF_CPU_DEVICES
+from tensorflow.python.ops import control_flow_util  # noqa: E402 (after framework(): whether a trace is XLA's)
 
 # tf.nn.fused_batch_norm raises a smaller epsilon to this silently; such nodes take the written-out path.
 FUSED_MIN_EPSILON = 1.001e-5
@@ -428,10 +440,59 @@ class LoweredModel(tf.Module):
         raise GraphError(f"op '{op}' is not supported by the tensorflow backend", node.id)
 
     def _mixture_of_experts(self, node: Node, x):
-        """The IR's moe on (N, S, D). tf.math.top_k puts the lower index first among equals, as the IR
-        does. Static shapes: every expert runs on every token, and a gate of 0 drops what the token did
-        not choose (E/k times the work counted). Einsums throughout, so that the profiler, which has no
-        statistics for Einsum, does not count the node's products as dense MatMuls."""
+        """The IR's moe on (N, S, D), routed (the module's docstring): each expert's products run on the
+        rows of the tokens that chose it. Under XLA (jit_compile), which needs static shapes, every expert
+        runs on every token instead (``_every_expert``). tf.math.top_k puts the lower index first among
+        equals, as the IR does. The node's ops are under the name scope MOE_SCOPE, by which the native
+        counter books them."""
+        with tf.name_scope(MOE_SCOPE):
+            if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+                return self._every_expert(node, x)
+            return self._routed_experts(node, x)
+
+    def _routing(self, node: Node, tokens):
+        """The router's top_k experts of each row of `tokens` (T, D) and their gates, float32 (T, k)."""
+        logits = tf.cast(tf.matmul(tokens, tf.cast(self.params[node.id]["router"], tokens.dtype)), tf.float32)
+        picked, chosen = tf.math.top_k(logits, k=node.attrs["top_k"])
+        return chosen, tf.nn.softmax(picked, axis=-1)
+
+    def _expert(self, node: Node, rows, e: int, weights):
+        """Expert e's MLP on its rows (R, D); `weights` holds each parameter unstacked per expert."""
+        cd = self.compute_dtype
+        up = tf.matmul(rows, tf.cast(weights["w_in"][e], cd))
+        if moe_mlp(node.attrs) == "swiglu":
+            hidden = tf.nn.silu(tf.matmul(rows, tf.cast(weights["w_gate"][e], cd))) * up
+            return tf.matmul(hidden, tf.cast(weights["w_out"][e], cd))
+        hidden = tf.nn.gelu(up + tf.cast(weights["b_in"][e], cd), approximate=True)
+        return tf.matmul(hidden, tf.cast(weights["w_out"][e], cd)) + tf.cast(weights["b_out"][e], cd)
+
+    def _routed_experts(self, node: Node, x):
+        """Sorted dispatch: the (token, expert) assignments sorted by expert (a stable argsort), the chosen
+        tokens' rows gathered in that order and split into one contiguous segment per expert (sizes by
+        bincount, tensors of the graph: no host read per expert), each expert's products on its segment,
+        and the outputs weighted by their gates and summed back per token (unsorted_segment_sum)."""
+        a, cd = node.attrs, self.compute_dtype
+        experts, top_k = a["experts"], a["top_k"]
+        seq, width = self.graph.shapes[node.id]
+        n = _batch_size(x)
+        tokens = tf.reshape(tf.cast(x, cd), [-1, width])
+        chosen, gates = self._routing(node, tokens)
+        assigned = tf.reshape(chosen, [-1])  # assignment i is token i // top_k's choice i % top_k
+        order = tf.argsort(assigned, stable=True)
+        sizes = tf.math.bincount(assigned, minlength=experts, maxlength=experts)
+        token_of = order // top_k
+        segments = tf.split(tf.gather(tokens, token_of), sizes, num=experts)
+        # Unstacked once, so that each parameter's gradient is one stack of the experts' gradients.
+        weights = {name: tf.unstack(value, num=experts) for name, value in self.params[node.id].items()
+                   if name != "router"}
+        out = tf.concat([self._expert(node, rows, e, weights) for e, rows in enumerate(segments)], axis=0)
+        weighted = tf.cast(out, tf.float32) * tf.gather(tf.reshape(gates, [-1]), order)[:, None]
+        summed = tf.math.unsorted_segment_sum(weighted, token_of, n * seq)
+        return tf.reshape(tf.cast(summed, cd), [n, seq, width])
+
+    def _every_expert(self, node: Node, x):
+        """Static shapes (XLA): every expert runs on every token in einsums, and a gate of 0 drops what the
+        token did not choose (E/k times the work counted)."""
         a, p, cd = node.attrs, self.params[node.id], self.compute_dtype
         x = tf.cast(x, cd)
         logits = tf.cast(tf.einsum("nsd,de->nse", x, tf.cast(p["router"], cd)), tf.float32)
