@@ -3,7 +3,7 @@
 FlopCounterMode counts 2 FLOPs per multiply-accumulate of the matrix products and convolutions it
 knows, over every output position times the full kernel window, so padded taps count (the paper's
 convention). It does not count bias additions, normalisation, activations, pooling or softmax, so
-only 'conv', 'dense' and 'attention' are covered:
+only 'conv', 'dense', 'attention' and 'moe' are covered:
 
 * conv:  aten.convolution (and its variants) forward, aten.convolution_backward backward (the input
   gradient only where one is needed, the weight gradient always);
@@ -19,6 +19,10 @@ only 'conv', 'dense' and 'attention' are covered:
     kernels do instead of keeping the probabilities; the model's backward is the four input
     gradients of the two products (as the analytic count, Megatron-LM's and PaLM's MFU), so the
     backward rules here are torch's less that recomputation.
+* moe: the products that a moe node's module (lowering.Experts) runs, the router's and each expert's on
+  its routed tokens, forward and backward, booked by module (FlopCounterMode's per-module counts), not
+  as dense. torch 2.13 has no rule for torch._grouped_mm (the experts' products on CUDA in bf16); the
+  rule here counts 2 FLOPs per MAC of each group's product.
 
 Forward-only counts run in eval mode under no_grad. Forward+backward counts run a training-mode
 forward and the backward of the loss, with an input that does not require grad (token ids never
@@ -29,6 +33,8 @@ weight update is not counted.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from aiperf_core.backend import CounterConvention, NativeCounter
@@ -36,15 +42,16 @@ from aiperf_core.backend import CounterConvention, NativeCounter
 CONVENTION = CounterConvention(
     mac_ops=2,
     padding="paper",
-    covers=("conv", "dense", "attention"),
+    covers=("conv", "dense", "attention", "moe"),
     includes_update=False,
     notes=("torch.utils.flop_counter.FlopCounterMode: 2 FLOPs per MAC of convolutions and matrix products, "
            "padded taps and the causal mask's S x S scores included (attention's backward without the fused "
-           "kernels' recomputation of the scores); bias, normalisation, activation, pooling and softmax are "
-           "not counted; the backward count has no weight update"),
+           "kernels' recomputation of the scores); a moe node's router and routed experts' products under "
+           "'moe'; bias, normalisation, activation, pooling and softmax are not counted; the backward count "
+           "has no weight update"),
 )
 
-_DENSE_OPS = ("mm", "addmm", "matmul", "_scaled_mm")
+_DENSE_OPS = ("mm", "addmm", "matmul", "_scaled_mm", "_grouped_mm")
 _ATTENTION_OPS = ("bmm", "baddbmm")
 
 
@@ -83,6 +90,22 @@ def attention_rules() -> dict:
             aten._scaled_dot_product_cudnn_attention_backward: backward}
 
 
+def grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
+    """torch._grouped_mm's FLOPs from its operands' shapes: 2 per MAC, each output element a product over
+    the operands' shared axis, except that a 2D x 2D product (a weight gradient) splits that axis among
+    its groups, so its (groups, M, N) output sums M x N products over the whole axis once."""
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[1]
+    return 2 * math.prod(out_shape) * a[-1]
+
+
+def flop_rules() -> dict:
+    """FlopCounterMode's custom_mapping: attention_rules and torch._grouped_mm's rule."""
+    import torch
+
+    return {**attention_rules(), torch.ops.aten._grouped_mm: grouped_mm_flops}
+
+
 class TorchFlopCounter(NativeCounter):
     convention = CONVENTION
 
@@ -100,7 +123,7 @@ class TorchFlopCounter(NativeCounter):
         x = rng.integers(0, graph.vocab, shape) if graph.takes_tokens else rng.standard_normal(shape).astype(np.float32)
         x = torch.from_numpy(x).to(device)
         was_training = model.training
-        counter = FlopCounterMode(display=False, custom_mapping=attention_rules())
+        counter = FlopCounterMode(display=False, custom_mapping=flop_rules())
         try:
             if backward:
                 if len(graph.output_shape) not in (1, 2):

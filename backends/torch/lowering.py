@@ -306,11 +306,36 @@ class PositionTable(nn.Module):
         self.table = nn.Parameter(torch.zeros(seq_len, units))
 
 
+def expert_segments(chosen, experts: int):
+    """The sorted dispatch of a moe: `chosen` (T, k) holds each token's experts. Returns `order`, the
+    flattened (token, choice) assignments (index t * k + slot) sorted by expert, stably (so a segment keeps
+    its tokens in order), and `offsets`, int32 (experts,), the cumulative segment sizes: expert e's
+    assignments are order[offsets[e-1]:offsets[e]] (torch._grouped_mm's `offs`). Both stay on the device
+    and have shapes fixed by (T, k, experts)."""
+    flat = chosen.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    bounds = torch.arange(experts, device=chosen.device, dtype=flat.dtype)
+    return order, torch.searchsorted(flat[order], bounds, right=True, out_int32=True)
+
+
+def grouped_mm_fits(device, dtype, width: int, units: int) -> bool:
+    """Whether a moe runs its experts as torch._grouped_mm: on CUDA in bf16 (the dtype its kernel and its
+    meta function, which torch.compile traces, take), with rows of 16 bytes' multiples (its alignment)."""
+    return (device.type == "cuda" and dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and width % 8 == 0 and units % 8 == 0)
+
+
 class Experts(nn.Module):
     """A moe node: its router (D, E) and expert stacks in the IR's layout: GELU experts w_in (E, D, F),
     b_in (E, F), w_out (E, F, D), b_out (E, D); SwiGLU experts w_gate and w_in (E, D, F), w_out (E, F, D).
-    Each expert runs on the tokens routed to it only (index_select, index_add), so the work done is the
-    work counted; the routing is data-dependent, which costs torch.compile a graph break."""
+
+    Sorted dispatch: the (token, choice) assignments are sorted by expert (`expert_segments`), the tokens
+    gathered in that order, each expert's products run on its contiguous segment, and the outputs, weighted
+    by the gates, added back to their tokens (index_add_). Each expert sees only the tokens routed to it,
+    so the work done is the work counted. Where `grouped_mm_fits` (CUDA, bf16) the segments are one
+    torch._grouped_mm per product with the offsets on the device: no host synchronisation. Otherwise
+    `segment_products` reads the segment sizes once per moe layer (one host read, not one per expert) and
+    runs one product per non-empty segment, outside torch.compile's graph (its sizes are data)."""
 
     def __init__(self, width: int, attrs):
         super().__init__()
@@ -330,18 +355,40 @@ class Experts(nn.Module):
             return (F.silu(tokens @ self.w_gate[e]) * (tokens @ self.w_in[e])) @ self.w_out[e]
         return F.gelu(tokens @ self.w_in[e] + self.b_in[e], approximate="tanh") @ self.w_out[e] + self.b_out[e]
 
+    @torch.compiler.disable
+    def segment_products(self, tokens, offsets):
+        """The experts' outputs for `tokens` sorted by expert, one product per non-empty segment."""
+        sizes = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()  # the layer's one host read
+        segments = tokens.split(sizes)
+        return torch.cat([self.expert(e, segment) for e, segment in enumerate(segments) if sizes[e]])
+
+    def grouped_products(self, tokens, offsets, expert_of, dtype):
+        """The experts' outputs for `tokens` sorted by expert, as torch._grouped_mm over the segments that
+        `offsets` bounds, in `dtype`; `expert_of` is each row's expert (for the biases)."""
+        tokens = tokens.to(dtype)
+        up = torch._grouped_mm(tokens, self.w_in.to(dtype), offsets)
+        if self.swiglu:
+            hidden = F.silu(torch._grouped_mm(tokens, self.w_gate.to(dtype), offsets)) * up
+            return torch._grouped_mm(hidden, self.w_out.to(dtype), offsets)
+        hidden = F.gelu(up + self.b_in.to(dtype)[expert_of], approximate="tanh")
+        return torch._grouped_mm(hidden, self.w_out.to(dtype), offsets) + self.b_out.to(dtype)[expert_of]
+
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
         logits = flat @ self.router.to(flat.dtype)
         # A stable descending sort puts the lower expert index first among equals, as the IR does.
         chosen = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :self.top_k]
         gates = torch.gather(logits.float(), 1, chosen).softmax(dim=-1).to(flat.dtype)
-        out = torch.zeros_like(flat)
-        for e in range(self.router.shape[1]):
-            tokens, slot = (chosen == e).nonzero(as_tuple=True)
-            if tokens.numel() == 0:
-                continue
-            out = out.index_add(0, tokens, self.expert(e, flat[tokens]) * gates[tokens, slot].unsqueeze(1))
+        order, offsets = expert_segments(chosen, self.router.shape[1])
+        token_of = order // self.top_k
+        tokens = flat.index_select(0, token_of)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else flat.dtype
+        if grouped_mm_fits(x.device, dtype, x.shape[-1], self.w_in.shape[-1]):
+            outputs = self.grouped_products(tokens, offsets, chosen.reshape(-1)[order], dtype)
+        else:
+            outputs = self.segment_products(tokens, offsets)
+        weighted = outputs * gates.reshape(-1)[order].unsqueeze(1)
+        out = torch.zeros(flat.shape, dtype=weighted.dtype, device=flat.device).index_add_(0, token_of, weighted)
         return out.reshape(x.shape)
 
 
