@@ -24,11 +24,20 @@ counts a Conv2D with group=G as if every filter read all the input channels, G t
 (measured, forward and backward, grouped and depthwise). Its G groups are G identical convolutions
 of C/G input channels and F/G filters, so the counter compiles one of them and counts it G times.
 
+A routed moe (lowering.Experts) runs MatMuls whose rows depend on the routing: the router's on the T
+tokens, and each expert's on the rows of the tokens that chose it, which sum to T * top_k whatever the
+routing (FLOPs are linear in the rows). Its host read and row slicing cannot be compiled in graph mode, so
+the counter compiles its products as lowering.Dense cells of the same shapes: the router (T, D) x (D, E),
+and each expert projection on all T * top_k routed rows (D -> F, twice for SwiGLU, and F -> D), with their
+gradients as above (the router's and the first projections' input gradients only when a trained node lies
+upstream), all booked under 'moe'. Its gates, top-k, activations and the scatter back are not counted.
+
 Bias additions, normalisation, activations, pooling and softmax (attention's included) are not
-counted, so only 'conv', 'dense' and 'attention' are covered; the weight update is not counted. Compiled counts are cached per (op,
-shapes, attributes). flops_collection needs graph mode, which is MindSpore's process-wide
-execution mode: the counter switches to it under a lock and back to PyNative afterwards, so it
-must not run while another thread trains with this backend (the conformance kit counts alone).
+counted, so only 'conv', 'dense', 'attention' and 'moe' (its products) are covered; the weight update is
+not counted. Compiled counts are cached per (op, shapes, attributes). flops_collection needs graph mode,
+which is MindSpore's process-wide execution mode: the counter switches to it under a lock and back to
+PyNative afterwards, so it must not run while another thread trains with this backend (the conformance
+kit counts alone).
 """
 
 from __future__ import annotations
@@ -45,13 +54,13 @@ from aiperf_core.gcpause import gc_frozen
 CONVENTION = CounterConvention(
     mac_ops=2,
     padding="paper",
-    covers=("conv", "dense", "attention"),
+    covers=("conv", "dense", "attention", "moe"),
     includes_update=False,
     notes=("mindspore.flops_collection of graph-mode compiled Conv2D/MatMul/BatchMatMul, per conv, dense and "
            "attention node: 2 FLOPs per MAC over every kernel tap (padding included) and every attention score "
-           "(masked ones included); backward from gradient graphs (input gradient left out for the node that "
-           "reads the data); bias, normalisation, activation, pooling and softmax are not counted; the backward "
-           "count has no weight update"),
+           "(masked ones included), a routed moe's products (router, experts on k rows per token); backward from "
+           "gradient graphs (input gradient left out for the node that reads the data); bias, normalisation, "
+           "activation, pooling and softmax are not counted; the backward count has no weight update"),
 )
 
 _CACHE: dict[tuple, int] = {}
@@ -173,15 +182,37 @@ def _nchw(batch: int, shape: tuple) -> tuple:
     return (batch, shape[2], shape[0], shape[1]) if len(shape) == 3 else (batch,) + tuple(shape)
 
 
+def _moe_flops(rows: int, width: int, attrs: Any, backward: bool, input_grad: bool) -> int:
+    """FLOPs of a routed moe's products on `rows` tokens (module docstring): the router's on every row, and
+    the experts' on rows * top_k rows, all their routed rows together."""
+    from aiperf_core.ir import moe_mlp
+
+    e, k, f = attrs["experts"], attrs["top_k"], attrs["units"]
+    swiglu = moe_mlp(attrs) == "swiglu"
+    routed = rows * k
+
+    def product(n: int, d_in: int, d_out: int, bias: bool, grad_in: bool) -> int:
+        return _node_flops("dense", (n, d_in), (n, d_out), {"units": d_out, "use_bias": bias}, backward, grad_in)
+
+    router = product(rows, width, e, False, input_grad)
+    inputs = (2 if swiglu else 1) * product(routed, width, f, not swiglu, input_grad)
+    return router + inputs + product(routed, f, width, not swiglu, True)
+
+
 class MindSporeFlopsCounter(NativeCounter):
     convention = CONVENTION
 
     def count(self, model, batch: int, backward: bool) -> dict[str, int]:
         graph = model.graph
-        out = {"conv": 0, "dense": 0, "attention": 0, "other": 0}
-        for node, up in self.counted_nodes(graph, backward, ops=("conv2d", "dense", "attention")):
-            flops = _node_flops(node.op, _nchw(batch, graph.shapes[node.inputs[0]]), _nchw(batch, graph.shapes[node.id]),
-                                node.attrs, backward, input_grad=up)
+        out = {"conv": 0, "dense": 0, "attention": 0, "moe": 0, "other": 0}
+        for node, up in self.counted_nodes(graph, backward, ops=("conv2d", "dense", "attention", "moe")):
+            in_shape = graph.shapes[node.inputs[0]]
+            if node.op == "moe":
+                seq, width = in_shape
+                out["moe"] += _moe_flops(batch * seq, width, node.attrs, backward, input_grad=up)
+                continue
+            flops = _node_flops(node.op, _nchw(batch, in_shape), _nchw(batch, graph.shapes[node.id]), node.attrs,
+                                backward, input_grad=up)
             out[_CATEGORY[node.op]] += flops
         return out
 

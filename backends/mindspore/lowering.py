@@ -401,12 +401,15 @@ class Attention(nn.Cell):
 
 
 class Experts(nn.Cell):
-    """moe over (N, S, D): the router's top_k experts per token, gated by the softmax over their logits
-    (in float32), every expert's MLP in the compute dtype: GELU with biases, or SwiGLU without
-    (silu(x @ w_gate) * (x @ w_in)) @ w_out). Static shapes: every expert runs on every token and a gate of 0
-    drops what the token did not choose (E/k times the work counted). The parameters keep the IR's names and
-    layout; flops_collection is not asked about this node (the counter counts conv2d, dense and attention
-    nodes), so its products stay out of the dense count."""
+    """moe over (N, S, D), routed: the router's top_k experts per token, gated by the softmax over their logits
+    (in float32); each expert's MLP (GELU with biases, or SwiGLU without: (silu(x @ w_gate) * (x @ w_in)) @
+    w_out) in the compute dtype on the rows of the tokens that chose it only. The logits are read on the host
+    once per call (PyNative: a slice's size is a host integer), where each token's top_k are chosen (the lower
+    index first among equals) and the assignments sorted by expert (a stable sort); the chosen
+    tokens' rows gathered in that order, so that each expert's rows are one contiguous slice; the outputs,
+    weighted by their gates, are summed back per token (ops.unsorted_segment_sum). The parameters keep the IR's
+    names and layout and are unstacked once per call, so that each one's gradient is one stack of the experts'
+    gradients."""
 
     def __init__(self, width: int, attrs: Mapping[str, Any], compute_dtype=None):
         super().__init__()
@@ -424,24 +427,37 @@ class Experts(nn.Cell):
     def _cast(self, t):
         return t if self.compute_dtype is None else t.astype(self.compute_dtype)
 
+    def _unstacked(self) -> dict[str, tuple]:
+        names = ("w_gate", "w_in", "w_out") if self.swiglu else ("w_in", "b_in", "w_out", "b_out")
+        return {name: ops.unstack(self._cast(getattr(self, name)), axis=0) for name in names}
+
+    def _expert(self, rows, e: int, weights: Mapping[str, tuple]):
+        """Expert e's MLP on its rows (R, D)."""
+        if self.swiglu:
+            hidden = ops.silu(ops.matmul(rows, weights["w_gate"][e])) * ops.matmul(rows, weights["w_in"][e])
+            return ops.matmul(hidden, weights["w_out"][e])
+        hidden = ops.gelu(ops.matmul(rows, weights["w_in"][e]) + weights["b_in"][e], approximate="tanh")
+        return ops.matmul(hidden, weights["w_out"][e]) + weights["b_out"][e]
+
     def construct(self, x):
         n, s, d = x.shape
         rows = self._cast(x.reshape(n * s, d))
         logits = ops.matmul(rows, self._cast(self.router)).astype(ms.float32)
-        picked, chosen = ops.topk(logits, self.top_k, sorted=True)
-        gates = ops.softmax(picked, axis=-1)
-        weight = (ops.one_hot(chosen, self.experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))
-                  * gates.expand_dims(-1)).sum(axis=1)  # (T, E)
-        every = rows.expand_dims(0)
-        if self.swiglu:
-            hidden = ops.silu(ops.matmul(every, self._cast(self.w_gate))) * ops.matmul(every, self._cast(self.w_in))
-            out = ops.matmul(hidden, self._cast(self.w_out))  # (E, T, D)
-        else:
-            hidden = ops.gelu(ops.matmul(every, self._cast(self.w_in)) + self._cast(self.b_in).expand_dims(1),
-                              approximate="tanh")
-            out = ops.matmul(hidden, self._cast(self.w_out)) + self._cast(self.b_out).expand_dims(1)  # (E, T, D)
-        y = (self._cast(weight).transpose(1, 0).expand_dims(-1) * out).sum(axis=0)
-        return y.reshape(n, s, d)
+        # The layer's one host read: the choice, by a stable sort, puts the lower index first among equals, as
+        # the IR does (ops.topk does not: measured on MindSpore 2.10's CPU kernel, [3, 3, 3] gives [1, 2]).
+        chosen = np.argsort(-logits.asnumpy(), axis=-1, kind="stable")[:, :self.top_k]
+        gates = ops.softmax(ops.gather_elements(logits, 1, Tensor(chosen.astype(np.int32))), axis=-1)
+        assigned = chosen.reshape(-1)  # assignment i is token i // top_k's choice i % top_k
+        order = np.argsort(assigned, kind="stable")
+        ends = np.cumsum(np.bincount(assigned, minlength=self.experts)).tolist()
+        token_of = Tensor((order // self.top_k).astype(np.int32))
+        dispatched = ops.gather(rows, token_of, 0)
+        weights = self._unstacked()
+        outputs = [self._expert(dispatched[start:end], e, weights)
+                   for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)) if end > start]
+        weighted = ops.cat(outputs, 0).astype(ms.float32) * ops.gather(gates.reshape(-1), Tensor(order), 0)[:, None]
+        summed = ops.unsorted_segment_sum(weighted, token_of, n * s)
+        return summed.astype(rows.dtype).reshape(n, s, d)
 
 
 class RMSNorm(nn.Cell):
