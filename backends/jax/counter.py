@@ -27,8 +27,16 @@ time, with the node's shapes at the requested batch:
   masked or not: attention is counted in the paper convention (``CONVENTION.attention``), whatever
   the padding convention of the convolutions.
 
+* moe: as attention, the node is traced as lowered (``lowering.mixture_of_experts``, routed) and its
+  products compiled alone: forward the router's and the expert tiles'; backward the VJP's less the
+  forward's (the input gradients only when a trained parameter lies upstream). The tiles run in a
+  ``lax.scan``, whose body XLA's analysis of the loop counts once, so each product in a scan's body
+  is counted times the scan's length: the times it runs (a ``while`` loop, of no static trip count,
+  is refused). The routing, gates, biases and activations are not attributed, so 'moe' is the router's
+  and chosen experts' products plus the tiles' padding rows (at most E (b - 1), `moe_tile_rows`).
+
 Bias additions, normalisation, activations, rotary, mul, pooling, the softmax (attention's included) and the
-embedding's gather are not attributed, so only 'conv', 'dense' and 'attention' are measured. The
+embedding's gather are not attributed, so only 'conv', 'dense', 'attention' and 'moe' are measured. The
 weight update is not counted. Compiled costs are cached per (op, shapes, attributes), so counting
 many similar graphs (morphs) is cheap.
 
@@ -53,14 +61,16 @@ from aiperf_core.backend import BackendError, CounterConvention, NativeCounter
 CONVENTION = CounterConvention(
     mac_ops=2,
     padding="valid",
-    covers=("conv", "dense", "attention"),
+    covers=("conv", "dense", "attention", "moe"),
     includes_update=False,
     attention="paper",
     notes=("XLA HloCostAnalysis via jax .lower().compile().cost_analysis(), per conv/dense node: 2 FLOPs per MAC, "
            "only taps on real input (padding skipped); transcendentals are reported separately by XLA and not "
            "attributed; bias, normalisation, activation, pooling and softmax are not counted; the backward count "
            "has no weight update. Attention's two products count every one of the S x S scores (the paper "
-           "convention, not 'valid': XLA masks with a select after the full product)"),
+           "convention, not 'valid': XLA masks with a select after the full product). A moe node's count is its "
+           "routed lowering's products (router, and the tiles of the chosen experts with their padding rows, at "
+           "most E (b - 1)); its routing, gelu and gating are not counted"),
 )
 
 _CACHE: dict[tuple, int] = {}
@@ -110,30 +120,37 @@ def _flops_typed(fn, *avals) -> int:
     return int(round(float(cost.get("flops", 0.0))))
 
 
-def _dot_equations(jaxpr):
-    """The dot_general equations of a jaxpr, those of its sub-jaxprs included (jnp.einsum is itself
-    jitted, so its dot sits one level down), in order."""
+def _dot_equations(jaxpr, times: int = 1):
+    """(dot_general equation, how many times it runs) for each product of a jaxpr, those of its
+    sub-jaxprs included (jnp.einsum is itself jitted, so its dot sits one level down), in order. A
+    scan runs its body `length` times (the routed moe's tiles), so its products count that many times;
+    a while loop's trip count is not static, so its products cannot be counted."""
     from jax.extend.core import ClosedJaxpr, Jaxpr
 
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
-            yield eqn
+            yield eqn, times
+        if eqn.primitive.name == "while":
+            raise BackendError("jax native counter: a while loop's trip count is not static, so the products "
+                               "in its body cannot be counted")
+        runs = times * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
         for value in eqn.params.values():
             for sub in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(sub, ClosedJaxpr):
-                    yield from _dot_equations(sub.jaxpr)
+                    yield from _dot_equations(sub.jaxpr, runs)
                 elif isinstance(sub, Jaxpr):
-                    yield from _dot_equations(sub)
+                    yield from _dot_equations(sub, runs)
 
 
 def _dots_flops(node_id: str, fn, *shapes) -> int:
     """XLA's FLOPs of the products `fn` traces, each dot_general compiled alone with its own operand
-    shapes, dtypes and parameters; a product counted <= 0 is an error naming the node."""
+    shapes, dtypes and parameters, times the number of times it runs (a scan's body: XLA's analysis of
+    a whole loop counts its body once); a product counted <= 0 is an error naming the node."""
     import jax
 
     closed = jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, "float32") for s in shapes))
     total = 0
-    for eqn in _dot_equations(closed.jaxpr):
+    for eqn, times in _dot_equations(closed.jaxpr):
         operands = [v.aval for v in eqn.invars]
         key = ("dot_general", tuple((a.shape, str(a.dtype)) for a in operands), str(sorted(eqn.params.items())))
         if key not in _CACHE:
@@ -144,7 +161,7 @@ def _dots_flops(node_id: str, fn, *shapes) -> int:
         if _CACHE[key] <= 0:  # a product always has operations
             raise BackendError(f"jax native counter: XLA's cost analysis gave {_CACHE[key]} FLOPs for a product of "
                                f"node '{node_id}' (operands {[list(a.shape) for a in operands]}); not a count")
-        total += _CACHE[key]
+        total += times * _CACHE[key]
     return total
 
 
@@ -177,6 +194,44 @@ def _attention_flops(node_id: str, query_shape: tuple, kv_shape: tuple, attrs: A
         if flops <= 0:  # an attention node always multiplies
             raise BackendError(f"jax native counter: XLA's cost analysis gave {flops} FLOPs for the {part} pass of "
                                f"node '{node_id}' (attention, query {list(query_shape)}); not a count")
+    _CACHE[key] = total = sum(parts.values())
+    return total
+
+
+def _moe_flops(node_id: str, in_shape: tuple, param_shapes: dict, attrs: Any, backward: bool,
+                input_grad: bool) -> int:
+    """XLA's FLOPs of a moe node's products as lowered (`lowering.mixture_of_experts`, routed): forward the
+    router's product and the batched products over the expert tiles; backward the products of the VJP
+    (weight gradients, and the input gradients unless only data lies upstream) less the forward's. The
+    tiles are static, so the products are the same whatever the routing."""
+    import jax
+
+    from aiperf_backends.jax.lowering import mixture_of_experts
+
+    names = sorted(param_shapes)
+    frozen = tuple(sorted(dict(attrs).items()))
+    key = ("moe", in_shape, tuple((n, tuple(param_shapes[n])) for n in names), frozen, backward, input_grad)
+    if key in _CACHE:
+        return _CACHE[key]
+
+    def forward(x, *weights):
+        return mixture_of_experts(x, dict(zip(names, weights)), attrs)
+
+    def pullback(x, *weights_and_dy):
+        *weights, dy = weights_and_dy
+        if input_grad:
+            return jax.vjp(forward, x, *weights)[1](dy)
+        return jax.vjp(lambda *w: forward(x, *w), *weights)[1](dy)
+
+    shapes = (in_shape,) + tuple(tuple(param_shapes[n]) for n in names)
+    parts = {"forward": _dots_flops(node_id, forward, *shapes)}
+    if backward:
+        # The VJP's jaxpr is the forward's followed by the transposed products.
+        parts["backward"] = _dots_flops(node_id, pullback, *shapes, in_shape) - parts["forward"]
+    for part, flops in parts.items():
+        if flops <= 0:  # a moe node always multiplies
+            raise BackendError(f"jax native counter: XLA's cost analysis gave {flops} FLOPs for the {part} pass of "
+                               f"node '{node_id}' (moe, input {list(in_shape)}); not a count")
     _CACHE[key] = total = sum(parts.values())
     return total
 
@@ -221,9 +276,13 @@ class XlaCostCounter(NativeCounter):
 
     def count(self, model, batch: int, backward: bool) -> dict[str, int]:
         graph = model.graph
-        out = {"conv": 0, "dense": 0, "attention": 0, "other": 0}
-        for node, up in self.counted_nodes(graph, backward, ops=("conv2d", "dense", "attention")):
+        out = {"conv": 0, "dense": 0, "attention": 0, "moe": 0, "other": 0}
+        for node, up in self.counted_nodes(graph, backward, ops=("conv2d", "dense", "attention", "moe")):
             in_shape = (batch,) + tuple(graph.shapes[node.inputs[0]])
+            if node.op == "moe":
+                params = graph.all_param_shapes()[node.id]
+                out["moe"] += _moe_flops(node.id, in_shape, params, node.attrs, backward, input_grad=up)
+                continue
             if node.op == "attention":
                 kv_shape = (batch,) + tuple(graph.shapes[node.inputs[1]])
                 out["attention"] += _attention_flops(node.id, in_shape, kv_shape, node.attrs, backward, input_grad=up)
