@@ -147,6 +147,14 @@ class TrainConfig:
     # training (the kit's train level checks it); memory for activations falls from every block's to
     # one block's, for a third more forward work (not counted: the score counts the model's ops).
     checkpoint_blocks: bool = False
+    # A mixture of experts' load-balancing loss (docs/search.md, "Load balance"), added to the training
+    # loss with this coefficient alpha: for each moe node, alpha times the mean over the batch's sequences
+    # of E sum_e f_e P_e, where f_e is the share of the sequence's S top_k (token, choice) assignments
+    # that expert e received and P_e the mean over the sequence's tokens of the router's softmax
+    # probability of e (over all E experts); f_e carries no gradient. Per sequence (DeepSeek-V3's
+    # sequence-wise form), so that it adds up over micro-batches and devices as the cross-entropy does.
+    # 1 at an even load. EpochReport.loss stays the cross-entropy alone. 0: no such loss.
+    moe_aux_loss: float = 0.0
 
 
 COMPILE_MODES = ("auto", "always", "never")
@@ -187,6 +195,10 @@ class EpochReport:
     # Seconds of this epoch spent tracing and compiling the step (torch.compile, XLA, jit_compile),
     # included in step_seconds; 0.0 when nothing was compiled, None when not measured.
     compile_seconds: float | None = None
+    # Per moe node id: the (token, choice) assignments each of its experts received over the epoch's
+    # training steps, E counts summing to the epoch's training tokens times top_k (the load-balance
+    # figure); None when the graph has no moe node.
+    expert_load: Mapping[str, tuple[int, ...]] | None = None
 
 
 class StepClock:
@@ -720,6 +732,8 @@ def check_train_config(config: TrainConfig) -> None:
         raise BackendError(f"grad_clip must be > 0 or None, got {config.grad_clip}")
     if config.micro_batch is not None and config.micro_batch < 1:
         raise BackendError(f"micro_batch must be >= 1 or None, got {config.micro_batch}")
+    if not (math.isfinite(config.moe_aux_loss) and config.moe_aux_loss >= 0.0):
+        raise BackendError(f"moe_aux_loss must be a finite number >= 0, got {config.moe_aux_loss}")
 
 
 def micro_batches(length: int, micro_batch: int | None) -> list[tuple[int, int]]:

@@ -234,6 +234,9 @@ ITEMS: tuple[PolicyItem, ...] = (
     PolicyItem("micro_batch", "auto", False, "gradient accumulation: the most sequences one device takes through one "
                "forward and backward pass; auto: the whole shard where the memory estimate fits it, else the "
                "largest that fits (docs/search.md, \"Memory\")", _auto_or_int(1), LM),
+    PolicyItem("moe_aux_loss", 0.01, False, "a mixture of experts' sequence-wise load-balancing loss, with this "
+               "coefficient (Switch Transformer's 0.01; 0: none; docs/search.md, \"Load balance\")",
+               _number_range(0.0, 1.0), LM),
     PolicyItem("activation_checkpointing", "auto", False, "recompute each block's activations in the backward pass: "
                "auto (where the memory estimate needs it), always or never", _choice("auto", "always", "never"), LM),
     PolicyItem("nas_candidates", 8, False, "morph candidates generated and scored per round", _int_range(1)),

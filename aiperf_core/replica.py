@@ -142,6 +142,20 @@ def _seconds(value: float | None) -> float | None:
     return value if value is not None and value >= 0 else None
 
 
+def expert_load_fields(load) -> dict:
+    """epoch_end's `expert_load` (docs/run-directory.md): per moe node the tokens each expert received
+    and their maximum over their mean (1 at an even load, E when one expert takes every token); no field
+    for a graph without a moe node."""
+    if not load:
+        return {}
+    out = {}
+    for node, counts in load.items():
+        counts = [int(c) for c in counts]
+        mean = sum(counts) / len(counts)
+        out[str(node)] = {"tokens": counts, "max_over_mean": round(max(counts) / mean, 4) if mean else None}
+    return {"expert_load": out}
+
+
 def _total_compile_seconds(values) -> float | None:
     """The sum of the measured values; None when none was measured."""
     measured = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
@@ -583,7 +597,8 @@ def train_config(policy: Policy, hyper: Mapping[str, Any], seed: int) -> TrainCo
                                          policy["lr_warmup_epochs"], policy["lr_schedule"]),
                        momentum=policy["momentum"], label_smoothing=hyper["label_smoothing"],
                        precision=hyper["precision"], seed=seed, compile=policy["compile"],
-                       optimizer=policy["optimizer"], grad_clip=policy.get("grad_clip") or None, **adamw)
+                       optimizer=policy["optimizer"], grad_clip=policy.get("grad_clip") or None,
+                       moe_aux_loss=policy.get("moe_aux_loss", 0.0), **adamw)
 
 
 PROGRESS_DIR_PREFIX = "aiperf-progress-"
@@ -676,7 +691,8 @@ class _EpochWatch:
                                      loss=loss, val_loss=val_loss, val_accuracy=accuracy,
                                      skipped_images=int(getattr(report, "skipped_images", 0)),
                                      step_seconds=None if report.step_seconds is None else _finite(report.step_seconds),
-                                     compile_seconds=_seconds(getattr(report, "compile_seconds", None)))
+                                     compile_seconds=_seconds(getattr(report, "compile_seconds", None)),
+                                     **expert_load_fields(getattr(report, "expert_load", None)))
         self.compile_seconds = _total_compile_seconds([self.compile_seconds, event["compile_seconds"]])
         self.started = event["time"]
         self.accuracies.append(accuracy)
