@@ -240,3 +240,36 @@ def test_a_run_whose_every_trial_failed_says_so(tmp_path, capsys):
     assert main(["score", str(tmp_path)]) == 0  # scoring a failed run is not an error of `aiperf score`
     out = capsys.readouterr().out
     assert "FAILED: the run produced nothing: no trial succeeded (3 failed trial(s)" in out and "(try 0)" in out
+
+
+def test_the_load_balance_of_mixtures_of_experts_beside_the_score(tmp_path):
+    """Issue 40, item 4: epoch_end.expert_load (replica.expert_load_fields) reaches summary.json and the
+    report: per trial its least even moe layer in its last epoch, never the score."""
+    from aiperf_core.replica import expert_load_fields
+
+    b = RunBuilder(tmp_path)
+    b.replica_start(0, 1000)
+    t = b.trial_start(0, 1000, GRAPH_1, "fp32")
+    b.epoch(0, t, 1100, 0, 1000, 200, 0.5, **expert_load_fields({"m1_moe": (40, 0, 0, 24), "m2_moe": (16,) * 4}))
+    b.epoch(0, t, 1200, 1, 1000, 200, 0.6, **expert_load_fields({"m1_moe": (20, 12, 16, 16), "m2_moe": (16,) * 4}))
+    b.trial_end(0, t, 1210, epochs=2, best=0.6)
+    u = b.trial_start(0, 1210, GRAPH_1, "fp32")  # no mixture of experts: no field
+    b.epoch(0, u, 1300, 0, 1000, 200, 0.5)
+    b.finish(1400)
+    plain = score_run(tmp_path)
+    _, summary_path = write_report(tmp_path)
+    summary = json.loads(summary_path.read_text())
+    assert summary["expert_load"] == {
+        "trials": 1, "mean_max_over_mean": 1.25, "worst_max_over_mean": 1.25,
+        "least_even": [{"trial": t, "max_over_mean": {"m1_moe": 1.25, "m2_moe": 1.0}}]}
+    assert summary["score_ops"] == plain.score_ops
+    html = (tmp_path / "report.html").read_text()
+    assert "Mixture of experts: load balance" in html and "m1_moe 1.25, m2_moe 1.00" in html
+    assert "expert load 1.25 x the mean" in html
+
+
+def test_a_run_without_a_mixture_of_experts_has_no_load_section(tmp_path):
+    standard_run(tmp_path).finish(1960)
+    _, summary_path = write_report(tmp_path)
+    assert json.loads(summary_path.read_text())["expert_load"] is None
+    assert "load balance" not in (tmp_path / "report.html").read_text()

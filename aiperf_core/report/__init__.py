@@ -5,7 +5,8 @@
 Both are recomputed from the run directory alone (event logs, trial graphs, monitor samples,
 run.json) and written atomically, so a report of a run still going can be rewritten at any time.
 Next to the score they give the precision trained at, the energy of the run with the analytic
-operations per joule (aiperf_core.report.energy), the time spent compiling training steps, and,
+operations per joule (aiperf_core.report.energy), the time spent compiling training steps, the load
+balance of mixtures of experts, and,
 for a run that produced nothing, its first failure.
 """
 
@@ -85,6 +86,7 @@ def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, 
         "precision": precision_summary(ledger),
         "energy": energy.to_dict(result.total_ops),
         "compile": compile_summary(ledger),
+        "expert_load": expert_load_summary(ledger),
         "machine": {
             "replicas": len(nodes), "replicas_configured": run.get("replicas"),
             "devices_per_replica": run.get("devices_per_replica"), "executor": run.get("executor"),
@@ -125,6 +127,24 @@ def compile_summary(ledger: RunLedger) -> dict[str, Any]:
     lives = sum(s.life_seconds() or 0.0 for s in ledger.replicas.values())
     return {"seconds": seconds, "share": seconds / lives if seconds is not None and lives > 0 else None,
             "trials_measured": sum(t.compile_seconds is not None for t in ledger.trials.values())}
+
+
+EXPERT_LOAD_LISTED = 10  # the trials whose experts' load was least even, in summary.json and the report
+
+
+def expert_load_summary(ledger: RunLedger) -> dict[str, Any] | None:
+    """The load balance of the trials with a mixture of experts (epoch_end.expert_load, latest epoch):
+    per trial its least even moe layer's maximum over mean tokens per expert (1 at an even load), their
+    mean and worst over the run, and the EXPERT_LOAD_LISTED least even trials; null when no trial had a
+    mixture of experts. Reported beside the score, not part of it."""
+    worst_per_trial = {t.id: max(t.expert_load.values()) for t in ledger.trials.values() if t.expert_load}
+    if not worst_per_trial:
+        return None
+    ranked = sorted(worst_per_trial.items(), key=lambda item: (-item[1], item[0]))[:EXPERT_LOAD_LISTED]
+    return {"trials": len(worst_per_trial),
+            "mean_max_over_mean": sum(worst_per_trial.values()) / len(worst_per_trial),
+            "worst_max_over_mean": ranked[0][1],
+            "least_even": [{"trial": tid, "max_over_mean": ledger.trials[tid].expert_load} for tid, _ in ranked]}
 
 
 def busy_fraction(ledger: RunLedger) -> float | None:

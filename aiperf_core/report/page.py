@@ -61,6 +61,7 @@ def render_page(summary: dict[str, Any], result: ScoreResult, ledger: RunLedger,
         _utilisation_chart(utilisation),
         "<h2>Power</h2>",
         _power_chart(power or {}),
+        _expert_load(summary.get("expert_load")),
         "<h2>Machine and software</h2>",
         _machine(summary),
         "<h2>Configuration (run.json)</h2>",
@@ -209,7 +210,8 @@ def _timeline(result: ScoreResult, ledger: RunLedger) -> str:
         end = trial.ended if trial.ended is not None else max(result.end_time, trial.last_epoch_time or trial.started)
         accuracy = "-" if trial.best_accuracy is None else f"{trial.best_accuracy:.2%}"
         compiled = "" if trial.compile_seconds is None else f", {trial.compile_seconds:.1f} s compiling"
-        tooltip = f"{trial.id}: {status}, {trial.epochs} epochs, best accuracy {accuracy}{compiled}"
+        balance = "" if not trial.expert_load else f", expert load {max(trial.expert_load.values()):.2f} x the mean"
+        tooltip = f"{trial.id}: {status}, {trial.epochs} epochs, best accuracy {accuracy}{compiled}{balance}"
         by_replica.setdefault(trial.replica, []).append(
             Bar((trial.started - start) / 3600, (end - start) / 3600, STATUS_COLORS.get(status, "#555555"), tooltip))
     replicas = sorted(by_replica)
@@ -239,6 +241,21 @@ def _compile(compiled: dict[str, Any]) -> str:
     if seconds is None:
         return "not measured"
     return f"{seconds:.1f} s ({_fraction(compiled.get('share'))} of the replicas' wall time)"
+
+
+def _expert_load(load: dict[str, Any] | None) -> str:
+    """The mixture-of-experts section: nothing for a run without one."""
+    if not load:
+        return ""
+    rows = "".join(
+        f"<tr><td>{escape(str(entry['trial']))}</td><td>"
+        + escape(", ".join(f"{node} {ratio:.2f}" for node, ratio in sorted(entry["max_over_mean"].items())))
+        + "</td></tr>" for entry in load["least_even"])
+    return (f"<h2>Mixture of experts: load balance</h2><p>{load['trials']} trials with a mixture of experts. The "
+            f"tokens each expert received in a trial's last epoch, their maximum over their mean (1: even; E: "
+            f"one expert takes every token): {load['mean_max_over_mean']:.2f} on average over the trials' least "
+            f"even layers, {load['worst_max_over_mean']:.2f} at worst. Reported beside the score, not part of it."
+            f"</p><table><tr><th>least even trials</th><th>per moe layer</th></tr>{rows}</table>")
 
 
 def _power_chart(power: dict[str, list[tuple[float, float]]]) -> str:

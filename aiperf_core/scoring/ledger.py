@@ -142,12 +142,25 @@ def read_run_info(run_dir: RunDir) -> RunInfo:
     return RunInfo(run, start, deadline, budget)
 
 
+def _expert_load(value) -> dict[str, float] | None:
+    """epoch_end.expert_load's maximum over mean per moe node; what does not read as one is left out (the
+    figure is reported beside the score, never part of it)."""
+    if not isinstance(value, dict):
+        return None
+    out = {}
+    for node, entry in value.items():
+        ratio = entry.get("max_over_mean") if isinstance(entry, dict) else None
+        if type(ratio) in (float, int) and ratio >= 1.0:
+            out[str(node)] = float(ratio)
+    return out or None
+
+
 class Trial:
     """One trial as its replica's log tells it."""
 
     __slots__ = ("id", "replica", "round", "parent", "graph_sha256", "precision", "started", "ended",
                  "status", "reason", "epochs", "last_epoch", "last_epoch_time", "best_accuracy", "per_image", "problem",
-                 "compile_seconds")
+                 "compile_seconds", "expert_load")
 
     def __init__(self, trial_id: str, replica: int, event: dict[str, Any]):
         hyper = event.get("hyper") if isinstance(event.get("hyper"), dict) else {}
@@ -168,6 +181,9 @@ class Trial:
         self.per_image: tuple[int, int] | None = None  # (FP, BP) once the graph is resolved
         self.problem: str | None = None  # why per_image is None
         self.compile_seconds: float | None = None  # summed epoch_end.compile_seconds; None: none measured
+        # Per moe node, its experts' maximum over mean tokens in the latest epoch (epoch_end.expert_load);
+        # None for a trial without a mixture of experts.
+        self.expert_load: dict[str, float] | None = None
 
     def state(self) -> list:
         """Every field, in __slots__ order (RunLedger.state)."""
@@ -180,7 +196,7 @@ class Trial:
         trial = cls.__new__(cls)
         (trial.id, trial.replica, trial.round, trial.parent, trial.graph_sha256, trial.precision, trial.started,
          trial.ended, trial.status, trial.reason, trial.epochs, trial.last_epoch, trial.last_epoch_time,
-         trial.best_accuracy, per_image, trial.problem, trial.compile_seconds) = values
+         trial.best_accuracy, per_image, trial.problem, trial.compile_seconds, trial.expert_load) = values
         if type(trial.id) is not str or type(trial.replica) is not int or type(trial.epochs) is not int:
             raise ValueError(f"trial {trial.id!r} of replica {trial.replica!r}")
         trial.per_image = None if per_image is None else (int(per_image[0]), int(per_image[1]))
@@ -190,7 +206,7 @@ class Trial:
         return {"trial": self.id, "replica": self.replica, "round": self.round, "parent": self.parent,
                 "started": self.started, "ended": self.ended, "status": self.status, "epochs": self.epochs,
                 "best_accuracy": self.best_accuracy, "precision": self.precision,
-                "compile_seconds": self.compile_seconds}
+                "compile_seconds": self.compile_seconds, "expert_load": self.expert_load}
 
 
 class ReplicaState:
@@ -415,6 +431,9 @@ class RunLedger:
         if type(compiling) in (float, int) and compiling >= 0:  # 0.0: nothing compiled; null: not measured
             trial.compile_seconds = (trial.compile_seconds or 0.0) + compiling
             state.compile_seconds = (state.compile_seconds or 0.0) + compiling
+        load = _expert_load(event.get("expert_load"))
+        if load:
+            trial.expert_load = load
         self.epochs.append((time, trial, train_images, val_images, accuracy, error))
 
     def _resolve_new_trials(self) -> None:

@@ -71,7 +71,7 @@ class Progress:
 
 
 CHECKPOINT_FORMAT = "aiperf-progress-checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2  # 2: trials hold their expert_load; a version-1 checkpoint is ignored, the logs read again
 CHECKPOINT_INTERVAL_S = 300.0  # how often the primary writes it: a reader then reads at most 5 minutes of logs
 
 
