@@ -23,7 +23,11 @@ On a CUDA machine, in one script, at the run's precision (`auto`: the backend's 
    torch and jax, then torch compiled (`lm-step`); and the epoch wall rate of a real
    `aiperf run --workload lm` with the official policy on an enwik8-shaped sample made here (the
    embedded corpus zipped as enwik8.zip and prepared, never the real file: the run is unofficial
-   for its data only) (`run-lm`), as sequences per second and analytic OPS.
+   for its data only) (`run-lm`), as sequences per second and analytic OPS;
+7. a mixture of experts' step (`moe`): benchmarks/moe_step.py for torch and jax at GPT-2 small's width
+   (768, 2 blocks) at 1,024 tokens, batch 8, at torch's fastest precision: every MLP upcycled to 8
+   experts, 2 per token, against the dense GPT of the same active parameters (torch's grouped GEMM
+   and jax's routed tiles on a GPU; goal >= 0.8).
 
 On a machine without a CUDA device it prints one line and exits 0. `--smoke` runs every code path
 on the CPU at toy sizes (fp32, 32x32, batch 4, no `aiperf run`): a check of the script, not figures.
@@ -62,7 +66,7 @@ RUN_BUDGET = os.environ.get("AIPERF_GPU_RUN_BUDGET", "12m")
 JPEGS_PER_CLASS = int(os.environ.get("AIPERF_GPU_JPEGS", "2000"))
 LR, MOMENTUM = 0.01, 0.9
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("torch-eager", "torch-compiled", "jax", "run-synthetic", "run-jpeg", "lm-step", "run-lm")
+PARTS = ("torch-eager", "torch-compiled", "jax", "run-synthetic", "run-jpeg", "lm-step", "run-lm", "moe")
 failures: list[str] = []
 
 
@@ -349,6 +353,16 @@ def epoch_rates(run_dir: Path) -> tuple[list[float], list[float]]:
     return first, later
 
 
+def moe_part() -> None:
+    """benchmarks/moe_step.py at GPT-2 small's width on the GPU (docstring, 7); its BENCH lines pass through."""
+    from aiperf_backends.torch import TorchBackend
+
+    sizes = ["--smoke"] if SMOKE else ["--hidden", "768", "--seq-len", "1024", "--batch", "8",
+                                        "--precision", TorchBackend().fastest_precision()]
+    subprocess.run([sys.executable, str(Path(__file__).parent / "moe_step.py"), "--backends", "torch,jax",
+                    "--repeat", "1" if SMOKE else "3", *sizes], check=True)
+
+
 def lm_step_part() -> None:
     """benchmarks/transformer_step.py (on a CUDA device: the official seed, seq_len and global batch at
     the fastest precision) for torch and jax eager, then torch compiled, its figures printed as they
@@ -473,6 +487,8 @@ def main() -> int:
         print("jax is not installed: skipping the jax part")
     if "lm-step" in SELECTED:
         attempt("GPT step, lowered/hand-written, MFU", lm_step_part)
+    if "moe" in SELECTED:
+        attempt("mixture-of-experts step against dense", moe_part)
     if SMOKE and "run-lm" in SELECTED:  # no aiperf run in a smoke; its data is made all the same
         with tempfile.TemporaryDirectory() as tmp:
             attempt("enwik8-shaped sample", enwik8_shaped_sample, Path(tmp) / "enwik8")
