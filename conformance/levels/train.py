@@ -1,9 +1,10 @@
 """Level 'train': a step lowers the loss, gradients match the reference, weights round-trip
 exactly, and a short run of the small ResNet learns the digits dataset (and times its steps); a
 GPT step on next-token labels lowers the loss and its gradients match the reference, for the GPT and
-for it with its first MLP upcycled to a mixture of experts (`gpt_moe_*`); at every
-precision the backend declares on the device under test. The accuracy goal is the same at every
-precision: a mixed precision that cannot learn digits is not one a scored run may use."""
+for it with its first MLP upcycled to a mixture of experts (`gpt_moe_*`, whose AdamW steps under the
+load-balancing loss match the reference's too); at every precision the backend declares on the device
+under test. The experts' load a backend reports is the reference's routing (fp32). The accuracy goal is
+the same at every precision: a mixed precision that cannot learn digits is not one a scored run may use."""
 
 from __future__ import annotations
 
@@ -189,7 +190,8 @@ def _optimizer_config(ctx: Context, precision: str, optimizer: str, batch: int, 
 
 
 def optimizer_matches_reference(ctx: Context, precision: str, optimizer: str, micro_batch: int | None = None,
-                                checkpoint_blocks: bool = False) -> Outcome:
+                                checkpoint_blocks: bool = False, model: str = "gpt",
+                                moe_aux_loss: float = 0.0) -> Outcome:
     """train() over OPTIMIZER_STEPS epochs of one batch against the reference's steps. The error is
     normwise per tensor on the weights' change (the update, not the weights it is added to). The
     attention key biases are left out: their exact gradient is zero (compare_grads), so that AdamW,
@@ -198,18 +200,19 @@ def optimizer_matches_reference(ctx: Context, precision: str, optimizer: str, mi
     SGD with momentum, is there because AdamW is nearly blind to a clip that scales every step
     alike. With `micro_batch` (gradient accumulation: the batch of 8 as micro-batches of 3, 3 and 2)
     or `checkpoint_blocks` (activation checkpointing) the backend's steps must still be the
-    reference's on the whole batch: neither may change what a step computes."""
-    graph, weights, x, y = _gpt_batch(ctx, 23, 8)
+    reference's on the whole batch: neither may change what a step computes. `model` is one of MODELS;
+    `moe_aux_loss` (TrainConfig.moe_aux_loss) adds each moe's load-balancing loss on both sides."""
+    graph, weights, x, y = _gpt_batch(ctx, 23, 8, model)
     ref = reference()
     exact = {n: {p: np.asarray(a, np.float64) for p, a in ps.items()} for n, ps in weights.items()}
-    _, first, _ = ref.loss_and_grads(graph, exact, x, y, dtype=np.float64)
+    _, first, _ = ref.loss_and_grads(graph, exact, x, y, dtype=np.float64, moe_aux_loss=moe_aux_loss)
     grad_clip = 0.5 * grad_norm(first)
     config = _optimizer_config(ctx, precision, "adamw" if optimizer == "adamw" else "sgd-momentum", len(x),
                                grad_clip)
     stepper = HostOptimizer(config, exact, is_trainable)
-    config = replace(config, micro_batch=micro_batch, checkpoint_blocks=checkpoint_blocks)
+    config = replace(config, micro_batch=micro_batch, checkpoint_blocks=checkpoint_blocks, moe_aux_loss=moe_aux_loss)
     for epoch in range(OPTIMIZER_STEPS):
-        _, grads, _ = ref.loss_and_grads(graph, exact, x, y, dtype=np.float64)
+        _, grads, _ = ref.loss_and_grads(graph, exact, x, y, dtype=np.float64, moe_aux_loss=moe_aux_loss)
         stepper.step(exact, grads, config.schedule.rate(epoch, config.epochs))
     model = ctx.backend.lower(graph, weights, precision=precision)
     reports = ctx.backend.train(model, Dataset(x, y, x, y, graph.vocab), config)
@@ -237,6 +240,28 @@ def optimizer_matches_reference(ctx: Context, precision: str, optimizer: str, mi
 
 
 ACCUMULATION_MICRO_BATCH = 3  # of the optimizer checks' batch of 8: micro-batches of 3, 3 and 2
+# The load-balancing loss's coefficient in the kit: ten times the lm policy's 0.01, so that its gradient
+# is a visible part of the router's.
+KIT_MOE_AUX_LOSS = 0.1
+
+
+def gpt_moe_expert_load(ctx: Context, precision: str) -> Outcome:
+    """One epoch of one step on a fixed batch of the upcycled GPT: EpochReport.expert_load must be, per moe
+    node, the (token, choice) assignments of the reference's routing of that batch on the initial weights
+    (exact counts: the forward pass that trained routed them)."""
+    graph, weights, x, y = _gpt_batch(ctx, 24, 8, "gpt_moe")
+    want = {nid: list(counts) for nid, counts in reference().expert_load(graph, weights, x).items()}
+    model = ctx.backend.lower(graph, weights, precision=precision)
+    config = TrainConfig(epochs=1, batch_size=len(x), schedule=Schedule(initial=0.01), seed=ctx.seed,
+                         precision=precision)
+    reports = ctx.backend.train(model, Dataset(x, y, x, y, graph.vocab), config)
+    if len(reports) != 1:
+        return Outcome(False, len(reports), 1, 0, f"{len(reports)} epoch reports for 1 epoch")
+    if reports[0].expert_load is None:
+        return Outcome(False, None, want, 0, "EpochReport.expert_load is None for a graph with a moe")
+    got = {nid: [int(c) for c in counts] for nid, counts in reports[0].expert_load.items()}
+    return Outcome(got == want, got, want, 0, f"tokens x top_k per expert of the step on {len(x)} sequences: "
+                   f"{got} (the reference's: {want})")
 
 
 def gpt_token_stream(ctx: Context, precision: str) -> Outcome:
@@ -285,3 +310,9 @@ def checks(ctx: Context):
                     partial(optimizer_matches_reference, precision=precision, optimizer="adamw",
                             checkpoint_blocks=True), precision, **lm)
         yield Check("train", "gpt_token_stream", partial(gpt_token_stream, precision=precision), precision, **lm)
+        yield Check("train", "gpt_moe_aux_loss_matches_reference",
+                    partial(optimizer_matches_reference, precision=precision, optimizer="adamw", model="gpt_moe",
+                            moe_aux_loss=KIT_MOE_AUX_LOSS), precision, workload="lm", ops=new_ops(_gpt("gpt_moe")))
+    if "fp32" in ctx.precisions:  # routing counts are exact integers: one precision certifies the bookkeeping
+        yield Check("train", "gpt_moe_expert_load", partial(gpt_moe_expert_load, precision="fp32"), "fp32",
+                    workload="lm", ops=new_ops(_gpt("gpt_moe")))

@@ -90,22 +90,27 @@ class NumpyBackend(Backend):
 
         Each batch is one optimizer step on the gradients of `_batch_gradients`: the whole batch,
         or its micro-batches (config.micro_batch) summed; config.checkpoint_blocks recomputes each
-        block's activations in the backward pass (executor.run)."""
+        block's activations in the backward pass (executor.run); config.moe_aux_loss adds each moe's
+        load-balancing loss to the gradients (not to the reported loss). The routing counts of the
+        training forward passes are summed over the epoch into EpochReport.expert_load."""
         from aiperf_core.data.preprocess import model_input
         from aiperf_core.data.stream import train_batches, val_batches
 
         optimizer = HostOptimizer(config, model.weights, is_trainable)
         reports: list[EpochReport] = []
         clock = StepClock()
+        moes = {node.id: node.attrs["experts"] for node in model.graph.nodes if node.op == "moe"}
         for epoch in range(config.epochs):
             lr = config.schedule.rate(epoch, config.epochs)
             seen, skipped, losses = 0, 0, []
+            load = {nid: np.zeros(experts, np.int64) for nid, experts in moes.items()}
             for batch in train_batches(data, epoch, config.seed, config.batch_size):
                 skipped += batch.skipped
                 if not len(batch.y):
                     continue
                 with clock:
-                    loss, grads = _batch_gradients(model, model_input(batch.x), batch.y, config, config.seed + seen)
+                    loss, grads = _batch_gradients(model, model_input(batch.x), batch.y, config, config.seed + seen,
+                                                   load)
                     optimizer.step(model.weights, grads, lr)
                 clock.count(len(batch.y))  # live progress (stall detection)
                 seen += len(batch.y)
@@ -121,7 +126,9 @@ class NumpyBackend(Backend):
                     val_n += len(batch.y)
             report = EpochReport(epoch, seen, val_n, float(np.sum(losses) / max(seen, 1)),
                                  val_loss / val_n if val_n else 0.0, round(correct) / val_n if val_n else 0.0,
-                                 skipped_images=skipped, step_seconds=clock.lap(), compile_seconds=0.0)
+                                 skipped_images=skipped, step_seconds=clock.lap(), compile_seconds=0.0,
+                                 expert_load={nid: tuple(int(c) for c in counts) for nid, counts in load.items()}
+                                 if moes else None)
             reports.append(report)
             if on_epoch is not None and on_epoch(report):
                 break
@@ -131,20 +138,23 @@ class NumpyBackend(Backend):
         return str(Path(__file__).with_name("conformance.json"))
 
 
-def _batch_gradients(model: NumpyModel, x: np.ndarray, y: np.ndarray, config: TrainConfig,
-                     seed: int) -> tuple[float, dict]:
+def _batch_gradients(model: NumpyModel, x: np.ndarray, y: np.ndarray, config: TrainConfig, seed: int,
+                     expert_load: dict[str, np.ndarray] | None = None) -> tuple[float, dict]:
     """The batch's mean loss and its gradients, computed as consecutive micro-batches of
     config.micro_batch samples (gradient accumulation; all at once without it): micro-batch k's
     loss and gradients weighted by its share of the batch's samples and summed, which is the
     whole batch's mean loss and its gradient. Dropout in micro-batch [start, stop) is seeded by
     seed + start. A batch norm's moving statistics are updated after each micro-batch, from that
-    micro-batch's statistics (as if each were a step): what accumulation does to batch norm."""
+    micro-batch's statistics (as if each were a step): what accumulation does to batch norm.
+    The load-balancing loss is per sequence, so its micro-batches' shares add up as the cross-entropy's;
+    each moe's routing counts are added to `expert_load` where given."""
     slices = micro_batches(len(y), config.micro_batch)
     loss, grads = 0.0, None
     for start, stop in slices:
         part_loss, part_grads, moving = loss_and_grads(
             model.graph, model.weights, x[start:stop], y[start:stop], label_smoothing=config.label_smoothing,
-            dtype=np.float32, seed=seed + start, checkpoint_blocks=config.checkpoint_blocks)
+            dtype=np.float32, seed=seed + start, checkpoint_blocks=config.checkpoint_blocks,
+            moe_aux_loss=config.moe_aux_loss, expert_load=expert_load)
         for node_id, stats in moving.items():
             for name, value in stats.items():
                 model.weights[node_id][name] = value.astype(np.float32)

@@ -24,10 +24,15 @@ Public API
     Reverse-mode gradients. ``param_grads`` is shaped like the weights but
     holds only the trainable parameters (kernel, bias, gamma, beta).
 ``loss_and_grads(graph, weights, x, labels, *, label_smoothing=0.0,
-training=True, dtype=np.float64, seed=0, checkpoint_blocks=False)`` ->
-``(loss, param_grads, moving_updates)``
+training=True, dtype=np.float64, seed=0, checkpoint_blocks=False,
+moe_aux_loss=0.0, expert_load=None)`` -> ``(loss, param_grads, moving_updates)``
     Mean categorical cross-entropy over the batch, its parameter gradients
-    and the batch-norm moving-statistics updates.
+    and the batch-norm moving-statistics updates. With ``moe_aux_loss`` the
+    gradients include each moe's load-balancing loss (the loss returned does
+    not); ``expert_load`` collects the routing counts.
+``expert_load(graph, weights, x, *, dtype=np.float64)`` -> ``{moe id: counts}``
+    The (token, choice) assignments each expert of each moe receives from
+    the batch.
 
 Semantics
 ---------
@@ -68,6 +73,11 @@ Semantics
   whatever the run's dtype (its backward rotates back); ``silu`` is ``x * sigmoid(x)``; ``mul`` is the
   elementwise product of its two inputs. A ``moe`` with ``mlp: swiglu`` has experts
   ``(silu(x w_gate[e]) * (x w_in[e])) w_out[e]``, routed and gated as the GELU experts.
+* A ``moe``'s load-balancing loss (TrainConfig.moe_aux_loss, coefficient alpha) is
+  ``alpha * mean_b(E * sum_e f[b, e] * P[b, e])`` over the batch's sequences b: ``f[b, e]`` the share of
+  sequence b's S * top_k assignments routed to expert e (a constant: routing has no gradient),
+  ``P[b, e]`` the mean over its tokens of the router's softmax over all E experts. Its gradient
+  reaches the router and the moe's input through that softmax; it is 1 * alpha at an even load.
 * ``conv2d`` with ``groups`` convolves each group of input channels with its block of filters;
   ``lrn`` is ONNX's LRN over the channel axis; ``avg_pool`` averages each window over its real taps,
   or over every tap, padded ones included, with ``count_padding``; ``mul_const`` and ``add_const``
@@ -99,7 +109,7 @@ from aiperf_core.errors import GraphError
 from aiperf_core.ir import INPUT_OPS, Block, Graph, Node, is_trainable, kv_heads, moe_mlp
 from aiperf_core.weights import validate_weights
 
-__all__ = ["Replay", "Trace", "backward", "forward", "loss_and_grads", "run"]
+__all__ = ["Replay", "Trace", "backward", "expert_load", "forward", "loss_and_grads", "run"]
 
 GELU_C = float(np.sqrt(2.0 / np.pi))
 PROBABILITY_CLIP = 1e-7
@@ -119,6 +129,9 @@ class Trace:
     ``replays`` (activation checkpointing) maps the last node of each
     checkpointed block to its :class:`Replay`; the block's dropped outputs and
     its nodes' caches are absent outside the backward pass through it.
+    ``expert_load`` maps each moe node to its experts' (token, choice)
+    assignment counts, ``aux_losses`` each moe node to its load-balancing loss
+    (coefficient included) when ``moe_aux_loss`` is positive.
     """
 
     graph: Graph
@@ -130,6 +143,9 @@ class Trace:
     moving_updates: dict[str, dict[str, np.ndarray]]
     caches: dict[str, dict[str, Any]] = field(default_factory=dict)
     replays: dict[str, "Replay"] = field(default_factory=dict)
+    moe_aux_loss: float = 0.0
+    expert_load: dict[str, np.ndarray] = field(default_factory=dict)
+    aux_losses: dict[str, float] = field(default_factory=dict)
 
     @property
     def output(self) -> np.ndarray:
@@ -161,7 +177,10 @@ class _Context:
     training: bool
     keep: bool  # record what backward needs
     rng: np.random.Generator
+    moe_aux_loss: float = 0.0  # the load-balancing loss's coefficient: a moe caches its gradient when > 0
     moving_updates: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    expert_load: dict[str, np.ndarray] = field(default_factory=dict)
+    aux_losses: dict[str, float] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------
@@ -453,10 +472,10 @@ def _gelu(node: Node, inputs, params: Params, ctx: _Context):
     return 0.5 * x * (1.0 + t), {"t": t}
 
 
-def _moe_route(tokens: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each token's (T, D) chosen experts (T, k), best first, ties to the lower index, and their gates:
-    the router's softmax over those experts, which is its softmax over all renormalised over the chosen."""
-    logits = tokens @ router
+def _moe_route(logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's chosen experts (T, k) by its router logits (T, E), best first, ties to the lower index,
+    and their gates: the router's softmax over those experts, which is its softmax over all renormalised
+    over the chosen."""
     chosen = np.argsort(-logits, axis=-1, kind="stable")[:, :top_k]
     picked = np.take_along_axis(logits, chosen, axis=-1)
     gates = np.exp(picked - picked.max(axis=-1, keepdims=True))
@@ -481,10 +500,32 @@ def _swiglu_expert(tokens: np.ndarray, params: Params, e: int):
     return (gate * s * up) @ params["w_out"][e], (gate, s, up)
 
 
+def _load_balance(logits: np.ndarray, chosen: np.ndarray, sequences: int, alpha: float) -> tuple[float, np.ndarray]:
+    """The load-balancing loss of one moe (TrainConfig.moe_aux_loss) and its gradient at the router logits.
+
+    alpha times the mean over the `sequences` of E sum_e f_e P_e: f_e the share of the sequence's S k
+    assignments (`chosen`, (T, k)) that went to expert e, a constant (no gradient); P_e the mean over the
+    sequence's S tokens of the softmax of their logits (T, E) over all E experts. Its gradient at the
+    probabilities is alpha E f_e / (sequences S), taken through the softmax to the logits."""
+    tokens, experts = logits.shape
+    per_sequence, top_k = tokens // sequences, chosen.shape[-1]
+    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs = (shifted / shifted.sum(axis=-1, keepdims=True)).reshape(sequences, per_sequence, experts)
+    assigned = chosen.reshape(sequences, per_sequence * top_k)
+    counts = (assigned[..., None] == np.arange(experts)).sum(axis=1)  # (sequences, E)
+    f = (counts / (per_sequence * top_k)).astype(logits.dtype)
+    loss = alpha * experts * float((f * probs.mean(axis=1)).sum()) / sequences
+    dprobs = np.broadcast_to((alpha * experts / (sequences * per_sequence)) * f[:, None, :], probs.shape)
+    dlogits = probs * (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True))
+    return loss, dlogits.reshape(tokens, experts)
+
+
 def _moe(node: Node, inputs, params: Params, ctx: _Context):
     (x,) = inputs
     flat = x.reshape(-1, x.shape[-1])  # every token of every sequence
-    chosen, gates = _moe_route(flat, params["router"], node.attrs["top_k"])
+    logits = flat @ params["router"]
+    chosen, gates = _moe_route(logits, node.attrs["top_k"])
+    ctx.expert_load[node.id] = np.bincount(chosen.ravel(), minlength=node.attrs["experts"])
     expert = _swiglu_expert if moe_mlp(node.attrs) == "swiglu" else _gelu_expert
     y = np.zeros_like(flat)
     experts = []  # per expert: (its tokens, their slot in `chosen`, its MLP's state, its output)
@@ -493,7 +534,10 @@ def _moe(node: Node, inputs, params: Params, ctx: _Context):
         out, state = expert(flat[tokens], params, e)
         y[tokens] += gates[tokens, slot][:, None] * out
         experts.append((tokens, slot, state, out))
-    return y.reshape(x.shape), {"chosen": chosen, "gates": gates, "experts": experts}
+    cache = {"chosen": chosen, "gates": gates, "experts": experts}
+    if ctx.moe_aux_loss > 0.0:
+        ctx.aux_losses[node.id], cache["aux_dlogits"] = _load_balance(logits, chosen, x.shape[0], ctx.moe_aux_loss)
+    return y.reshape(x.shape), cache
 
 
 def _rms_norm(node: Node, inputs, params: Params, ctx: _Context):
@@ -794,6 +838,8 @@ def _moe_grad(node: Node, dy, inputs, out, params: Params, cache, training: bool
     dpicked = gates * (dgates - (dgates * gates).sum(axis=-1, keepdims=True))
     dlogits = np.zeros((flat.shape[0], node.attrs["experts"]), dy.dtype)
     np.put_along_axis(dlogits, cache["chosen"], dpicked, axis=-1)
+    if "aux_dlogits" in cache:  # the load-balancing loss's, through the softmax over every expert
+        dlogits += cache["aux_dlogits"]
     grads["router"] = flat.T @ dlogits
     dx += dlogits @ params["router"].T
     return [dx.reshape(x.shape)], grads
@@ -892,13 +938,16 @@ def _cast_weights(graph: Graph, weights, dt: np.dtype) -> dict[str, dict[str, np
 
 
 def _execute(graph: Graph, weights, x, *, training: bool, dtype, seed: int, keep: bool,
-             checkpoint_blocks: bool = False):
+             checkpoint_blocks: bool = False, moe_aux_loss: float = 0.0):
     if not isinstance(graph, Graph):
         raise TypeError(f"graph must be an aiperf_core.ir.Graph, got {type(graph).__name__}")
     dt = _check_dtype(dtype)
     w = _cast_weights(graph, weights, dt)
     x = _check_input(graph, x, dt)
-    ctx = _Context(training=bool(training), keep=keep, rng=np.random.default_rng(seed))
+    if not (np.isfinite(moe_aux_loss) and moe_aux_loss >= 0.0):
+        raise ValueError(f"moe_aux_loss must be a finite number >= 0, got {moe_aux_loss}")
+    ctx = _Context(training=bool(training), keep=keep, rng=np.random.default_rng(seed),
+                   moe_aux_loss=float(moe_aux_loss))
     replays = _replays(graph) if keep and checkpoint_blocks else {}
     starts = {replay.block.nodes[0]: replay for replay in replays.values()}
     in_blocks = {nid for replay in replays.values() for nid in replay.block.nodes}
@@ -927,7 +976,8 @@ def _execute(graph: Graph, weights, x, *, training: bool, dtype, seed: int, keep
         if node.id in replays:  # a checkpointed block ends: backward recomputes what only it reads
             for nid in replays[node.id].dropped:
                 del values[nid]
-    return Trace(graph, w, ctx.training, dt, seed, values, ctx.moving_updates, caches, replays)
+    return Trace(graph, w, ctx.training, dt, seed, values, ctx.moving_updates, caches, replays,
+                 moe_aux_loss=ctx.moe_aux_loss, expert_load=ctx.expert_load, aux_losses=ctx.aux_losses)
 
 
 def forward(graph: Graph, weights, x, *, training: bool = False, dtype=np.float64, seed: int = 0) -> np.ndarray:
@@ -937,11 +987,21 @@ def forward(graph: Graph, weights, x, *, training: bool = False, dtype=np.float6
 
 
 def run(graph: Graph, weights, x, *, training: bool = False, dtype=np.float64, seed: int = 0,
-        checkpoint_blocks: bool = False) -> Trace:
+        checkpoint_blocks: bool = False, moe_aux_loss: float = 0.0) -> Trace:
     """Forward pass that keeps what :func:`backward` needs: every node's output, or with
-    ``checkpoint_blocks`` only each checkpointed block's input and what is read outside it."""
+    ``checkpoint_blocks`` only each checkpointed block's input and what is read outside it. With
+    ``moe_aux_loss`` (alpha > 0) each moe's load-balancing loss is in ``Trace.aux_losses`` and its
+    gradient is added by :func:`loss_and_grads`' backward pass."""
     return _execute(graph, weights, x, training=training, dtype=dtype, seed=seed, keep=True,
-                    checkpoint_blocks=checkpoint_blocks)
+                    checkpoint_blocks=checkpoint_blocks, moe_aux_loss=moe_aux_loss)
+
+
+def expert_load(graph: Graph, weights, x, *, dtype=np.float64) -> dict[str, tuple[int, ...]]:
+    """Per moe node id, the (token, choice) assignments each of its experts receives from the batch ``x``:
+    E counts summing to the batch's tokens times top_k (EpochReport.expert_load of one step on ``x``);
+    empty for a graph without a moe."""
+    trace = _execute(graph, weights, x, training=True, dtype=dtype, seed=0, keep=False)
+    return {nid: tuple(int(c) for c in counts) for nid, counts in trace.expert_load.items()}
 
 
 def _recompute(trace: Trace, replay: Replay) -> None:
@@ -949,7 +1009,7 @@ def _recompute(trace: Trace, replay: Replay) -> None:
     nodes' caches back in the trace (the same arithmetic and dropout masks as the first pass)."""
     # A copy of the generator: a trace may be backpropagated more than once. The moving statistics
     # of a batch norm in the block were recorded by the first pass; this context's are dropped.
-    ctx = _Context(training=trace.training, keep=True, rng=copy.deepcopy(replay.rng))
+    ctx = _Context(training=trace.training, keep=True, rng=copy.deepcopy(replay.rng), moe_aux_loss=trace.moe_aux_loss)
     for nid in replay.block.nodes:
         node = trace.graph[nid]
         out, cache = _FORWARD[node.op](node, [trace.outputs[i] for i in node.inputs], trace.weights.get(nid, {}), ctx)
@@ -1042,12 +1102,23 @@ def _targets(labels, shape: tuple[int, ...], classes: int, label_smoothing: floa
 
 def loss_and_grads(
     graph: Graph, weights, x, labels, *, label_smoothing: float = 0.0, training: bool = True,
-    dtype=np.float64, seed: int = 0, checkpoint_blocks: bool = False,
+    dtype=np.float64, seed: int = 0, checkpoint_blocks: bool = False, moe_aux_loss: float = 0.0,
+    expert_load: dict[str, np.ndarray] | None = None,
 ) -> tuple[float, dict[str, dict[str, np.ndarray]], dict[str, dict[str, np.ndarray]]]:
     """Mean categorical cross-entropy against smoothed one-hot labels, its parameter gradients
     and the batch-norm moving-statistics updates (empty in inference mode); with
-    ``checkpoint_blocks``, by a trace that recomputes each block in the backward pass (:func:`run`)."""
-    trace = run(graph, weights, x, training=training, dtype=dtype, seed=seed, checkpoint_blocks=checkpoint_blocks)
+    ``checkpoint_blocks``, by a trace that recomputes each block in the backward pass (:func:`run`).
+
+    ``moe_aux_loss`` (TrainConfig.moe_aux_loss): the gradients are those of the cross-entropy plus each
+    moe's load-balancing loss with this coefficient; the returned loss stays the cross-entropy alone, as
+    EpochReport.loss does (the aux term's value is in :func:`run`'s ``Trace.aux_losses``).
+    ``expert_load``: a dict to which each moe node's routing counts of this batch are added (its E
+    counts, int64), so that a training loop sums them over its steps and micro-batches."""
+    trace = run(graph, weights, x, training=training, dtype=dtype, seed=seed, checkpoint_blocks=checkpoint_blocks,
+                moe_aux_loss=moe_aux_loss)
+    if expert_load is not None:
+        for nid, counts in trace.expert_load.items():
+            expert_load[nid] = expert_load[nid] + counts if nid in expert_load else counts.copy()
     out_id = graph.output_id
     if len(graph.output_shape) not in (1, 2):
         raise GraphError(f"the loss needs a class output per sample (classes) or per position (S, classes), "
