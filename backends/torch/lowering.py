@@ -86,7 +86,7 @@ import itertools
 import linecache
 import math
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -325,6 +325,17 @@ def grouped_mm_fits(device, dtype, width: int, units: int) -> bool:
             and width % 8 == 0 and units % 8 == 0)
 
 
+class Routing(NamedTuple):
+    """What one training forward of a moe routed. `balance`: the load-balancing loss summed over the
+    batch's sequences, sum_b E sum_e f_{b,e} P_{b,e} (f_{b,e}: the share of sequence b's S k assignments
+    that went to expert e, no gradient; P_{b,e}: the mean over b's tokens of the router's softmax over all E
+    experts), float32, differentiable. Summed, not averaged, as the step's cross-entropy is (loss.py), so that
+    micro-batches and ranks add up. `load`: the assignments each expert received, int64 (E,)."""
+
+    balance: torch.Tensor
+    load: torch.Tensor
+
+
 class Experts(nn.Module):
     """A moe node: its router (D, E) and expert stacks in the IR's layout: GELU experts w_in (E, D, F),
     b_in (E, F), w_out (E, F, D), b_out (E, D); SwiGLU experts w_gate and w_in (E, D, F), w_out (E, F, D).
@@ -335,7 +346,12 @@ class Experts(nn.Module):
     so the work done is the work counted. Where `grouped_mm_fits` (CUDA, bf16) the segments are one
     torch._grouped_mm per product with the offsets on the device: no host synchronisation. Otherwise
     `segment_products` reads the segment sizes once per moe layer (one host read, not one per expert) and
-    runs one product per non-empty segment, outside torch.compile's graph (its sizes are data)."""
+    runs one product per non-empty segment, outside torch.compile's graph (its sizes are data).
+
+    In training mode each forward leaves its `Routing` in `routing` (`balance`): what the load-balancing
+    loss (TrainConfig.moe_aux_loss) and the expert load (EpochReport.expert_load) need, computed on the
+    device from the routing the forward ran. The training step takes it (training.Stepper); an attribute,
+    not an output, so that the forward's signature, and a compiled dense model, stay as they are."""
 
     def __init__(self, width: int, attrs):
         super().__init__()
@@ -348,6 +364,7 @@ class Experts(nn.Module):
             self.w_gate = nn.Parameter(torch.zeros(e, width, f))
         else:
             self.b_in, self.b_out = nn.Parameter(torch.zeros(e, f)), nn.Parameter(torch.zeros(e, width))
+        self.routing: Routing | None = None
 
     def expert(self, e: int, tokens):
         """Expert e's output for `tokens` (T, D)."""
@@ -373,12 +390,27 @@ class Experts(nn.Module):
         hidden = F.gelu(up + self.b_in.to(dtype)[expert_of], approximate="tanh")
         return torch._grouped_mm(hidden, self.w_out.to(dtype), offsets) + self.b_out.to(dtype)[expert_of]
 
+    def balance(self, x, logits, chosen) -> Routing:
+        """The Routing of a forward of `x` (N, ..., D) whose router gave `logits` (T, E) and chose `chosen`
+        (T, k). A sequence is what x holds per sample (S positions; S is 1 for a vector). Static shapes and
+        no host read: the load is a scatter_add of the choices, not a bincount."""
+        sequences, experts = x.shape[0], self.router.shape[1]
+        positions = math.prod(x.shape[1:-1])
+        per_sequence = chosen.reshape(sequences, positions * self.top_k)
+        counts = torch.zeros(sequences, experts, dtype=torch.int64, device=x.device).scatter_add_(
+            1, per_sequence, torch.ones_like(per_sequence))
+        share = counts.float() / (positions * self.top_k)  # f: a count, so no gradient reaches it
+        probability = logits.float().softmax(dim=-1).reshape(sequences, positions, experts).mean(dim=1)
+        return Routing(experts * (share * probability).sum(), counts.sum(dim=0))
+
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
         logits = flat @ self.router.to(flat.dtype)
         # A stable descending sort puts the lower expert index first among equals, as the IR does.
         chosen = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :self.top_k]
         gates = torch.gather(logits.float(), 1, chosen).softmax(dim=-1).to(flat.dtype)
+        if self.training:
+            self.routing = self.balance(x, logits, chosen)
         order, offsets = expert_segments(chosen, self.router.shape[1])
         token_of = order // self.top_k
         tokens = flat.index_select(0, token_of)
@@ -486,6 +518,12 @@ class LoweredModel(nn.Module):
     @property
     def dropouts(self) -> list:
         return [m for m in self.layers.values() if isinstance(m, Dropout)]
+
+    @property
+    def experts(self) -> dict[str, Experts]:
+        """The moe nodes' modules by node id, in graph order."""
+        return {node_id: self.layers[key] for node_id, key in self.module_names.items()
+                if isinstance(self.layers[key], Experts)}
 
     @property
     def has_logits(self) -> bool:

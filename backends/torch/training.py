@@ -33,7 +33,7 @@ import contextlib
 import itertools
 import math
 import time
-from typing import Callable
+from typing import Callable, Mapping, Sized
 
 import numpy as np
 import torch
@@ -146,7 +146,13 @@ class Stepper:
     global batch's before the one clip, unscale and update. A data-parallel model reduces its
     gradients over the ranks once, in the last micro-batch's backward (DDP's no_sync before it).
     Batch norm normalises each micro-batch by its own statistics. Activation checkpointing
-    (config.checkpoint_blocks) is the model's `checkpoint_blocks` during the step (lowering.run_block)."""
+    (config.checkpoint_blocks) is the model's `checkpoint_blocks` during the step (lowering.run_block).
+
+    A mixture of experts: after each micro-batch's forward the step takes every moe module's Routing
+    (lowering.Experts): the loss whose gradient it takes adds config.moe_aux_loss times their balance
+    (summed over the micro-batch's sequences, so scaled by world / global batch as the cross-entropy is),
+    while the loss it returns stays the cross-entropy; and each moe's load adds to `expert_load`, on the
+    device, which `take_expert_load` reads once (an epoch's). A graph without moe takes none of this."""
 
     def __init__(self, model, device, config: TrainConfig, compile: bool = False):
         params = [p for p in model.parameters() if p.requires_grad]
@@ -162,6 +168,10 @@ class Stepper:
         self.grad_clip = config.grad_clip
         self.micro_batch = config.micro_batch
         self.checkpoint_blocks = config.checkpoint_blocks
+        self.experts = getattr(model, "module", model).experts
+        self.moe_aux_loss = config.moe_aux_loss
+        self.expert_load = {node_id: torch.zeros(m.router.shape[1], dtype=torch.int64, device=self.device)
+                            for node_id, m in self.experts.items()}
         # torch's AdamW skips a parameter without a gradient (no decay, no moment decay, its own step
         # count held back); the contract's rule gives it a zero gradient and updates it.
         self.zero_missing_grads = config.optimizer == "adamw"
@@ -243,7 +253,8 @@ class Stepper:
                         with autocast(self.device, self.precision):
                             part = self._loss(x[a:b], y[a:b])
                         compiled |= self._used_compiled
-                        loss = part * (world / global_batch)
+                        # The gradient's loss; `part`, the cross-entropy alone, is the one reported.
+                        loss = (part + self._balance() if self.experts else part) * (world / global_batch)
                         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
                     # A copy: a CUDA graph's output is overwritten by its next replay.
                     total = part.detach().clone() if total is None else total + part.detach()
@@ -254,6 +265,27 @@ class Stepper:
         if compiled and self._compile_timing != "done":
             self._time_compile(start)
         return total
+
+    def _balance(self):
+        """The micro-batch's load-balancing loss, config.moe_aux_loss times its moe modules' balance (0 at
+        0), their loads added to `expert_load` on the way."""
+        balance = 0.0
+        for node_id, module in self.experts.items():
+            routing, module.routing = module.routing, None
+            self.expert_load[node_id] += routing.load
+            if self.moe_aux_loss:
+                balance = balance + self.moe_aux_loss * routing.balance
+        return balance
+
+    def take_expert_load(self) -> dict[str, tuple[int, ...]] | None:
+        """Each moe node's expert load since the last call (one host read for all of them), and zero it;
+        None without moe."""
+        if not self.experts:
+            return None
+        counts = torch.cat(list(self.expert_load.values())).tolist()
+        for load in self.expert_load.values():
+            load.zero_()
+        return cut_loads(self.expert_load, counts)
 
     def _update(self) -> None:
         """The update on the accumulated gradients: (unscale,) clip, step."""
@@ -317,6 +349,12 @@ def evaluate(model, feed, device: torch.device, precision: str, label_smoothing:
         base.train(was_training)
 
 
+def cut_loads(loads: Mapping[str, Sized], counts: list[float]) -> dict[str, tuple[int, ...]]:
+    """`counts`, the moe nodes' expert loads one after another, cut into `loads`' nodes by their lengths."""
+    values = iter(counts)
+    return {node_id: tuple(int(round(next(values))) for _ in range(len(load))) for node_id, load in loads.items()}
+
+
 def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int = 0, world: int = 1,
                all_reduce: Callable[[list[float]], list[float]] | None = None,
                on_epoch: Callable[[EpochReport], bool] | None = None,
@@ -333,7 +371,8 @@ def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int =
     on the validation images. With several ranks, the number of images that decoded in each global
     batch is summed over the ranks before the step, so the loss is still the global batch's mean
     over the images it really holds. A sequence graph counts sequences as its images, and its loss
-    and accuracy are over every position (loss.py)."""
+    and accuracy are over every position (loss.py). A graph with moe reports each moe node's expert load
+    over the epoch's training steps (Stepper.take_expert_load), summed over the ranks."""
     device = resolved(device)
     if stepper is None:
         stepper = Stepper(model, device, config,
@@ -368,19 +407,24 @@ def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int =
                     images += held
                 with clock:  # waits for the queued steps on an asynchronous device
                     train_loss = float(loss_sum)
+                    load = stepper.take_expert_load()
                 val_loss, correct, val_n, val_skipped = evaluate(model, val_feed, device, config.precision,
                                                                  config.label_smoothing, clock)
                 skipped += val_skipped
                 if all_reduce is not None:  # images is already global; the rest are this rank's sums
-                    train_loss, val_loss, correct, val_n, skipped = all_reduce(
-                        [train_loss, val_loss, float(correct), float(val_n), float(skipped)])
+                    counts = [float(c) for loads in (load or {}).values() for c in loads]  # exact below 2^53
+                    train_loss, val_loss, correct, val_n, skipped, *counts = all_reduce(
+                        [train_loss, val_loss, float(correct), float(val_n), float(skipped), *counts])
+                    if load is not None:
+                        load = cut_loads(load, counts)
                 val_n = int(round(val_n))
                 report = EpochReport(
                     epoch=epoch, train_images=images, val_images=val_n, loss=train_loss / max(images, 1),
                     val_loss=val_loss / val_n if val_n else 0.0,
                     val_accuracy=float(round(correct)) / (val_n * base.positions) if val_n else 0.0,
                     skipped_images=int(round(skipped)), step_seconds=clock.lap(),
-                    compile_seconds=stepper.take_compile_seconds())
+                    compile_seconds=stepper.take_compile_seconds(),
+                    expert_load=load)
                 reports.append(report)
                 if on_epoch is not None and on_epoch(report):
                     break
