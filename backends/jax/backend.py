@@ -243,8 +243,8 @@ class JaxBackend(Backend):
             precision = model.precision
 
             def loss_fn(params, state, xb, yb, dropout_masks):
-                total, _ = summed_loss(graph, params, state, xb, yb, label_smoothing, precision=precision,
-                                       masks=dropout_masks)
+                total = summed_loss(graph, params, state, xb, yb, label_smoothing, precision=precision,
+                                    masks=dropout_masks)[0]
                 return total / yb.size  # the mean over every label: images, or every token
 
             model.cache[key] = jax.jit(jax.value_and_grad(loss_fn))

@@ -43,7 +43,8 @@ and `apply(graph, params, state, x, ...)` runs the graph node by node:
   `attention` for how its products get the run's precision;
 * gelu: ``jax.nn.gelu(approximate=True)``, the IR's tanh form; silu: ``jax.nn.silu``; mul: the
   elementwise product in the inputs' common dtype;
-* moe: see `mixture_of_experts` (GELU experts with biases, or SwiGLU experts without);
+* moe: see `routed_experts` (GELU experts with biases, or SwiGLU experts without); a training pass
+  also returns each moe's `MoeRouting` (the load-balancing loss's per-sequence terms, the experts' loads);
 * batch_norm: inference uses the moving statistics; training normalises with the batch mean and
   the biased batch variance (statistics in float32 over the *global* batch array, so with the
   batch axis sharded over devices they are the statistics of the whole global batch) and returns
@@ -86,7 +87,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
@@ -393,8 +394,14 @@ def moe_tile_rows(assignments: int, experts: int) -> int:
 
 
 def mixture_of_experts(x, params, attrs, precision: str = "fp32"):
-    """The IR's moe on (N, S, D): the router's top_k experts per token (lax.top_k puts the lower index
-    first among equals, as the IR does), gated by the softmax over their logits. Experts are GELU MLPs
+    """The IR's moe on (N, S, D), its output alone (`routed_experts`)."""
+    return routed_experts(x, params, attrs, precision)[0]
+
+
+def routed_experts(x, params, attrs, precision: str = "fp32"):
+    """(output, router logits (T, E) float32, chosen experts (T, top_k)) of the IR's moe on (N, S, D),
+    T = N S: the router's top_k experts per token (lax.top_k puts the lower index first among equals,
+    as the IR does), gated by the softmax over their logits. Experts are GELU MLPs
     with biases, or SwiGLU MLPs without ((silu(x w_gate) * (x w_in)) w_out, aiperf_core.ir.moe_mlp).
 
     Routed, with static shapes and no host synchronisation: the T * k (token, choice) assignments are
@@ -454,7 +461,37 @@ def mixture_of_experts(x, params, attrs, precision: str = "fp32"):
     routed = x.astype(dtype)[token_of_slot].reshape(tiles, rows, -1)
     _, out = lax.scan(tile, None, (routed, tile_expert))
     picked_out = out.reshape(tiles * rows, -1)[slot].reshape(-1, top_k, out.shape[-1])
-    return jnp.sum(picked_out * gates.astype(out.dtype)[..., None], axis=1).reshape(shape[:-1] + (out.shape[-1],))
+    y = jnp.sum(picked_out * gates.astype(out.dtype)[..., None], axis=1).reshape(shape[:-1] + (out.shape[-1],))
+    return y, logits, chosen
+
+
+class MoeRouting(NamedTuple):
+    """What a training pass's moe node tells the step besides its output (`moe_routing`).
+
+    balance: (N,) float32, per sequence b, E sum_e f_{b,e} P_{b,e} (TrainConfig.moe_aux_loss), its
+      gradient through P only (to the router and the moe's input);
+    load: (E,) int32, the (token, choice) assignments each expert received over the batch
+      (EpochReport.expert_load)."""
+
+    balance: Any
+    load: Any
+
+
+def moe_routing(logits, chosen, leading: tuple, experts: int) -> MoeRouting:
+    """The load-balance record of a routing: logits (T, E) and chosen (T, top_k) of the T = N x S tokens
+    (`leading`: (N, S)). f_{b,e}, the share of sequence b's S x top_k assignments that went to expert e,
+    is a count, so it carries no gradient (stop_gradient says so); P_{b,e} is the mean over the
+    sequence's tokens of the router's softmax over all E experts, in float32."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    sequences = leading[0]
+    picks = chosen.size // sequences  # S x top_k per sequence
+    per_sequence = jnp.sum(jax.nn.one_hot(chosen.reshape(sequences, picks), experts, dtype=jnp.int32), axis=1)
+    share = lax.stop_gradient(per_sequence.astype(jnp.float32) / picks)
+    probability = jnp.mean(jax.nn.softmax(logits, axis=-1).reshape(sequences, -1, experts), axis=1)
+    return MoeRouting(experts * jnp.sum(share * probability, axis=-1), jnp.sum(per_sequence, axis=0))
 
 
 def attention(q, k, v, attrs, precision: str = "fp32"):
@@ -551,9 +588,9 @@ def batch_norm(x, p, s, attrs, training: bool):
 
 def node_value(node, index: int, ins: list, params, state, x, *, training: bool, precision: str,
                masks: Mapping[str, Any] | None, key):
-    """(the value of one node from its inputs' values, its new BN statistics or None). `index` is the
-    node's position in the graph (it seeds the node's dropout, so a recomputed block draws the same
-    mask); `x` is the graph's input batch."""
+    """(the value of one node from its inputs' values, its new BN statistics, or in training its moe
+    routing (MoeRouting), or None). `index` is the node's position in the graph (it seeds the node's
+    dropout, so a recomputed block draws the same mask); `x` is the graph's input batch."""
     import jax
     import jax.numpy as jnp
 
@@ -619,7 +656,10 @@ def node_value(node, index: int, ins: list, params, state, x, *, training: bool,
         dtype = jnp.result_type(*ins)
         return ins[0].astype(dtype) * ins[1].astype(dtype), None
     if op == "moe":
-        return mixture_of_experts(ins[0], params[node.id], a, precision), None
+        if not training:
+            return mixture_of_experts(ins[0], params[node.id], a, precision), None
+        y, logits, chosen = routed_experts(ins[0], params[node.id], a, precision)
+        return y, moe_routing(logits, chosen, ins[0].shape[:-1], a["experts"])
     if op == "dropout":
         y = ins[0]
         rate = a["rate"]
@@ -653,9 +693,10 @@ def apply(graph: Graph, params, state, x, *, training: bool = False, logits: boo
           precision: str = "fp32", masks: Mapping[str, Any] | None = None, key=None,
           checkpoint_blocks: bool = False):
     """Run the graph on x, a float32 (normalised) or uint8 (pixels, normalised here) NHWC batch, a
-    float32 sequence batch (N, S, D), or int32 token ids (N, S). Returns (output, new_state);
+    float32 sequence batch (N, S, D), or int32 token ids (N, S). Returns (output, new_state, routing);
     new_state holds the BN updates of a training pass (the old statistics where a node was not
-    reached) and is `state` itself in inference.
+    reached) and is `state` itself in inference; routing is {moe node id: MoeRouting} of a training
+    pass (the load-balancing loss's terms and the experts' loads), empty in inference.
 
     checkpoint_blocks (TrainConfig.checkpoint_blocks): each of Graph.blocks() runs as one
     jax.checkpoint'ed function of its input and its nodes' parameters, so that autodiff keeps only
@@ -670,6 +711,16 @@ def apply(graph: Graph, params, state, x, *, training: bool = False, logits: boo
     stop = out_node.inputs[0] if logits and out_node.op == "softmax" else graph.output_id
     values: dict[str, Any] = {}
     new_state = dict(state) if training else state
+    routing: dict[str, MoeRouting] = {}
+
+    def record(node_id: str, update) -> None:
+        if update is None:
+            return
+        if isinstance(update, MoeRouting):
+            routing[node_id] = update
+        else:
+            new_state[node_id] = update
+
     order = {n.id: k for k, n in enumerate(graph.nodes)}
     blocks = checkpointed_blocks(graph, stop) if checkpoint_blocks else {}
     options = dict(training=training, precision=precision)
@@ -696,14 +747,13 @@ def apply(graph: Graph, params, state, x, *, training: bool = False, logits: boo
             outputs, updates = jax.checkpoint(run_block)(own(params), own(state), values[block.input],
                                                          None if masks is None else own(masks), key)
             values.update(outputs)
-            if training:
-                new_state.update(updates)
+            for node_id, update in updates.items():
+                record(node_id, update)
             index = order[block.output] + 1
             continue
         y, upd = node_value(node, index, [values[i] for i in node.inputs], params, state, x, masks=masks, key=key,
                             **options)
-        if upd is not None:
-            new_state[node.id] = upd
+        record(node.id, upd)
         values[node.id] = y
         if node.id == stop:
             break
@@ -711,7 +761,7 @@ def apply(graph: Graph, params, state, x, *, training: bool = False, logits: boo
     out = values[stop]
     if out.dtype != jnp.float32:
         out = out.astype(jnp.float32)
-    return out, new_state
+    return out, new_state, routing
 
 
 def reference_dropout_masks(graph: Graph, batch_shape_of: Mapping[str, tuple], seed: int = 0) -> dict:

@@ -50,6 +50,15 @@ that is one micro-batch runs the fused step.
 Activation checkpointing (TrainConfig.checkpoint_blocks): the forward pass runs each of
 Graph.blocks() under jax.checkpoint (lowering.apply), in the fused and the micro step alike.
 
+A mixture of experts' load balance: the training pass returns each moe node's routing
+(lowering.MoeRouting: its per-sequence balance E sum_e f_e P_e and its experts' loads). The loss that
+is differentiated adds TrainConfig.moe_aux_loss times the balances summed over the sequences and
+divided by the global batch's sequences (`balance_loss`), so a micro-batch or a device's shard adds its
+share as its cross-entropy does; the summed loss the step returns, and EpochReport.loss, stay the
+cross-entropy. The steps return the loads summed over their micro-batches and devices; the epoch loop
+adds them up on the devices (one small jitted add per step) and reads them once, at the epoch's end,
+for EpochReport.expert_load (None without a moe node).
+
 Feeding the device (issue 17):
 
 * host batches (in-memory arrays, streamed uint8 pixels) are issued to the devices with
@@ -66,7 +75,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Callable, Iterator, NamedTuple
+from typing import Callable, Iterator, Mapping, NamedTuple
 
 import numpy as np
 
@@ -85,8 +94,8 @@ def labels_per_sample(graph) -> int:
 
 def summed_loss(graph, params, state, x, labels, label_smoothing, *, precision="fp32", masks=None, key=None,
                 checkpoint_blocks: bool = False):
-    """(summed cross-entropy over the batch's labels, new BN state), training mode: one label per
-    image, or one per position of a sequence.
+    """(summed cross-entropy over the batch's labels, new BN state, {moe node id: MoeRouting}),
+    training mode: one label per image, or one per position of a sequence.
 
     With a softmax output the loss comes from its logits (stable log-softmax); otherwise the
     output is read as probabilities clipped to [1e-7, 1 - 1e-7], as the reference does."""
@@ -96,15 +105,37 @@ def summed_loss(graph, params, state, x, labels, label_smoothing, *, precision="
     from aiperf_backends.jax.lowering import apply
 
     has_logits = graph[graph.output_id].op == "softmax"
-    out, new_state = apply(graph, params, state, x, training=True, logits=has_logits, precision=precision,
-                           masks=masks, key=key, checkpoint_blocks=checkpoint_blocks)
+    out, new_state, routing = apply(graph, params, state, x, training=True, logits=has_logits, precision=precision,
+                                    masks=masks, key=key, checkpoint_blocks=checkpoint_blocks)
     classes = out.shape[-1]
     target = jax.nn.one_hot(labels, classes, dtype=jnp.float32) * (1.0 - label_smoothing) + label_smoothing / classes
     if has_logits:
         logp = jax.nn.log_softmax(out, axis=-1)
     else:
         logp = jnp.log(jnp.clip(out, PROBABILITY_CLIP, 1.0 - PROBABILITY_CLIP))
-    return -jnp.sum(target * logp), new_state
+    return -jnp.sum(target * logp), new_state, routing
+
+
+def moe_experts(graph) -> dict[str, int]:
+    """{moe node id: its number of experts}: the nodes of EpochReport.expert_load."""
+    return {node.id: node.attrs["experts"] for node in graph.nodes if node.op == "moe"}
+
+
+def balance_loss(routing, moe_aux_loss: float, sequences):
+    """TrainConfig.moe_aux_loss's term of the loss that is differentiated: alpha times, summed over the
+    moe nodes, their per-sequence balance summed over the batch's sequences (MoeRouting.balance) and
+    divided by `sequences`, the global batch's. A micro-batch or a device's shard thus adds its share,
+    weighted by its share of the global batch's sequences, as its cross-entropy does. 0 without moe."""
+    import jax.numpy as jnp
+
+    if not moe_aux_loss or not routing:
+        return 0.0
+    return moe_aux_loss * sum(jnp.sum(r.balance) for r in routing.values()) / sequences
+
+
+def expert_loads(routing) -> dict:
+    """{moe node id: (E,) int32 assignments per expert} of a training pass."""
+    return {node_id: r.load for node_id, r in routing.items()}
 
 
 def eval_sums(graph, params, state, x, labels, valid, label_smoothing, precision):
@@ -116,7 +147,7 @@ def eval_sums(graph, params, state, x, labels, valid, label_smoothing, precision
     from aiperf_backends.jax.lowering import apply
 
     has_logits = graph[graph.output_id].op == "softmax"
-    out, _ = apply(graph, params, state, x, training=False, logits=has_logits, precision=precision)
+    out, _, _ = apply(graph, params, state, x, training=False, logits=has_logits, precision=precision)
     classes = out.shape[-1]
     target = jax.nn.one_hot(labels, classes, dtype=jnp.float32) * (1.0 - label_smoothing) + label_smoothing / classes
     if has_logits:
@@ -193,6 +224,8 @@ def step_key(config: TrainConfig) -> tuple:
     adamw = adamw_of(config)
     if adamw is not None or grad_clip is not None:
         key += (adamw, grad_clip)
+    if config.moe_aux_loss:
+        key += (("moe_aux_loss", float(config.moe_aux_loss)),)
     return key + ("checkpoint_blocks",) if config.checkpoint_blocks else key
 
 
@@ -206,7 +239,7 @@ def micro_step_key(config: TrainConfig, placement, sharded: bool) -> tuple:
     """The cache key of one micro-batch's gradients (`make_micro_step`); a sharded one is bound to
     its devices' mesh."""
     return ("micro", config.precision, float(config.label_smoothing), bool(config.checkpoint_blocks),
-            tuple(placement.names()) if sharded else None)
+            float(config.moe_aux_loss), tuple(placement.names()) if sharded else None)
 
 
 def initial_optimizer_state(params, adamw: AdamW | None):
@@ -275,26 +308,30 @@ def optimizer_update(params, slots, grads, lr, index, momentum: float, adamw: Ad
 
 def make_train_step(graph, precision: str, momentum: float, label_smoothing: float,
                     adamw: AdamW | None = None, grad_clip: float | None = None,
-                    checkpoint_blocks: bool = False) -> Traced:
+                    checkpoint_blocks: bool = False, moe_aux_loss: float = 0.0) -> Traced:
     """The jitted step (params, state, optimizer state, x, labels, lr, key, step index) -> (params,
-    state, optimizer state, summed loss): SGD with momentum (the state: the momentum buffers), or
-    AdamW when `adamw` is given (the state: its two moments), with the gradients clipped to
-    `grad_clip` when given. x is a float32 (normalised) or uint8 (pixels) batch; dropout draws
-    from fold_in(key, step index), and AdamW's bias correction counts step index + 1 steps (the
-    index counts the steps since the state was zero). params and the optimizer state are donated:
-    the update happens in place where the device allows. checkpoint_blocks: the forward pass
-    recomputes each of the graph's blocks in the backward one (lowering.apply)."""
+    state, optimizer state, summed cross-entropy, {moe node id: (E,) int32 expert loads}): the gradient
+    is that of the mean cross-entropy plus moe_aux_loss's load-balancing term (`balance_loss`). SGD with
+    momentum (the state: the momentum buffers), or AdamW when `adamw` is given (the state: its two
+    moments), with the gradients clipped to `grad_clip` when given. x is a float32 (normalised) or
+    uint8 (pixels) batch; dropout draws from fold_in(key, step index), and AdamW's bias correction
+    counts step index + 1 steps (the index counts the steps since the state was zero). params and the
+    optimizer state are donated: the update happens in place where the device allows.
+    checkpoint_blocks: the forward pass recomputes each of the graph's blocks in the backward one
+    (lowering.apply)."""
     import jax
 
     def step(params, state, slots, x, labels, lr, key, index):
         def loss_fn(p):
-            total, new_state = summed_loss(graph, p, state, x, labels, label_smoothing, precision=precision,
-                                           key=jax.random.fold_in(key, index), checkpoint_blocks=checkpoint_blocks)
-            return total / labels.size, (total, new_state)
+            total, new_state, routing = summed_loss(graph, p, state, x, labels, label_smoothing, precision=precision,
+                                                    key=jax.random.fold_in(key, index),
+                                                    checkpoint_blocks=checkpoint_blocks)
+            loss = total / labels.size + balance_loss(routing, moe_aux_loss, labels.shape[0])
+            return loss, (total, new_state, expert_loads(routing))
 
-        grads, (total, new_state) = jax.grad(loss_fn, has_aux=True)(params)
+        grads, (total, new_state, loads) = jax.grad(loss_fn, has_aux=True)(params)
         params, slots = optimizer_update(params, slots, grads, lr, index, momentum, adamw, grad_clip)
-        return params, new_state, slots, total
+        return params, new_state, slots, total, loads
 
     return Traced(step, donate_argnums=(0, 2))
 
@@ -307,7 +344,7 @@ def batch_norm_nodes(graph) -> tuple[str, ...]:
 
 
 def make_micro_step(graph, precision: str, label_smoothing: float, checkpoint_blocks: bool,
-                    mesh=None) -> Traced:
+                    mesh=None, moe_aux_loss: float = 0.0) -> Traced:
     """One micro-batch's share of a step: (params, state, accumulator, x, labels, start, length,
     divisor, key, index, micro index, first) -> (accumulator, state).
 
@@ -316,7 +353,9 @@ def make_micro_step(graph, precision: str, label_smoothing: float, checkpoint_bl
     per global batch shape and micro-batch length, whatever the start). Its gradient is that of its
     summed loss / `divisor`, the global batch's number of labels: its mean loss weighted by its
     share of the global batch's samples, so that the micro-batches' gradients add up to the whole
-    batch's. The accumulator is {'grads', 'loss'}; `first` starts it afresh (a select, so that
+    batch's; moe_aux_loss's term is weighted likewise, by the micro-batch's share of the global batch's
+    sequences (divisor / labels per sequence). The accumulator is {'grads', 'loss', 'load'} (`load`: the
+    expert loads, {moe node id: (E,) int32}); `first` starts it afresh (a select, so that
     whatever the buffer held, even a NaN, is discarded), and it is donated: the sum is kept in place.
 
     With a mesh (several devices, the batch sharded) the body runs per device under shard_map, on
@@ -330,25 +369,28 @@ def make_micro_step(graph, precision: str, label_smoothing: float, checkpoint_bl
     import jax.numpy as jnp
     from jax import lax
 
+    positions = labels_per_sample(graph)
+
     def gradients(params, state, x, labels, divisor, key):
         def loss_fn(p):
-            total, new_state = summed_loss(graph, p, state, x, labels, label_smoothing, precision=precision,
-                                           key=key, checkpoint_blocks=checkpoint_blocks)
-            return total / divisor, (total, new_state)
+            total, new_state, routing = summed_loss(graph, p, state, x, labels, label_smoothing, precision=precision,
+                                                    key=key, checkpoint_blocks=checkpoint_blocks)
+            loss = total / divisor + balance_loss(routing, moe_aux_loss, divisor / positions)
+            return loss, (total, new_state, expert_loads(routing))
 
-        grads, (total, new_state) = jax.grad(loss_fn, has_aux=True)(params)
-        return grads, total, new_state
+        grads, (total, new_state, loads) = jax.grad(loss_fn, has_aux=True)(params)
+        return {"grads": grads, "loss": total, "load": loads}, new_state
 
-    def accumulated(acc, grads, total, first, widen=lambda v: v):
+    def accumulated(acc, sums, first, widen=lambda v: v):
         add = lambda a, g: jnp.where(first, widen(g), a + widen(g))  # noqa: E731
-        return {"grads": jax.tree_util.tree_map(add, acc["grads"], grads), "loss": add(acc["loss"], total)}
+        return jax.tree_util.tree_map(add, acc, sums)
 
     if mesh is None:
         def micro(params, state, acc, x, labels, start, length, divisor, key, index, micro_index, first):
             xs, ys = (lax.dynamic_slice_in_dim(a, start, length) for a in (x, labels))
             key = jax.random.fold_in(jax.random.fold_in(key, index), micro_index)
-            grads, total, new_state = gradients(params, state, xs, ys, divisor, key)
-            return accumulated(acc, grads, total, first), new_state
+            sums, new_state = gradients(params, state, xs, ys, divisor, key)
+            return accumulated(acc, sums, first), new_state
 
         return Traced(micro, static_argnums=(6,), donate_argnums=(2,))
 
@@ -363,9 +405,9 @@ def make_micro_step(graph, precision: str, label_smoothing: float, checkpoint_bl
             xs, ys = (lax.dynamic_slice_in_dim(a, start, length) for a in (x, labels))
             key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, index), micro_index),
                                      lax.axis_index(AXIS))
-            grads, total, new_state = gradients(lax.pcast(params, AXIS, to="varying"), state, xs, ys, divisor, key)
+            sums, new_state = gradients(lax.pcast(params, AXIS, to="varying"), state, xs, ys, divisor, key)
             new_state = {n: lax.pmean(new_state[n], AXIS) if n in normalised else state[n] for n in state}
-            return accumulated(acc, grads, total, first, widen=lambda v: v[None]), new_state
+            return accumulated(acc, sums, first, widen=lambda v: v[None]), new_state
 
         sharded, replicated = P(AXIS), P()
         return jax.shard_map(local, mesh=mesh,
@@ -377,27 +419,26 @@ def make_micro_step(graph, precision: str, label_smoothing: float, checkpoint_bl
 
 
 def make_update(momentum: float, adamw: AdamW | None, grad_clip: float | None, sharded: bool) -> Traced:
-    """(params, optimizer state, accumulator, lr, index) -> (params, optimizer state, summed loss):
-    the step's update from the accumulated gradients, exactly as one step on the whole batch
+    """(params, optimizer state, accumulator, lr, index) -> (params, optimizer state, summed loss, expert
+    loads): the step's update from the accumulated gradients, exactly as one step on the whole batch
     (`optimizer_update`: the clip on the global norm, then SGD or AdamW). A sharded accumulator
     (one sum per device) is added over its device axis first: XLA's one all-reduce of the step."""
     import jax
     import jax.numpy as jnp
 
     def update(params, slots, acc, lr, index):
-        grads, loss = acc["grads"], acc["loss"]
         if sharded:
-            grads = jax.tree_util.tree_map(lambda g: jnp.sum(g, axis=0), grads)
-            loss = jnp.sum(loss)
-        params, slots = optimizer_update(params, slots, grads, lr, index, momentum, adamw, grad_clip)
-        return params, slots, loss
+            acc = jax.tree_util.tree_map(lambda sums: jnp.sum(sums, axis=0), acc)
+        params, slots = optimizer_update(params, slots, acc["grads"], lr, index, momentum, adamw, grad_clip)
+        return params, slots, acc["loss"], acc["load"]
 
     return Traced(update, donate_argnums=(0, 1))
 
 
-def zero_accumulator(placement, params, sharded: bool):
+def zero_accumulator(placement, params, sharded: bool, experts: Mapping[str, int] | None = None):
     """A micro step's accumulator made on the devices: the gradients' shapes (with a leading device
-    axis, sharded, when `sharded`) and the loss."""
+    axis, sharded, when `sharded`), the loss, and the expert loads of the moe nodes `experts`
+    ({node id: experts}, `moe_experts`)."""
     import jax
     import jax.numpy as jnp
 
@@ -406,7 +447,9 @@ def zero_accumulator(placement, params, sharded: bool):
     else:
         lead, sharding = (), placement.replicated
     grads = jax.tree_util.tree_map(lambda leaf: jnp.zeros(lead + leaf.shape, leaf.dtype, device=sharding), params)
-    return {"grads": grads, "loss": jnp.zeros(lead, jnp.float32, device=sharding)}
+    load = {node_id: jnp.zeros(lead + (count,), jnp.int32, device=sharding)
+            for node_id, count in (experts or {}).items()}
+    return {"grads": grads, "loss": jnp.zeros(lead, jnp.float32, device=sharding), "load": load}
 
 
 def predict_fn(model) -> Traced:
@@ -576,7 +619,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
     if key not in model.cache:
         model.cache[key] = make_train_step(model.graph, config.precision, float(config.momentum),
                                            float(config.label_smoothing), adamw, grad_clip,
-                                           bool(config.checkpoint_blocks))
+                                           bool(config.checkpoint_blocks), float(config.moe_aux_loss))
     step = model.cache[key]
     evaluate = eval_fn(model, config.label_smoothing)
     # Copies first: the step donates params and its optimizer state, and the model keeps its own
@@ -592,6 +635,9 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
     feed = feed_for(data, placement, compiling, config.batch_size)
     rng_key = placement.replicate(jax.random.PRNGKey(config.seed))
     accumulator: dict = {"value": None, "sharded": None}
+    experts = moe_experts(model.graph)
+    if experts and ("add_loads",) not in model.cache:  # the epoch's expert loads, summed on the devices
+        model.cache[("add_loads",)] = Traced(lambda total, load: jax.tree_util.tree_map(jnp.add, total, load))
 
     def accumulated_step(params, state, slots, xb, yb, n, lr, index):
         """One step as consecutive micro-batches of each device's shard (TrainConfig.micro_batch),
@@ -604,19 +650,19 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
         if micro_key not in model.cache:
             model.cache[micro_key] = make_micro_step(model.graph, config.precision, float(config.label_smoothing),
                                                      bool(config.checkpoint_blocks),
-                                                     placement.mesh if sharded else None)
+                                                     placement.mesh if sharded else None, float(config.moe_aux_loss))
         if update_key_ not in model.cache:
             model.cache[update_key_] = make_update(float(config.momentum), adamw, grad_clip, sharded)
         if accumulator["sharded"] is not sharded:
             accumulator["value"] = None  # one at a time: a short last batch may be laid out otherwise
-            accumulator.update(value=zero_accumulator(placement, params, sharded), sharded=sharded)
+            accumulator.update(value=zero_accumulator(placement, params, sharded, experts), sharded=sharded)
         acc, divisor = accumulator["value"], np.float32(n * positions)
         for k, (start, stop) in enumerate(spans):
             acc, state = compiling.call(model.cache[micro_key], params, state, acc, xb, yb, np.int32(start),
                                         stop - start, divisor, rng_key, index, np.int32(k), np.bool_(k == 0))
         accumulator["value"] = acc
-        params, slots, total = compiling.call(model.cache[update_key_], params, slots, acc, lr, index)
-        return params, state, slots, total
+        params, slots, total, load = compiling.call(model.cache[update_key_], params, slots, acc, lr, index)
+        return params, state, slots, total, load
 
     reports: list[EpochReport] = []
     step_index = 0
@@ -624,6 +670,8 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
         for epoch in range(config.epochs):
             lr = np.float32(config.schedule.rate(epoch, config.epochs))
             totals = []
+            # Summed on the devices and read once, at the epoch's end: no host wait per step.
+            epoch_load = placement.replicate({node_id: np.zeros(count, np.int32) for node_id, count in experts.items()})
             in_flight = None  # (summed loss, images) of the step dispatched before the current one
             images = skipped = 0
             # Advancing the feed issues batch k+1 to the devices right after step k is dispatched.
@@ -632,8 +680,10 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
                 if not n:
                     continue
                 with clock:
-                    params, state, slots, total = accumulated_step(params, state, slots, xb, yb, n, lr,
-                                                                   np.int32(step_index))
+                    params, state, slots, total, load = accumulated_step(params, state, slots, xb, yb, n, lr,
+                                                                         np.int32(step_index))
+                    if experts:
+                        epoch_load = compiling.call(model.cache[("add_loads",)], epoch_load, load)
                     if in_flight is not None:
                         in_flight[0].block_until_ready()
                 if in_flight is not None:
@@ -648,6 +698,8 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
                 clock.count(in_flight[1])
             with clock:
                 loss_sum = float(np.sum([np.float64(t) for t in totals]))
+                expert_load = {node_id: tuple(int(c) for c in counts)
+                               for node_id, counts in jax.device_get(epoch_load).items()} if experts else None
             val_parts, val_total = [], 0
             for xb, yb, valid, n, batch_skipped in feed.val(clock):
                 skipped += batch_skipped
@@ -663,7 +715,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
                                  val_loss=val_loss / (val_total * positions) if val_total else 0.0,
                                  val_accuracy=correct / (val_total * positions) if val_total else 0.0,
                                  skipped_images=skipped, step_seconds=clock.lap(),
-                                 compile_seconds=compiling.lap())
+                                 compile_seconds=compiling.lap(), expert_load=expert_load)
             reports.append(report)
             if on_epoch is not None and on_epoch(report):
                 break
