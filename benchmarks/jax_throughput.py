@@ -161,7 +161,7 @@ def main() -> int:
 
     def lowered_step():
         p, s, v = carry["low"]
-        p, s, v, total = step(p, s, v, x, labels, lr, key, index)
+        p, s, v, total = step(p, s, v, x, labels, lr, key, index)[:4]
         total.block_until_ready()
         carry["low"] = (p, s, v)
 

@@ -355,7 +355,7 @@ def jax_pair(graph, sizes, tokens, labels):
 
     def lowered_step():
         lowered["params"], lowered["state"], lowered["velocity"], total = step(
-            lowered["params"], lowered["state"], lowered["velocity"], x, y, lr, key, index)
+            lowered["params"], lowered["state"], lowered["velocity"], x, y, lr, key, index)[:4]
         total.block_until_ready()
 
     def hand_step():
