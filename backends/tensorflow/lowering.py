@@ -82,6 +82,12 @@ for images):
   on every token in einsums and a gate of 0 drops what a token did not choose: the same function at E/k
   times the expert work (``_every_expert``). The node's ops are under the name scope MOE_SCOPE, by which
   the native counter books them.
+* moe's load balance (training only, when the caller passes ``balance``, a dict the pass fills): per moe
+  node, the sum over the batch's sequences of ``E sum_e f_e P_e`` (TrainConfig.moe_aux_loss: P_e the mean
+  over the sequence's tokens of the router's softmax over all E experts, differentiable; f_e the share of
+  the sequence's S k assignments that expert e received, under tf.stop_gradient) and the assignments each
+  expert received (float32, exact to 2^24 a batch), from the logits and choices the routing ran, routed or
+  under XLA alike. Outside MOE_SCOPE: the counter books the model's products, not the loss's.
 
 Activation checkpointing (``call(..., checkpoint=True)``, training only): each of the graph's blocks
 (Graph.blocks: two residual sub-layers of a transformer) runs as one function under
@@ -267,7 +273,8 @@ class LoweredModel(tf.Module):
 
     # -- forward ------------------------------------------------------------
     def call(self, x, training: bool, logits: bool = False, masks: Mapping[str, Any] | None = None,
-             checkpoint: bool = False, moving: Mapping[Any, Any] | None = None, synchronise: bool = True):
+             checkpoint: bool = False, moving: Mapping[Any, Any] | None = None, synchronise: bool = True,
+             balance: dict | None = None):
         """(output, moving-statistics updates) of a forward pass (see the class's docstring).
 
         checkpoint (training only): each of the graph's blocks (Graph.blocks) runs under
@@ -275,10 +282,12 @@ class LoweredModel(tf.Module):
         rest. moving: the moving statistics a training pass starts from, by variable ref(), instead
         of the variables' values (gradient accumulation chains its micro-batches' updates).
         synchronise=False: batch statistics of this replica's batch alone, even under several
-        replicas (a micro-batch's, which the peers' micro-batches need not line up with)."""
+        replicas (a micro-batch's, which the peers' micro-batches need not line up with).
+        balance (training only): filled with each moe node's (summed load-balancing loss, assignments per
+        expert) by node id (``load_balance``)."""
         g = self.graph
         stop = self.logits_id if logits and self.logits_id is not None else g.output_id
-        run = _Pass(training, masks, moving, synchronise)
+        run = _Pass(training, masks, moving, synchronise, balance=balance if training else None)
         values: dict[str, Any] = {}
         blocks = self.blocks if checkpoint and training else {}
         skip_to = -1  # index of the last node computed by the checkpointed block just run
@@ -316,28 +325,34 @@ class LoweredModel(tf.Module):
         """The values of `block` that nodes after it read, computed under tf.recompute_grad. Its
         dropout masks come from seeds drawn here, outside it, so that the recomputation draws the
         same ones; its moving-statistics updates are the forward pass's (the recomputation's are
-        the same values and are dropped)."""
+        the same values and are dropped). A moe's load balance leaves the block as outputs of its own, so
+        that the aux loss's gradient flows through the recomputation."""
         g = self.graph
         last = self._order[block.output]
         exported = [n for n in block.nodes if n == block.output or self._last_reader.get(n, -1) > last]
         seeds = {n: tf.random.uniform([2], 0, 2 ** 31 - 1, tf.int32) for n in block.nodes
                  if g[n].op == "dropout" and g[n].attrs["rate"] > 0 and (run.masks is None or n not in run.masks)}
+        balanced = [n for n in block.nodes if g[n].op == "moe"] if run.balance is not None else []
         forward_updates: list = []
 
         def forward(h):
-            inner = _Pass(run.training, run.masks, run.moving, run.synchronise, seeds)
+            inner = _Pass(run.training, run.masks, run.moving, run.synchronise, seeds,
+                          balance={} if balanced else None)
             vals = {block.input: h}
             for nid in block.nodes:
                 node = g[nid]
                 vals[nid] = self._op(node, [vals[s] for s in node.inputs], inner)
             if not forward_updates:
                 forward_updates.append(inner.updates)
-            outs = [vals[n] for n in exported]
+            outs = [vals[n] for n in exported] + [t for n in balanced for t in inner.balance[n]]
             return outs[0] if len(outs) == 1 else outs
 
         outs = tf.recompute_grad(forward)(x)
+        outs = [outs] if len(exported) + 2 * len(balanced) == 1 else list(outs)
         run.updates.extend(forward_updates[0])
-        return dict(zip(exported, [outs] if len(exported) == 1 else outs))
+        for k, nid in enumerate(balanced):
+            run.balance[nid] = tuple(outs[len(exported) + 2 * k:len(exported) + 2 * k + 2])
+        return dict(zip(exported, outs))
 
     def _op(self, node: Node, ins, run: "_Pass"):
         a, op, cd = node.attrs, node.op, self.compute_dtype
@@ -436,25 +451,30 @@ class LoweredModel(tf.Module):
             xs = _same_dtype(ins)
             return xs[0] * xs[1]
         if op == "moe":
-            return self._mixture_of_experts(node, ins[0])
+            return self._mixture_of_experts(node, ins[0], run.balance)
         raise GraphError(f"op '{op}' is not supported by the tensorflow backend", node.id)
 
-    def _mixture_of_experts(self, node: Node, x):
+    def _mixture_of_experts(self, node: Node, x, balance: dict | None = None):
         """The IR's moe on (N, S, D), routed (the module's docstring): each expert's products run on the
         rows of the tokens that chose it. Under XLA (jit_compile), which needs static shapes, every expert
         runs on every token instead (``_every_expert``). tf.math.top_k puts the lower index first among
         equals, as the IR does. The node's ops are under the name scope MOE_SCOPE, by which the native
-        counter books them."""
+        counter books them. `balance`: filled with the node's load_balance of this routing."""
         with tf.name_scope(MOE_SCOPE):
             if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-                return self._every_expert(node, x)
-            return self._routed_experts(node, x)
+                y, logits, chosen = self._every_expert(node, x)
+            else:
+                y, logits, chosen = self._routed_experts(node, x)
+        if balance is not None:
+            balance[node.id] = load_balance(logits, chosen, node.attrs["experts"], self.graph.shapes[node.id][0])
+        return y
 
     def _routing(self, node: Node, tokens):
-        """The router's top_k experts of each row of `tokens` (T, D) and their gates, float32 (T, k)."""
+        """The router's float32 logits (T, E) of the rows of `tokens` (T, D), each row's top_k experts and
+        their gates, float32 (T, k)."""
         logits = tf.cast(tf.matmul(tokens, tf.cast(self.params[node.id]["router"], tokens.dtype)), tf.float32)
         picked, chosen = tf.math.top_k(logits, k=node.attrs["top_k"])
-        return chosen, tf.nn.softmax(picked, axis=-1)
+        return logits, chosen, tf.nn.softmax(picked, axis=-1)
 
     def _expert(self, node: Node, rows, e: int, weights):
         """Expert e's MLP on its rows (R, D); `weights` holds each parameter unstacked per expert."""
@@ -470,13 +490,14 @@ class LoweredModel(tf.Module):
         """Sorted dispatch: the (token, expert) assignments sorted by expert (a stable argsort), the chosen
         tokens' rows gathered in that order and split into one contiguous segment per expert (sizes by
         bincount, tensors of the graph: no host read per expert), each expert's products on its segment,
-        and the outputs weighted by their gates and summed back per token (unsorted_segment_sum)."""
+        and the outputs weighted by their gates and summed back per token (unsorted_segment_sum). Returns
+        (output, router logits (T, E), choices (T, k))."""
         a, cd = node.attrs, self.compute_dtype
         experts, top_k = a["experts"], a["top_k"]
         seq, width = self.graph.shapes[node.id]
         n = _batch_size(x)
         tokens = tf.reshape(tf.cast(x, cd), [-1, width])
-        chosen, gates = self._routing(node, tokens)
+        logits, chosen, gates = self._routing(node, tokens)
         assigned = tf.reshape(chosen, [-1])  # assignment i is token i // top_k's choice i % top_k
         order = tf.argsort(assigned, stable=True)
         sizes = tf.math.bincount(assigned, minlength=experts, maxlength=experts)
@@ -488,11 +509,12 @@ class LoweredModel(tf.Module):
         out = tf.concat([self._expert(node, rows, e, weights) for e, rows in enumerate(segments)], axis=0)
         weighted = tf.cast(out, tf.float32) * tf.gather(tf.reshape(gates, [-1]), order)[:, None]
         summed = tf.math.unsorted_segment_sum(weighted, token_of, n * seq)
-        return tf.reshape(tf.cast(summed, cd), [n, seq, width])
+        return tf.reshape(tf.cast(summed, cd), [n, seq, width]), logits, chosen
 
     def _every_expert(self, node: Node, x):
         """Static shapes (XLA): every expert runs on every token in einsums, and a gate of 0 drops what the
-        token did not choose (E/k times the work counted)."""
+        token did not choose (E/k times the work counted). Returns (output, router logits (N, S, E),
+        choices (N, S, k))."""
         a, p, cd = node.attrs, self.params[node.id], self.compute_dtype
         x = tf.cast(x, cd)
         logits = tf.cast(tf.einsum("nsd,de->nse", x, tf.cast(p["router"], cd)), tf.float32)
@@ -506,7 +528,7 @@ class LoweredModel(tf.Module):
         else:
             hidden = tf.nn.gelu(up + tf.cast(p["b_in"], cd), approximate=True)
             out = tf.einsum("nsef,efd->nsed", hidden, tf.cast(p["w_out"], cd)) + tf.cast(p["b_out"], cd)
-        return tf.einsum("nse,nsed->nsd", tf.cast(weight, cd), out)
+        return tf.einsum("nse,nsed->nsd", tf.cast(weight, cd), out), logits, chosen
 
     def _conv2d(self, node: Node, x):
         a, p, cd = node.attrs, self.params[node.id], self.compute_dtype
@@ -639,18 +661,35 @@ class LoweredModel(tf.Module):
 
 
 class _Pass:
-    """One forward pass's settings (LoweredModel.call) and the moving-statistics updates it makes."""
+    """One forward pass's settings (LoweredModel.call), the moving-statistics updates it makes and, when
+    asked for (`balance`, a dict), each moe node's load_balance by node id."""
 
-    def __init__(self, training: bool, masks=None, moving=None, synchronise: bool = True, seeds=None):
+    def __init__(self, training: bool, masks=None, moving=None, synchronise: bool = True, seeds=None,
+                 balance: dict | None = None):
         self.training, self.masks, self.moving, self.synchronise = training, masks, moving, synchronise
         self.seeds = seeds or {}  # dropout node -> stateless seed (inside a checkpointed block)
         self.updates: list[tuple[tf.Variable, Any]] = []
+        self.balance = balance
 
     def moving_updates(self, p, momentum: float, mean, unbiased) -> None:
         for name, batch in (("moving_mean", mean), ("moving_variance", unbiased)):
             var = p[name]
             old = var if self.moving is None else self.moving.get(var.ref(), var)
             self.updates.append((var, momentum * old + (1.0 - momentum) * tf.stop_gradient(batch)))
+
+
+def load_balance(logits, chosen, experts: int, seq: int):
+    """(the sum over the batch's sequences of E sum_e f_e P_e, float32 assignments per expert (E,)) of a
+    routing: `logits` the router's float32 logits of the batch's tokens, `chosen` their top_k experts, in
+    token order (sequence by sequence, S tokens each). P_e: the mean over a sequence's tokens of the
+    softmax over all E experts (its gradient reaches the router and the moe's input); f_e: the share of
+    the sequence's S top_k assignments that e received, without gradient."""
+    probs = tf.reshape(tf.nn.softmax(tf.reshape(logits, [-1, experts]), axis=-1), [-1, seq, experts])
+    top_k = chosen.shape[-1]
+    received = tf.reduce_sum(tf.one_hot(tf.reshape(chosen, [-1, seq * top_k]), experts, dtype=tf.float32), axis=1)
+    share = tf.stop_gradient(received / float(seq * top_k))
+    summed = float(experts) * tf.reduce_sum(share * tf.reduce_mean(probs, axis=1))
+    return summed, tf.reduce_sum(received, axis=0)
 
 
 def _in_replicas() -> bool:

@@ -50,6 +50,15 @@ statistics (on each device, not synchronised: the replicas' micro-batches need n
 moving statistics take one update per micro-batch, in order (under data parallelism, the first
 replica's). Validation batches are then at most micro_batch too.
 
+A mixture of experts' load balance. With TrainConfig.moe_aux_loss alpha > 0, the loss whose gradient is
+taken adds, for each moe node, alpha times its summed load-balancing loss (lowering.load_balance: the sum
+over the pass's sequences of E sum_e f_e P_e) divided by the *global* batch's sequences, as the
+cross-entropy's sum is divided by its labels: over shards and micro-batches it adds up to alpha times the
+mean over the global batch's sequences. The step's returned loss (EpochReport.loss) stays the
+cross-entropy. The assignments each expert received are summed over the micro-batches, all-reduced with
+the gradients, and added inside the step to an int64 variable per moe node (`Trainer.expert_counts`), which
+the epoch loop reads once an epoch: no host read per step (EpochReport.expert_load).
+
 Activation checkpointing (TrainConfig.checkpoint_blocks): the forward runs each of the graph's
 blocks (Graph.blocks) under tf.recompute_grad (lowering.LoweredModel.call), so the backward pass
 keeps only a block's input and recomputes its activations; the gradients are those of plain
@@ -215,6 +224,13 @@ class Trainer:
                            for i, v in enumerate(model.trainables)] if adamw else []
             self.updates_applied = make_variable(0.0, "optimizer_steps", trainable=False) if adamw else None
             self.loss_scale = LossScale() if self.precision == "fp16" else None
+            # Each moe node's assignments per expert since the trainer was made, added to inside the step
+            # (int64: an epoch's tokens pass float32's 2^24).
+            self.moe_ids = [node.id for node in model.graph.nodes if node.op == "moe"]
+            self.expert_counts = [tf.Variable(tf.zeros([model.graph[n].attrs["experts"]], tf.int64), trainable=False,
+                                              name=f"expert_load_{i}",
+                                              aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+                                  for i, n in enumerate(self.moe_ids)]
         # optim.is_decayed's rule, asked of a zero-copy array of each variable's shape (a variable
         # itself would be read to the host).
         self.decayed = [is_decayed(np.broadcast_to(np.float32(0), tuple(v.shape))) for v in model.trainables]
@@ -224,19 +240,27 @@ class Trainer:
         self._evals: dict[tf.DType, Any] = {}
 
     # -- the traced functions ---------------------------------------------------------------------
-    def _gradients(self, x, y, global_n, sources, **options):
-        """(summed loss, gradients, moving-statistics updates) of one pass over x: the gradients of
-        its summed loss over the *global* batch's labels (times the fp16 loss scale), so that the
-        shards' and micro-batches' gradients add up to the global batch's. `options`: call's."""
-        model, scaling = self.model, self.loss_scale
+    def _gradients(self, x, y, global_n, sources, load: list | None = None, **options):
+        """(summed cross-entropy, gradients, moving-statistics updates) of one pass over x: the gradients of
+        its summed cross-entropy over the *global* batch's labels plus moe_aux_loss times its summed
+        load-balancing losses over the global batch's sequences (times the fp16 loss scale), so that the
+        shards' and micro-batches' gradients add up to the global batch's. `load`: where given, each moe
+        node's assignments per expert in this pass are appended to it (in moe_ids' order). `options`:
+        call's."""
+        model, scaling, alpha = self.model, self.loss_scale, float(self.config.moe_aux_loss)
+        balance: dict | None = {} if self.moe_ids else None
         with tf.GradientTape() as tape:
             total, updates, _ = summed_loss(model, x, y, float(self.config.label_smoothing), True,
-                                            checkpoint=self.config.checkpoint_blocks, **options)
+                                            checkpoint=self.config.checkpoint_blocks, balance=balance, **options)
             loss = total / (global_n * model.labels_per_sample)
+            if alpha and self.moe_ids:
+                loss = loss + alpha * tf.add_n([balance[n][0] for n in self.moe_ids]) / global_n
             if scaling is not None:
                 loss = loss * scaling.scale
         grads = tape.gradient(loss, sources)
         grads = [tf.zeros_like(v) if g is None else tf.convert_to_tensor(g) for g, v in zip(grads, sources)]
+        if load is not None:
+            load.extend(balance[n][1] for n in self.moe_ids)
         return total, grads, updates
 
     def _accumulated_gradients(self, x, y, global_n, sources):
@@ -251,10 +275,11 @@ class Trainer:
         refs = [v.ref() for v in self.model.moving_variables]
 
         def pass_over(xk, yk, moving):
-            total, grads, updates = self._gradients(xk, yk, global_n, sources, moving=dict(zip(refs, moving)),
+            load: list = []
+            total, grads, updates = self._gradients(xk, yk, global_n, sources, load, moving=dict(zip(refs, moving)),
                                                     synchronise=False)
             new = {var.ref(): value for var, value in updates}
-            return total, grads, [new.get(r, m) for r, m in zip(refs, moving)]
+            return total, grads, [new.get(r, m) for r, m in zip(refs, moving)], load
 
         def part(t, start, size):
             return tf.slice(t, [start] + [0] * (len(t.shape) - 1), [size] + list(t.shape[1:]))
@@ -263,19 +288,20 @@ class Trainer:
         total = tf.zeros([], tf.float32)
         grads = [tf.zeros(v.shape, tf.float32) for v in sources]
         moving = [tf.identity(v) for v in self.model.moving_variables]
+        load = [tf.zeros(v.shape, tf.float32) for v in self.expert_counts]
         if full:
-            def body(k, total, grads, moving):
-                t, g, m = pass_over(part(x, k * micro, micro), part(y, k * micro, micro), moving)
-                return k + 1, total + t, [a + b for a, b in zip(grads, g)], m
+            def body(k, total, grads, moving, load):
+                t, g, m, c = pass_over(part(x, k * micro, micro), part(y, k * micro, micro), moving)
+                return k + 1, total + t, [a + b for a, b in zip(grads, g)], m, [a + b for a, b in zip(load, c)]
 
-            start = (tf.constant(0), total, grads, moving)
-            _, total, grads, moving = tf.while_loop(lambda k, *_: k < full, body, start, parallel_iterations=1)
+            start = (tf.constant(0), total, grads, moving, load)
+            _, total, grads, moving, load = tf.while_loop(lambda k, *_: k < full, body, start, parallel_iterations=1)
         if rest:
             with tf.control_dependencies([total]):  # after the loop's micro-batches, not beside them
-                t, g, moving = pass_over(part(x, full * micro, rest), part(y, full * micro, rest), moving)
-            total, grads = total + t, [a + b for a, b in zip(grads, g)]
+                t, g, moving, c = pass_over(part(x, full * micro, rest), part(y, full * micro, rest), moving)
+            total, grads, load = total + t, [a + b for a, b in zip(grads, g)], [a + b for a, b in zip(load, c)]
         updates = list(zip(self.model.moving_variables, moving))
-        return total, grads, updates
+        return total, grads, updates, load
 
     def _replica_step(self, x, y, lr, global_n, world: int, accumulate: bool = False):
         """The step of one replica (world: the replicas in sync), or of the whole model on one device
@@ -286,11 +312,15 @@ class Trainer:
         sources = model.trainables if self.strategy is None or world > 1 else \
             [self.strategy.experimental_local_results(v)[0] for v in model.trainables]
         if accumulate:
-            total, grads, updates = self._accumulated_gradients(x, y, global_n, sources)
+            total, grads, updates, load = self._accumulated_gradients(x, y, global_n, sources)
         else:
-            total, grads, updates = self._gradients(x, y, global_n, sources)
-        if world > 1:  # once a step, after any accumulation
-            grads = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads)
+            load = []
+            total, grads, updates = self._gradients(x, y, global_n, sources, load)
+        if world > 1:  # once a step, after any accumulation; the expert counts travel with the gradients
+            reduced = tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, grads + load)
+            grads, load = reduced[:len(grads)], reduced[len(grads):]
+        for counter, received in zip(self.expert_counts, load):  # the routing ran, whether or not fp16 skips
+            counter.assign_add(tf.cast(received, tf.int64))
         if scaling is None:
             self._apply(grads, lr)
             for var, value in updates:
@@ -449,6 +479,10 @@ class Trainer:
                     return self.compiling.call(fn, batch.x, batch.y, tf.constant(lr, tf.float32),
                                                tf.constant(batch.n, tf.float32))
                 return self.compiling.call(fn, batch.x, batch.y, np.float32(lr), np.float32(batch.n))
+
+    def read_expert_counts(self) -> list[np.ndarray]:
+        """Each moe node's assignments per expert since the trainer was made (one read per node)."""
+        return [np.asarray(counter.numpy(), np.int64) for counter in self.expert_counts]
 
     def evaluate(self, batch: Placed):
         """(summed loss, correct predictions) tensors of a batch placed by put_eval, in inference
@@ -640,6 +674,7 @@ def run_epochs(trainer: Trainer, data, config: TrainConfig,
     streaming = is_streaming(data)
     reports: list[EpochReport] = []
     clock = StepClock()
+    counted = trainer.read_expert_counts()  # the counters run over the trainer's life: an epoch's is a difference
     for epoch in range(config.epochs):
         lr = config.schedule.rate(epoch, config.epochs)
         totals, images = [], 0
@@ -670,10 +705,16 @@ def run_epochs(trainer: Trainer, data, config: TrainConfig,
             correct = int(np.sum([int(c.numpy()) for _, c in val_parts]))
         skipped = (data.train_images - images) + (data.val_images - val_n) if streaming else 0
         per = trainer.model.labels_per_sample  # labels per image or sequence
+        with clock:
+            now = trainer.read_expert_counts()
+        expert_load = {node: tuple(int(c) for c in after - before)
+                       for node, before, after in zip(trainer.moe_ids, counted, now)} if trainer.moe_ids else None
+        counted = now
         report = EpochReport(epoch=epoch, train_images=images, val_images=val_n,
                              loss=loss_sum / max(images * per, 1), val_loss=val_loss / (val_n * per) if val_n else 0.0,
                              val_accuracy=correct / (val_n * per) if val_n else 0.0, skipped_images=skipped,
-                             step_seconds=clock.lap(), compile_seconds=trainer.compiling.lap())
+                             step_seconds=clock.lap(), compile_seconds=trainer.compiling.lap(),
+                             expert_load=expert_load)
         reports.append(report)
         if on_epoch is not None and on_epoch(report):
             break
