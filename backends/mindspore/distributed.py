@@ -310,7 +310,7 @@ class Cluster:
                             raise ClusterFailed(f"data-parallel training failed on rank {r.rank} ({r.device}): "
                                                 f"{message['error']}")
                         if "epoch" in message:
-                            report = EpochReport(**message["epoch"])
+                            report = _epoch_report(message["epoch"])
                             reports.append(report)
                             stop = bool(on_epoch(report)) if on_epoch is not None else False
                             self._send(r, "1" if stop else "0")
@@ -429,6 +429,13 @@ def _write_trial(workdir: Path, model, data, config: TrainConfig) -> None:
     (workdir / "config.json").write_text(json.dumps(_config_to_dict(config)))
 
 
+def _epoch_report(fields: dict) -> EpochReport:
+    """An EpochReport from its JSON form (rank 0's message): expert_load's counts back to tuples."""
+    load = fields.get("expert_load")
+    return EpochReport(**{**fields, "expert_load": None if load is None else
+                          {node: tuple(int(c) for c in counts) for node, counts in load.items()}})
+
+
 def _read_trial(workdir: Path):
     graph = Graph.from_json((workdir / "graph.json").read_text())
     config = _config_from_dict(json.loads((workdir / "config.json").read_text()))
@@ -529,6 +536,13 @@ def _train_trial(workdir: Path, rank: int, world: int, send: Callable[[dict], No
         # float32: the collectives have no float64 (sums of losses and counts need no more here)
         return [float(v) for v in all_reduce(Tensor(np.asarray(values, np.float32))).asnumpy()]
 
+    def sum_counts(counts: np.ndarray) -> np.ndarray:
+        # The CPU collective takes float32 alone (no int32), exact only to 2^24: the counts cross as base-4096
+        # digits, exact while an expert's assignments in an epoch, over the ranks, stay below 2^36.
+        digits = np.concatenate([counts % 4096, counts // 4096]).astype(np.float32)
+        summed = all_reduce(Tensor(digits)).asnumpy().astype(np.int64)
+        return summed[:len(counts)] + 4096 * summed[len(counts):]
+
     def on_epoch(report: EpochReport) -> bool:
         stop = 0.0
         if rank == 0:
@@ -541,8 +555,8 @@ def _train_trial(workdir: Path, rank: int, world: int, send: Callable[[dict], No
     synchronise_batch_norm(model, True)
     reducer = nn.DistributedGradReducer([p for _, _, p in model.trainable()], mean=True, degree=world)
     with model.computing_in(config.precision), model.checkpointing(config.checkpoint_blocks):
-        run_epochs(model, data, config, rank=rank, world=world, all_reduce=sum_over_ranks, reducer=reducer,
-                   on_epoch=on_epoch)
+        run_epochs(model, data, config, rank=rank, world=world, all_reduce=sum_over_ranks, sum_counts=sum_counts,
+                   reducer=reducer, on_epoch=on_epoch)
     if rank == 0:
         save_weights(model.export_canonical(), workdir / "trained.npz")
 

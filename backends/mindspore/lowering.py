@@ -56,6 +56,13 @@ Per op:
 * rotary: the half-split form, cos/sin tables computed on the host once per lowering and shape;
 * grouped-query attention: the key-value heads repeated (``ops.repeat_interleave``) for their query heads,
   then the multi-head products; moe with SwiGLU experts: ``(silu(x @ w_gate) * (x @ w_in)) @ w_out``.
+* moe's load balance: a training-mode pass of an ``Experts`` cell keeps its routing's load balance
+  (``Experts.balance``): the sum over the batch's sequences of ``E sum_e f_e P_e`` (TrainConfig.moe_aux_loss;
+  P_e the mean over the sequence's tokens of the router's float32 softmax over all E experts, a tensor of
+  the pass, so that its gradient reaches the router and the moe's input; f_e the share of the sequence's
+  S top_k assignments that expert e received, from the choice already made on the host, a constant) and
+  the assignments each expert received (host int64). ``LoweredCell.balance_loss`` and ``expert_counts``
+  read them after the pass.
 
 Input: a float32 batch is taken as already normalised (in-memory datasets); uint8 pixels (streamed
 batches, synthetic data) are normalised by MindSpore ops on the device target, with exactly the
@@ -423,6 +430,7 @@ class Experts(nn.Cell):
         else:
             self.b_in, self.b_out = _zeros((e, f), "b_in"), _zeros((e, width), "b_out")
         self.compute_dtype = compute_dtype
+        self.balance = None  # (summed load-balancing loss, assignments per expert) of the last training pass
 
     def _cast(self, t):
         return t if self.compute_dtype is None else t.astype(self.compute_dtype)
@@ -457,7 +465,19 @@ class Experts(nn.Cell):
                    for e, (start, end) in enumerate(zip([0] + ends[:-1], ends)) if end > start]
         weighted = ops.cat(outputs, 0).astype(ms.float32) * ops.gather(gates.reshape(-1), Tensor(order), 0)[:, None]
         summed = ops.unsorted_segment_sum(weighted, token_of, n * s)
+        if self.training:
+            self.balance = self._load_balance(logits, chosen, n, s)
         return summed.astype(rows.dtype).reshape(n, s, d)
+
+    def _load_balance(self, logits, chosen: np.ndarray, n: int, s: int) -> tuple[Tensor, np.ndarray]:
+        """(the sum over the n sequences of E sum_e f_e P_e, the assignments per expert) of a routing: P from the
+        float32 logits (n s, E), differentiable; f from the host's choices (n s, top_k), a constant."""
+        e, k = self.experts, self.top_k
+        received = np.zeros((n, e), np.int64)
+        np.add.at(received, (np.repeat(np.arange(n), s * k), chosen.reshape(-1)), 1)
+        share = Tensor((received / float(s * k)).astype(np.float32))
+        probs = ops.softmax(logits, axis=-1).reshape(n, s, e).mean(axis=1)
+        return (share * probs).sum() * float(e), received.sum(axis=0)
 
 
 class RMSNorm(nn.Cell):
@@ -777,6 +797,19 @@ class LoweredCell(nn.Cell):
         if y.ndim == 4:
             y = y.transpose(0, 2, 3, 1)
         return np.ascontiguousarray(y, dtype=np.float32)
+
+    def moe_ids(self) -> list[str]:
+        return [node.id for node in self.graph.nodes if node.op == "moe"]
+
+    def balance_loss(self):
+        """The sum of every moe's summed load-balancing loss (Experts.balance) in the last training pass, a
+        tensor of it (its gradient reaches the routers and the moes' inputs); None without a moe."""
+        losses = [self.layers[self.layer_of[n]].balance[0] for n in self.moe_ids()]
+        return sum(losses[1:], losses[0]) if losses else None
+
+    def expert_counts(self) -> list[np.ndarray]:
+        """Each moe's assignments per expert (int64 (E,)) in the last training pass, in moe_ids' order."""
+        return [self.layers[self.layer_of[n]].balance[1] for n in self.moe_ids()]
 
     def dropout_nodes(self) -> list[Node]:
         return [n for n in self.graph.nodes if n.op == "dropout" and n.attrs["rate"] > 0.0]

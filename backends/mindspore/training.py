@@ -40,6 +40,14 @@ once (Stepper.apply): the step of the whole batch. Batch-norm statistics are tho
 micro-batch (over the ranks), and the moving statistics are updated once per micro-batch.
 Activation checkpointing (config.checkpoint_blocks) is the lowering's (LoweredCell.checkpointing).
 
+A mixture of experts' load balance: with config.moe_aux_loss alpha > 0 the loss whose gradient is taken is
+the summed cross-entropy plus alpha times each moe's summed load-balancing loss over the pass's sequences
+(lowering.Experts.balance), scaled as the cross-entropy is (world / global batch): over micro-batches and
+ranks it adds up to alpha times the mean over the global batch's sequences. The loss returned and reported
+stays the cross-entropy. The assignments each expert received are read on the host, where the routing is
+chosen anyway, summed over the epoch's passes (a batch every rank computes whole is counted once) and, with
+data parallelism, over the ranks at the epoch's end (EpochReport.expert_load).
+
 fp16 scales the loss (mindspore.amp.DynamicLossScaler) and skips a step whose gradients are not
 finite (AdamW's step count does not advance, as under torch's GradScaler); bf16 has float32's range
 and needs no scaling.
@@ -133,12 +141,16 @@ class preserved:
         return False
 
 
-def gradient_function(model, params):
-    """(x, target, masks, scale) -> ((scaled summed loss, summed loss), gradients of the scaled loss)."""
+def gradient_function(model, params, moe_aux_loss: float = 0.0):
+    """(x, target, masks, scale) -> ((scaled objective, summed loss), gradients of the scaled objective): the
+    summed cross-entropy plus moe_aux_loss times the moes' summed load-balancing losses (LoweredCell.
+    balance_loss)."""
+    balanced = bool(moe_aux_loss) and bool(model.moe_ids())
 
     def forward(x, target, masks, scale):
         total = summed_loss(model, x, target, masks)
-        return total * scale, total
+        objective = total + model.balance_loss() * float(moe_aux_loss) if balanced else total
+        return objective * scale, total
 
     return ms.value_and_grad(forward, None, params, has_aux=True)
 
@@ -201,11 +213,11 @@ class Stepper:
             decayed = [is_decayed(np.broadcast_to(np.float32(0.0), shapes[node_id][name]))
                        for node_id, name, _ in trainable]
             self.optimizer = AdamW(params, decayed, config)
-            self.grad_fn = gradient_function(model, params)
+            self.grad_fn = gradient_function(model, params, config.moe_aux_loss)
         else:
             self.optimizer = nn.Momentum(params, learning_rate=float(config.schedule.initial),
                                          momentum=float(config.momentum))
-            self.grad_fn = gradient_function(model, self.optimizer.parameters)
+            self.grad_fn = gradient_function(model, self.optimizer.parameters, config.moe_aux_loss)
         self.grad_clip = None if config.grad_clip is None else float(config.grad_clip)
         self.reducer = reducer
         self.scaler = ms.amp.DynamicLossScaler(scale_value=2.0 ** 16, scale_factor=2, scale_window=1000) \
@@ -320,12 +332,14 @@ class DeviceSynthetic:
 
 
 def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, world: int = 1,
-               all_reduce: Callable[[list[float]], list[float]] | None = None, reducer=None,
+               all_reduce: Callable[[list[float]], list[float]] | None = None,
+               sum_counts: Callable[[np.ndarray], np.ndarray] | None = None, reducer=None,
                on_epoch: Callable[[EpochReport], bool | None] | None = None) -> list[EpochReport]:
     """The epoch loop over in-memory arrays, a StreamingDataset (aiperf_core.data.stream) or a
     TokenStream (aiperf_core.data.text_stream; a data-parallel rank reads it too).
-    `all_reduce` sums a list of floats over the ranks (None when world == 1), `reducer` averages
-    gradients over them; `on_epoch` returns True to stop and must give every rank the same answer.
+    `all_reduce` sums a list of floats over the ranks (None when world == 1), `sum_counts` an int64
+    array (the expert counts: exact), `reducer` averages gradients over them; `on_epoch` returns True to
+    stop and must give every rank the same answer.
 
     The report's loss is the mean training loss over the epoch's images (as each step saw it), and
     val_loss the same cross-entropy (label smoothing included) on the validation images."""
@@ -350,10 +364,12 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
     clock = StepClock()
     # Micro-batches of the global batch: each rank's shard of one holds at most micro_batch samples.
     micro = None if config.micro_batch is None else config.micro_batch * world
+    moe_ids = model.moe_ids()
     try:
         for epoch in range(config.epochs):
             stepper.set_lr(config.schedule.rate(epoch, config.epochs))
             model.set_train(True)
+            received = [np.zeros(model.graph[n].attrs["experts"], np.int64) for n in moe_ids]
             loss_sum = 0.0
             images = skipped = 0
             for xb, labels, n, batch_skipped in _global_batches(data, synthetic, config, epoch):
@@ -375,6 +391,8 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
                     with clock:  # from the batch's transfer (the pass's first use of it) to its loss
                         total = stepper.accumulate(xb[lo:hi], target, n, world if split else 1, masks)
                     loss_sum += total if split or world == 1 else total / world  # summed over the ranks below
+                    if split or rank == 0:  # a batch every rank computed whole is counted once
+                        received = [a + b for a, b in zip(received, model.expert_counts())]
                 with clock:
                     stepper.apply()
                 clock.count(n)
@@ -385,11 +403,16 @@ def run_epochs(model, data: Dataset, config: TrainConfig, *, rank: int = 0, worl
                 loss_sum, val_loss, correct, val_total = all_reduce([loss_sum, val_loss, float(correct),
                                                                      float(val_total)])
                 val_total = int(round(val_total))
+            if sum_counts is not None and moe_ids:
+                lengths = np.cumsum([len(r) for r in received])[:-1]
+                received = np.split(sum_counts(np.concatenate(received)), lengths)
+            expert_load = {n: tuple(int(c) for c in r) for n, r in zip(moe_ids, received)} if moe_ids else None
             report = EpochReport(epoch=epoch, train_images=images, val_images=val_total,
                                  loss=loss_sum / max(images, 1),
                                  val_loss=val_loss / val_total if val_total else 0.0,
                                  val_accuracy=float(round(correct)) / (val_total * per_sample) if val_total else 0.0,
-                                 skipped_images=skipped, step_seconds=clock.lap(), compile_seconds=compile_seconds)
+                                 skipped_images=skipped, step_seconds=clock.lap(), compile_seconds=compile_seconds,
+                                 expert_load=expert_load)
             reports.append(report)
             if on_epoch is not None and on_epoch(report):
                 break
