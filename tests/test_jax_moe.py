@@ -14,23 +14,14 @@ holds 2 rows. Here:
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import pytest
 
 from aiperf_core.backend import BackendError
 from aiperf_core.ir import Graph, Node
-from aiperf_core.registry import load_backend
 from aiperf_conformance.cases import trained_looking_weights
 
-
-@functools.cache
-def _backend():
-    backend = load_backend("jax")  # BackendError when jax cannot import: a failure, never a skip
-    availability = type(backend).availability()
-    assert availability.available, availability.reason
-    return backend
+from test_jax_llama import _backend
 
 
 def _every_expert(x, params, attrs):

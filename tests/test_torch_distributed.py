@@ -11,13 +11,6 @@ backend first initialises) and TrainConfig.devices.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -33,6 +26,8 @@ from aiperf_backends.torch.distributed import make_job, run_rank_steps  # noqa: 
 from aiperf_backends.torch.training import Stepper, device_of  # noqa: E402
 from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
 
+from cpu_devices import run_on_cpu_devices  # noqa: E402
+
 # float32 throughout: the two runs differ only in summation order (BN statistics summed per rank
 # then across ranks, gradients averaged by DDP). On this network float32 itself is ~5e-6 away from
 # the float64 reference (conformance train/gradients_match_reference), hence ~1e-5 between two
@@ -42,7 +37,6 @@ TOL = 2e-5
 DEVICES = ([f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.device_count() >= 2
            else ["cpu"] * 2)
 WORLD = len(DEVICES)
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def rel_err(a, b) -> float:
@@ -153,12 +147,7 @@ print(json.dumps(out))
 def test_train_over_cpu_devices_matches_one_device():
     """AIPERF_CPU_DEVICES=2: devices() lists two CPU devices, train() on both (gloo processes)
     equals train() on the first alone (TrainConfig.devices), early stop and an empty shard included."""
-    env = {k: v for k, v in os.environ.items() if k != "AIPERF_CPU_DEVICES"}
-    env["AIPERF_CPU_DEVICES"] = "2"
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_TRAIN_SCRIPT)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_on_cpu_devices(_TRAIN_SCRIPT)
     assert out["devices"] == ["cpu:0", "cpu:1"]
     one, both = out["runs"]["one"], out["runs"]["all"]
     assert one["seen"] == both["seen"] == [0, 1]

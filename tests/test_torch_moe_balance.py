@@ -11,13 +11,6 @@ The attention key biases are left out, as the kit leaves them out: their exact g
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch  # noqa: E402  (`make test` installs torch: missing it is a failure, never a skip)
@@ -30,21 +23,12 @@ from aiperf_core.backend import Dataset, Schedule, TrainConfig
 from aiperf_core.builders import gpt
 from aiperf_numpy import executor
 
+from cpu_devices import run_on_cpu_devices
+from test_torch_lm_scale import normwise, worst
+
 TOL = 1e-5
 SEQ, VOCAB, EXPERTS, TOP_K = 16, 64, 8, 2
 ALPHA = 0.1  # the kit's coefficient: ten times the lm policy's, so that its gradient is a visible part
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def normwise(got, want) -> float:
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
-
-
-def worst(got: dict, want: dict) -> tuple[float, str]:
-    """The largest normwise error of a tensor, and which one; attention key biases left out."""
-    return max((normwise(got[n][p], want[n][p]), f"{n}/{p}") for n in want for p in want[n]
-               if not (n.endswith("_k") and p == "bias"))
 
 
 def upcycled_gpt():
@@ -183,12 +167,7 @@ print(json.dumps(out))
 def test_two_cpu_devices_give_one_devices_expert_load_and_weights():
     """AIPERF_CPU_DEVICES=2: two epochs on two gloo ranks (uneven shards, accumulated micro-batches, the
     load-balancing loss on) report one device's expert load, summed over the ranks, and train its weights."""
-    env = {k: v for k, v in os.environ.items() if k != "AIPERF_CPU_DEVICES"}
-    env["AIPERF_CPU_DEVICES"] = "2"
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(_TRAIN_SCRIPT)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = run_on_cpu_devices(_TRAIN_SCRIPT)
     assert out["devices"] == ["cpu:0", "cpu:1"]
     one, both = out["runs"]["one"], out["runs"]["all"]
     assert both["loads"] == one["loads"]
