@@ -155,6 +155,16 @@ class TrainConfig:
     # sequence-wise form), so that it adds up over micro-batches and devices as the cross-entropy does.
     # 1 at an even load. EpochReport.loss stays the cross-entropy alone. 0: no such loss.
     moe_aux_loss: float = 0.0
+    # Expert parallelism (the policy item `expert_parallel`; docs/search.md, "Expert
+    # parallelism"): on several devices, each moe node's E experts are split into contiguous blocks of
+    # E / devices (`expert_shard`), one block per device, and a device holds only its own experts' weights
+    # and optimizer state. Each device routes its shard's tokens, sends each (token, choice) assignment
+    # to its expert's device by all-to-all, runs its experts on what it received, and sends the outputs
+    # back by all-to-all; everything else stays data-parallel. Training equals one device's on the
+    # combined batch (the kit's parallel/gpt_moe_expert_parallel_matches_one_device). It needs a
+    # backend whose parallelism() declares expert_parallel and experts that divide by the devices
+    # (`check_expert_parallel`); on one device it changes nothing.
+    expert_parallel: bool = False
 
 
 COMPILE_MODES = ("auto", "always", "never")
@@ -168,12 +178,16 @@ class Parallelism:
       global batch and the gradients are all-reduced every step, so that training on k devices
       equals training on one with the global batch (the kit's `parallel` level checks it).
     synchronized_batch_norm: training batch-norm statistics are those of the whole global batch.
+    expert_parallel: a moe node's experts can be sharded over the devices (TrainConfig.expert_parallel).
     A backend that declares neither is certified as single-device, and `aiperf run` never gives it
     more than one device.
     """
 
     data_parallel: bool = False
     synchronized_batch_norm: bool = False
+    # expert_parallel: TrainConfig.expert_parallel is implemented (it needs data_parallel). A data-parallel
+    #   backend without it says why in `notes`, and refuses expert_parallel on several devices.
+    expert_parallel: bool = False
     notes: str = ""
 
 
@@ -199,6 +213,11 @@ class EpochReport:
     # training steps, E counts summing to the epoch's training tokens times top_k (the load-balance
     # figure); None when the graph has no moe node.
     expert_load: Mapping[str, tuple[int, ...]] | None = None
+    # Wall seconds of the epoch's training and evaluation steps spent in the experts' all-to-all
+    # exchanges (forward and backward, out and back), measured by the backend; None when no
+    # all-to-all ran (one device, no moe node, or expert_parallel off). The bytes they moved are
+    # analytic (opcount.communication.all_to_all_bytes): a backend never reports its own.
+    all_to_all_seconds: float | None = None
 
 
 class StepClock:
@@ -505,6 +524,7 @@ class Backend(abc.ABC):
         self.check_precision(config.precision)
         check_train_config(config)
         self.check_devices(config.devices)
+        check_expert_parallel(self, model.graph, config, len(self.train_devices(config)))
         check_dataset(model.graph, data)
         return self.train_checked(model, data, config, on_epoch)
 
@@ -734,6 +754,34 @@ def check_train_config(config: TrainConfig) -> None:
         raise BackendError(f"micro_batch must be >= 1 or None, got {config.micro_batch}")
     if not (math.isfinite(config.moe_aux_loss) and config.moe_aux_loss >= 0.0):
         raise BackendError(f"moe_aux_loss must be a finite number >= 0, got {config.moe_aux_loss}")
+
+
+def expert_shard(experts: int, devices: int, rank: int) -> tuple[int, int]:
+    """[start, stop) of the experts device `rank` of `devices` holds under expert parallelism: contiguous
+    blocks of experts / devices, in device order (check_expert_parallel has made sure they divide)."""
+    per = experts // devices
+    return rank * per, (rank + 1) * per
+
+
+def check_expert_parallel(backend: "Backend", graph: Graph, config: TrainConfig, devices: int) -> bool:
+    """Whether training `graph` with `config` on `devices` devices runs expert-parallel: expert_parallel
+    is set, there are several devices and a moe node. Raises BackendError before anything trains when
+    the backend does not declare it (with its reason), and GraphError naming the first moe node whose
+    experts do not divide by the devices."""
+    if not config.expert_parallel or devices < 2:
+        return False
+    moe = [node for node in graph.nodes if node.op == "moe"]
+    if not moe:
+        return False
+    declared = backend.parallelism()
+    if not declared.expert_parallel:
+        why = f": {declared.notes}" if declared.notes else ""
+        raise BackendError(f"backend '{backend.name}' does not implement expert parallelism{why}")
+    for node in moe:
+        if node.attrs["experts"] % devices:
+            raise GraphError(f"expert parallelism over {devices} devices needs experts that divide by them, "
+                             f"the node has {node.attrs['experts']}", node.id)
+    return True
 
 
 def micro_batches(length: int, micro_batch: int | None) -> list[tuple[int, int]]:

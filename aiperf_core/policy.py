@@ -237,6 +237,10 @@ ITEMS: tuple[PolicyItem, ...] = (
     PolicyItem("moe_aux_loss", 0.01, False, "a mixture of experts' sequence-wise load-balancing loss, with this "
                "coefficient (Switch Transformer's 0.01; 0: none; docs/search.md, \"Load balance\")",
                _number_range(0.0, 1.0), LM),
+    PolicyItem("expert_parallel", "auto", False, "shard a mixture of experts' experts over a replica's devices, "
+               "tokens travelling by all-to-all: auto (where the backend implements it, the replica has several "
+               "devices and they divide every moe node's experts) or none (every device holds every expert; "
+               "docs/search.md, \"Expert parallelism\")", _choice("auto", "none"), LM),
     PolicyItem("activation_checkpointing", "auto", False, "recompute each block's activations in the backward pass: "
                "auto (where the memory estimate needs it), always or never", _choice("auto", "always", "never"), LM),
     PolicyItem("nas_candidates", 8, False, "morph candidates generated and scored per round", _int_range(1)),

@@ -156,6 +156,19 @@ def expert_load_fields(load) -> dict:
     return {"expert_load": out}
 
 
+def all_to_all_fields(report, per_sample: tuple[int, int] | None) -> dict:
+    """epoch_end's `all_to_all` (docs/run-directory.md) for an expert-parallel trial: the bytes the
+    experts' all-to-all moved, analytic (`per_sample`: the bytes of a trained and of an evaluated
+    sample, opcount.communication), the seconds the backend measured in it, and their ratio; no
+    field when the trial did not run expert-parallel or the backend measured nothing."""
+    seconds = _seconds(getattr(report, "all_to_all_seconds", None))
+    if per_sample is None or seconds is None:
+        return {}
+    moved = per_sample[0] * int(report.train_images) + per_sample[1] * int(report.val_images)
+    return {"all_to_all": {"bytes": moved, "seconds": seconds,
+                           "bytes_per_second": moved / seconds if seconds > 0 else None}}
+
+
 def _total_compile_seconds(values) -> float | None:
     """The sum of the measured values; None when none was measured."""
     measured = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
@@ -487,6 +500,11 @@ class Replica:
         config = train_config(policy, hyper, trial_seed)
         if memory is not None:
             config = replace(config, micro_batch=memory.micro_batch, checkpoint_blocks=memory.checkpoint_blocks)
+        config = replace(config, expert_parallel=expert_parallel(policy, self.backend, plan.graph))
+        if config.expert_parallel:
+            from aiperf_opcount.communication import bytes_per_sample
+            watch.all_to_all_per_sample = (bytes_per_sample(plan.graph, config.precision, True),
+                                           bytes_per_sample(plan.graph, config.precision, False))
         weights = None
         try:
             if memory_error is not None:
@@ -601,6 +619,17 @@ def train_config(policy: Policy, hyper: Mapping[str, Any], seed: int) -> TrainCo
                        moe_aux_loss=policy.get("moe_aux_loss", 0.0), **adamw)
 
 
+def expert_parallel(policy: Policy, backend: Backend, graph: Graph) -> bool:
+    """The policy item `expert_parallel` for one trial: 'auto' is on where the backend implements it,
+    the replica trains on several devices and they divide every moe node's experts (else the trial
+    runs data-parallel with every expert on every device, as 'none' does)."""
+    if policy.get("expert_parallel", "none") != "auto" or not backend.parallelism().expert_parallel:
+        return False
+    devices = len(backend.devices())
+    moe = [node.attrs["experts"] for node in graph.nodes if node.op == "moe"]
+    return devices > 1 and bool(moe) and all(experts % devices == 0 for experts in moe)
+
+
 PROGRESS_DIR_PREFIX = "aiperf-progress-"
 
 
@@ -683,6 +712,7 @@ class _EpochWatch:
         self.since_best = 0
         self.stop_reason: str | None = None
         self.compile_seconds: float | None = None  # the trial's, summed over its epochs; None: not measured
+        self.all_to_all_per_sample: tuple[int, int] | None = None  # set for an expert-parallel trial
 
     def __call__(self, report: EpochReport) -> bool:
         loss, val_loss, accuracy = _finite(report.loss), _finite(report.val_loss), _finite(report.val_accuracy)
@@ -692,7 +722,8 @@ class _EpochWatch:
                                      skipped_images=int(getattr(report, "skipped_images", 0)),
                                      step_seconds=None if report.step_seconds is None else _finite(report.step_seconds),
                                      compile_seconds=_seconds(getattr(report, "compile_seconds", None)),
-                                     **expert_load_fields(getattr(report, "expert_load", None)))
+                                     **expert_load_fields(getattr(report, "expert_load", None)),
+                                     **all_to_all_fields(report, self.all_to_all_per_sample))
         self.compile_seconds = _total_compile_seconds([self.compile_seconds, event["compile_seconds"]])
         self.started = event["time"]
         self.accuracies.append(accuracy)
