@@ -21,6 +21,23 @@ and the image counts:
                                     are left out of the comparison: their exact gradient is zero,
                                     and AdamW turns rounding into steps of up to the learning rate.
 
+For a backend whose parallelism() also declares expert parallelism (TrainConfig.expert_parallel):
+
+  parallel/gpt_moe_expert_parallel_matches_one_device
+                                    the GPT with its first MLP upcycled to 4 experts, top-2, trained
+                                    as gpt_matches_one_device plus the load-balancing loss, with
+                                    expert_parallel on 2 devices (2 experts each, tokens exchanged
+                                    by all-to-all) against 1 device: the exported weights (the whole
+                                    model, every expert, in the canonical layout), the losses and each
+                                    epoch's expert load must agree, and the backend must have measured
+                                    the all-to-all time of every epoch.
+
+A data-parallel backend that does not declare it is certified to refuse it instead:
+
+  parallel/gpt_moe_expert_parallel_refused
+                                    expert_parallel on 2 devices is refused with a BackendError
+                                    before anything trains, and Parallelism.notes says why.
+
 Where fewer than two devices are visible, the level's work runs in a child process with
 AIPERF_CPU_DEVICES=2 (aiperf_core.backend.CPU_DEVICES_ENV; a backend reads it when it first
 initialises its framework, so it cannot be set in this process), with CUDA devices hidden when the
@@ -62,12 +79,15 @@ from aiperf_conformance.levels.op import key_biases
 
 DATA_PARALLEL_CHECKS = ("matches_one_device", "synchronized_batch_norm", "uneven_last_batch", "empty_shard",
                         "gpt_matches_one_device")
-LM_CHECKS = ("gpt_matches_one_device",)
+EXPERT_PARALLEL_CHECK = "gpt_moe_expert_parallel_matches_one_device"
+EXPERT_PARALLEL_REFUSED = "gpt_moe_expert_parallel_refused"
+LM_CHECKS = ("gpt_matches_one_device", EXPERT_PARALLEL_CHECK, EXPERT_PARALLEL_REFUSED)
 SINGLE_DEVICE_CHECKS = ("one_device_matches_default", "refuses_two_devices")
 CHILD_DEVICES = 2
 CHILD_TIMEOUT = 1800  # seconds for the whole level in the child (MindSpore on 2 busy cores is slow)
 BATCH = 16
 LR = 0.05
+MOE_AUX_LOSS = 0.01  # the lm policy's default
 
 
 @dataclass(frozen=True)
@@ -78,6 +98,7 @@ class Scenario:
     epochs: int
     offsets: bool = False  # per-image offsets, so that per-device BN statistics differ from global ones
     lm: bool = False  # token windows and the LM policy's optimizer step
+    expert_parallel: bool = False  # TrainConfig.expert_parallel (and the load-balancing loss) on
 
 
 def _resnet() -> Graph:
@@ -103,9 +124,17 @@ def _gpt() -> Graph:
     return gpt(layers=1, hidden=16, heads=2, seq_len=8, vocab=32)
 
 
+def _gpt_moe() -> Graph:
+    """_gpt with its MLP upcycled to 4 GELU experts, top-2: 2 experts a device on 2 devices."""
+    from aiperf_core.transformer_morph import upcycle_moe
+
+    return upcycle_moe(_gpt(), None, "h0_fc1", seed=5).graph
+
+
 SCENARIOS = {
     "matches_one_device": Scenario(_resnet, 3 * BATCH, 10, 2),
     "gpt_matches_one_device": Scenario(_gpt, 2 * BATCH + 3, 5, 2, lm=True),
+    EXPERT_PARALLEL_CHECK: Scenario(_gpt_moe, 2 * BATCH + 3, 5, 2, lm=True, expert_parallel=True),
     "synchronized_batch_norm": Scenario(_bn_probe, BATCH, 4, 1, offsets=True),
     "uneven_last_batch": Scenario(_resnet, 2 * BATCH + 3, 7, 1),
     "empty_shard": Scenario(_resnet, BATCH + 1, 1, 1),
@@ -149,7 +178,9 @@ def _train(backend, scenario: Scenario, seed: int, devices) -> tuple[list, dict]
     if scenario.lm:  # a clip at 0.05 engages on every step of these random labels (norms above 1)
         config = TrainConfig(epochs=scenario.epochs, batch_size=BATCH, seed=seed, devices=devices,
                              schedule=Schedule(initial=0.01, final_fraction=0.1, warmup_epochs=1, shape="cosine"),
-                             optimizer="adamw", weight_decay=0.1, grad_clip=0.05)
+                             optimizer="adamw", weight_decay=0.1, grad_clip=0.05,
+                             moe_aux_loss=MOE_AUX_LOSS if scenario.expert_parallel else 0.0,
+                             expert_parallel=scenario.expert_parallel)
     reports = backend.train(model, data, config)
     return reports, backend.export_weights(model)
 
@@ -199,13 +230,17 @@ def _agree(one: tuple[list, dict], other: tuple[list, dict], tol: float, what: s
                                                   f"({where or 'none'}; tolerance {tol:g})")
 
 
+def _too_few_devices(backend, devices: list[str]) -> Outcome:
+    return Outcome(False, len(devices), CHILD_DEVICES, None,
+                   f"backend '{backend.name}' declares data parallelism but exposes {len(devices)} device(s) "
+                   f"({', '.join(devices)}) with {CPU_DEVICES_ENV}={CHILD_DEVICES} set and no accelerator: it "
+                   f"must expose that many CPU devices (read {CPU_DEVICES_ENV} when the framework initialises)")
+
+
 def _data_parallel(backend, name: str, scenario: Scenario, seed: int, tol: float) -> Outcome:
     devices = list(backend.devices())
     if len(devices) < 2:
-        return Outcome(False, len(devices), CHILD_DEVICES, None,
-                       f"backend '{backend.name}' declares data parallelism but exposes {len(devices)} device(s) "
-                       f"({', '.join(devices)}) with {CPU_DEVICES_ENV}={CHILD_DEVICES} set and no accelerator: it "
-                       f"must expose that many CPU devices (read {CPU_DEVICES_ENV} when the framework initialises)")
+        return _too_few_devices(backend, devices)
     pair = tuple(devices[:2])
     one = _train(backend, scenario, seed, (devices[0],))
     two = _train(backend, scenario, seed, pair)
@@ -224,11 +259,60 @@ def _data_parallel(backend, name: str, scenario: Scenario, seed: int, tol: float
             outcome.message += ": batch-norm statistics are per device, not those of the global batch"
             return outcome
     outcome = _agree(one, two, tol, on, skip=key_biases(scenario.graph()) if scenario.lm else frozenset())
+    if outcome.passed and scenario.expert_parallel:
+        outcome = _expert_parallel_records(one[0], two[0], on, outcome)
     if outcome.passed and scenario.train % BATCH:
         last = scenario.train % BATCH
         shards = [len(s) for s in np.array_split(np.arange(last), 2)]
         outcome.message += f"; {scenario.train} training images counted exactly (last batch {last}: shards {shards})"
     return outcome
+
+
+def _expert_parallel_records(one: list, two: list, on: str, agreed: Outcome) -> Outcome:
+    """Each epoch's expert load on 2 devices equals 1 device's (the counts are the global batch's,
+    not a device's), and every epoch on 2 devices measured its all-to-all seconds."""
+    for a, b in zip(one, two):
+        if a.expert_load is None or dict(b.expert_load or {}) != dict(a.expert_load):
+            return Outcome(False, b.expert_load, a.expert_load, 0,
+                           f"{on}, epoch {a.epoch}: expert load {b.expert_load} on 2 devices, {a.expert_load} on 1")
+        seconds = b.all_to_all_seconds
+        if seconds is None or not np.isfinite(seconds) or seconds <= 0:
+            return Outcome(False, seconds, "> 0", None,
+                           f"{on}, epoch {b.epoch}: all_to_all_seconds is {seconds!r}; an expert-parallel epoch "
+                           f"measures the time its all-to-all exchanges took")
+    seconds = ", ".join(f"{r.all_to_all_seconds:.3g}" for r in two)
+    agreed.message += f"; expert load equal every epoch; all-to-all seconds per epoch measured: {seconds}"
+    return agreed
+
+
+def _expert_parallel_refused(backend, seed: int) -> Outcome:
+    """A data-parallel backend without expert parallelism refuses it on 2 devices, before training,
+    and its declaration says why."""
+    declared = backend.parallelism()
+    if not declared.notes.strip():
+        return Outcome(False, "", "a reason", None, f"backend '{backend.name}' declares no expert parallelism and "
+                                                    f"gives no reason in Parallelism.notes")
+    devices = list(backend.devices())
+    if len(devices) < 2:
+        return _too_few_devices(backend, devices)
+    graph = _gpt_moe()
+    weights = trained_looking_weights(graph, seed)
+    model = backend.lower(graph, weights)
+    scenario = SCENARIOS[EXPERT_PARALLEL_CHECK]
+    data = _data(scenario, seed, graph.output_shape[-1], graph.input_shape)
+    asked = tuple(devices[:2])
+    try:
+        backend.train(model, data, TrainConfig(epochs=1, batch_size=BATCH, devices=asked, expert_parallel=True))
+    except BackendError as exc:
+        after = backend.export_weights(model)
+        changed = [n for n in weights for p in weights[n] if not np.array_equal(after[n][p], weights[n][p])]
+        if changed:
+            return Outcome(False, changed[:3], [], None, f"refused expert parallelism ({exc}) but trained first: "
+                                                         f"node '{changed[0]}' changed")
+        return Outcome(True, "refused", "refused", None, f"expert parallelism on {', '.join(asked)} refused: {exc}")
+    return Outcome(False, "trained", "BackendError", None,
+                   f"backend '{backend.name}' declares no expert parallelism but trained with expert_parallel on "
+                   f"{list(asked)}")
 
 
 def _single_device(backend, name: str, scenario: Scenario | None, seed: int, tol: float) -> Outcome:
@@ -286,16 +370,18 @@ def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str 
     span [start, end) of that file written during its scenario, by this process and the ones it
     spawned."""
     data_parallel = backend.parallelism().data_parallel
-    names = [name for name in (DATA_PARALLEL_CHECKS if data_parallel else SINGLE_DEVICE_CHECKS)
-             if workloads is None or _workload(name) in workloads]
+    names = [name for name in _names(backend.parallelism()) if workloads is None or _workload(name) in workloads]
     scenarios = {**SCENARIOS, **(QUICK_SCENARIOS if quick else {})}
     out: dict[str, dict] = {}
     for name in names:
         sys.stderr.flush()
         start = output_size(stderr_path) if stderr_path else 0
         try:
-            run = _data_parallel if data_parallel else _single_device
-            outcome = run(backend, name, scenarios.get(name), seed, tol)
+            if name == EXPERT_PARALLEL_REFUSED:
+                outcome = _expert_parallel_refused(backend, seed)
+            else:
+                run = _data_parallel if data_parallel else _single_device
+                outcome = run(backend, name, scenarios.get(name), seed, tol)
             out[name] = {"passed": bool(outcome.passed), "measured": _plain(outcome.measured),
                          "expected": _plain(outcome.expected), "tolerance": outcome.tolerance,
                          "message": outcome.message}
@@ -309,6 +395,13 @@ def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str 
                 sys.stderr.flush()
                 out[name]["stderr"] = [start, output_size(stderr_path)]
     return out
+
+
+def _names(declared) -> tuple[str, ...]:
+    """The checks of a backend that declares `declared` (a Parallelism)."""
+    if not declared.data_parallel:
+        return SINGLE_DEVICE_CHECKS
+    return DATA_PARALLEL_CHECKS + ((EXPERT_PARALLEL_CHECK,) if declared.expert_parallel else (EXPERT_PARALLEL_REFUSED,))
 
 
 def _workload(name: str) -> str:
@@ -419,8 +512,9 @@ def _outcomes(ctx: Context) -> dict:
 def _check(ctx: Context, name: str) -> Outcome:
     outcomes, where = _outcomes(ctx)
     if name not in outcomes:
-        kind = "data-parallel" if name in DATA_PARALLEL_CHECKS else "single-device"
-        raise ParallelLevelError(f"not a {kind} backend: no outcome for '{name}'")
+        kind = {EXPERT_PARALLEL_CHECK: "an expert-parallel", EXPERT_PARALLEL_REFUSED: "a data-parallel"}.get(
+            name, "a data-parallel" if name in DATA_PARALLEL_CHECKS else "a single-device")
+        raise ParallelLevelError(f"not {kind} backend: no outcome for '{name}'")
     found = outcomes[name]
     if "error" in found and "account" in found:
         raise ChildProcessFailed(f"on {where}: {found['error']}\n{found['account']}")
@@ -431,9 +525,11 @@ def _check(ctx: Context, name: str) -> Outcome:
 
 
 def checks(ctx: Context):
-    declared = None if ctx.backend is None else ctx.backend.parallelism().data_parallel
-    names = ((DATA_PARALLEL_CHECKS if declared in (None, True) else ())
-             + (SINGLE_DEVICE_CHECKS if declared in (None, False) else ()))
+    if ctx.backend is None:  # --list without a backend: every check
+        names = DATA_PARALLEL_CHECKS + (EXPERT_PARALLEL_CHECK, EXPERT_PARALLEL_REFUSED) + SINGLE_DEVICE_CHECKS
+    else:
+        names = _names(ctx.backend.parallelism())
     for name in names:
-        lm = dict(workload="lm", ops=new_ops(_gpt())) if _workload(name) == "lm" else {}
+        graph = _gpt_moe() if name in (EXPERT_PARALLEL_CHECK, EXPERT_PARALLEL_REFUSED) else _gpt()
+        lm = dict(workload="lm", ops=new_ops(graph)) if _workload(name) == "lm" else {}
         yield Check("parallel", name, partial(_check, name=name), **lm)
