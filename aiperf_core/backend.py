@@ -186,8 +186,9 @@ class Parallelism:
     data_parallel: bool = False
     synchronized_batch_norm: bool = False
     # expert_parallel: TrainConfig.expert_parallel is implemented (it needs data_parallel). A data-parallel
-    #   backend without it says why in `notes`, and refuses expert_parallel on several devices.
+    #   backend without it says why in `expert_parallel_why_not`, and refuses it on several devices.
     expert_parallel: bool = False
+    expert_parallel_why_not: str = ""
     notes: str = ""
 
 
@@ -775,7 +776,7 @@ def check_expert_parallel(backend: "Backend", graph: Graph, config: TrainConfig,
         return False
     declared = backend.parallelism()
     if not declared.expert_parallel:
-        why = f": {declared.notes}" if declared.notes else ""
+        why = f": {declared.expert_parallel_why_not}" if declared.expert_parallel_why_not else ""
         raise BackendError(f"backend '{backend.name}' does not implement expert parallelism{why}")
     for node in moe:
         if node.attrs["experts"] % devices:
@@ -859,4 +860,5 @@ def describe(backend_cls: type[Backend]) -> Mapping[str, Any]:
     instance = backend_cls()
     return {"version": instance.framework_version(), "devices": instance.devices(),
             "precisions": list(instance.precisions()), "fastest_precision": instance.fastest_precision(),
-            "data_parallel": instance.parallelism().data_parallel}
+            "data_parallel": instance.parallelism().data_parallel,
+            "expert_parallel": instance.parallelism().expert_parallel}

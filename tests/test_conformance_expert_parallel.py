@@ -76,6 +76,14 @@ class PerDeviceLoad(ExpertParallel):
                 for r in reports]
 
 
+class WithoutExpertParallelism(TwoDevices):
+    name = "withoutexperts"
+
+    def parallelism(self):
+        return Parallelism(data_parallel=True, synchronized_batch_norm=True,
+                           expert_parallel_why_not="emulated without it")
+
+
 class NoReason(TwoDevices):
     name = "noreason"
 
@@ -115,11 +123,11 @@ def test_a_devices_expert_load_fails():
 
 
 def test_a_backend_without_expert_parallelism_must_refuse_it_and_say_why():
-    found = expert_parallel_result(TwoDevices(), EXPERT_PARALLEL_REFUSED)
+    found = expert_parallel_result(WithoutExpertParallelism(), EXPERT_PARALLEL_REFUSED)
     assert found["passed"], found["message"]
-    assert "does not implement expert parallelism: emulated" in found["message"]
+    assert "does not implement expert parallelism: emulated without it" in found["message"]
     found = expert_parallel_result(NoReason(), EXPERT_PARALLEL_REFUSED)
-    assert not found["passed"] and "gives no reason in Parallelism.notes" in found["message"]
+    assert not found["passed"] and "gives no reason in Parallelism.expert_parallel_why_not" in found["message"]
 
 
 def test_list_names_both_checks_without_a_backend():

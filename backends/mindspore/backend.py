@@ -138,6 +138,10 @@ class MindSporeBackend(Backend):
 
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True,
+                           expert_parallel_why_not=("this backend trains in DATA_PARALLEL mode, which replicates "
+                                                    "every parameter; sharding a lowered graph's experts would need "
+                                                    "SEMI_AUTO_PARALLEL and its AlltoAll, which the backend does not "
+                                                    "use (docs/backends/mindspore.md, \"Expert parallelism\")"),
                            notes="DATA_PARALLEL over HCCL (Ascend) or MCCL (CPU workers), gradients_mean, synchronised batch norm")
 
     def supported_ops(self) -> frozenset[str]:

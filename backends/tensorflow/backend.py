@@ -324,6 +324,11 @@ class TensorFlowBackend(Backend):
 
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True,
+                           expert_parallel_why_not=("MirroredStrategy mirrors every variable on every device; "
+                                                    "sharding experts would need per-device variables outside the "
+                                                    "strategy and the experimental raw op CollectiveAllToAllV3, which"
+                                                    " tf.distribute does not expose (docs/backends/tensorflow.md, "
+                                                    "\"Expert parallelism\")"),
                            notes="MirroredStrategy over the training devices with synchronised batch norm")
 
     def supported_ops(self) -> frozenset[str]:

@@ -36,7 +36,7 @@ A data-parallel backend that does not declare it is certified to refuse it inste
 
   parallel/gpt_moe_expert_parallel_refused
                                     expert_parallel on 2 devices is refused with a BackendError
-                                    before anything trains, and Parallelism.notes says why.
+                                    before anything trains, and Parallelism.expert_parallel_why_not says why.
 
 Where fewer than two devices are visible, the level's work runs in a child process with
 AIPERF_CPU_DEVICES=2 (aiperf_core.backend.CPU_DEVICES_ENV; a backend reads it when it first
@@ -289,9 +289,9 @@ def _expert_parallel_refused(backend, seed: int) -> Outcome:
     """A data-parallel backend without expert parallelism refuses it on 2 devices, before training,
     and its declaration says why."""
     declared = backend.parallelism()
-    if not declared.notes.strip():
+    if not declared.expert_parallel_why_not.strip():
         return Outcome(False, "", "a reason", None, f"backend '{backend.name}' declares no expert parallelism and "
-                                                    f"gives no reason in Parallelism.notes")
+                                                    f"gives no reason in Parallelism.expert_parallel_why_not")
     devices = list(backend.devices())
     if len(devices) < 2:
         return _too_few_devices(backend, devices)
