@@ -19,7 +19,8 @@ from aiperf_conformance.kit import Context, collect, run_check
 from aiperf_conformance.levels.parallel import (DATA_PARALLEL_CHECKS, EXPERT_PARALLEL_REFUSED,
                                                 SINGLE_DEVICE_CHECKS)
 
-DATA_PARALLEL = Parallelism(data_parallel=True, synchronized_batch_norm=True, notes="emulated")
+DATA_PARALLEL = Parallelism(data_parallel=True, synchronized_batch_norm=True, notes="emulated",
+                            expert_parallel_why_not="emulated without it")
 
 
 class TwoDevices(NumpyBackend):

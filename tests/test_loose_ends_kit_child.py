@@ -41,7 +41,8 @@ class _ChildOnlyTwoDevices(NumpyBackend):
         return [f"cpu:{i}" for i in range(n)] if n > 1 else ["cpu"]
 
     def parallelism(self):
-        return Parallelism(data_parallel=True, synchronized_batch_norm=True, notes="emulated")
+        return Parallelism(data_parallel=True, synchronized_batch_norm=True, notes="emulated",
+                           expert_parallel_why_not="emulated without it")
 
 
 class RankAborts(_ChildOnlyTwoDevices):
