@@ -55,6 +55,12 @@ SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
                                 "one the regulated score uses (cnn: 1 - accuracy; lm: bits per byte / 8)"),
     "aiperf_epochs_total": ("counter", (), "Epochs counted in the score"),
     "aiperf_operations_total": ("counter", (), "Analytic operations of the epochs counted"),
+    "aiperf_all_to_all_bytes_total": ("counter", (), "Analytic bytes the experts' all-to-all moved in the "
+                                      "expert-parallel epochs logged (absent before the first); not scored"),
+    "aiperf_all_to_all_seconds_total": ("counter", (), "Seconds the backends measured in the experts' all-to-all "
+                                        "of those epochs, summed over replicas"),
+    "aiperf_all_to_all_bytes_per_second": ("gauge", (), "All-to-all bytes over all-to-all seconds: one replica's "
+                                           "bandwidth in it, weighted by time (absent without a measured second)"),
     "aiperf_trials": ("gauge", ("status",), "Trials by status (running: started, not ended)"),
     "aiperf_replicas": ("gauge", ("state",), "Replicas by state: queued, running, stalled, restarting, done"),
     "aiperf_elapsed_seconds": ("gauge", (), "Seconds since the run's clock started, to its end once ended"),
@@ -392,6 +398,13 @@ class RunCollector:
         epochs, operations = _family("aiperf_epochs_total"), _family("aiperf_operations_total")
         epochs.add_metric([], progress.epochs_counted)
         operations.add_metric([], progress.operations)
+        if progress.all_to_all_trials:  # an expert-parallel epoch was logged
+            moved, seconds = _family("aiperf_all_to_all_bytes_total"), _family("aiperf_all_to_all_seconds_total")
+            moved.add_metric([], progress.all_to_all_bytes)
+            seconds.add_metric([], progress.all_to_all_seconds)
+            out += [moved, seconds]
+            if progress.all_to_all_bytes_per_second is not None:
+                out.append(_gauge("aiperf_all_to_all_bytes_per_second", progress.all_to_all_bytes_per_second))
         trials = _family("aiperf_trials")
         for status, count in view["statuses"].items():
             trials.add_metric([status], count)

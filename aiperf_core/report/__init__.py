@@ -6,7 +6,7 @@ Both are recomputed from the run directory alone (event logs, trial graphs, moni
 run.json) and written atomically, so a report of a run still going can be rewritten at any time.
 Next to the score they give the precision trained at, the energy of the run with the analytic
 operations per joule (aiperf_core.report.energy), the time spent compiling training steps, the load
-balance of mixtures of experts, and,
+balance of mixtures of experts, the experts' all-to-all communication of expert-parallel trials, and,
 for a run that produced nothing, its first failure.
 """
 
@@ -87,6 +87,7 @@ def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, 
         "energy": energy.to_dict(result.total_ops),
         "compile": compile_summary(ledger),
         "expert_load": expert_load_summary(ledger),
+        "communication": communication_summary(ledger),
         "machine": {
             "replicas": len(nodes), "replicas_configured": run.get("replicas"),
             "devices_per_replica": run.get("devices_per_replica"), "executor": run.get("executor"),
@@ -145,6 +146,23 @@ def expert_load_summary(ledger: RunLedger) -> dict[str, Any] | None:
             "mean_max_over_mean": sum(worst_per_trial.values()) / len(worst_per_trial),
             "worst_max_over_mean": ranked[0][1],
             "least_even": [{"trial": tid, "max_over_mean": ledger.trials[tid].expert_load} for tid, _ in ranked]}
+
+
+def communication_summary(ledger: RunLedger) -> dict[str, Any] | None:
+    """The experts' all-to-all of the expert-parallel trials (epoch_end.all_to_all, every epoch that
+    logged it, inside the scored window or not): the run's analytic bytes, measured seconds and their
+    ratio, and each trial's (its bytes over its seconds), by trial id; null when no trial ran
+    expert-parallel. The seconds add up over replicas that ran at once, so the ratio is the bandwidth
+    one replica's all-to-all achieved, weighted by time, not the machine's aggregate. Reported beside
+    the score, not part of it (docs/scoring.md, "Communication: reported, not scored")."""
+    trials = sorted((t for t in ledger.trials.values() if t.all_to_all_bytes is not None), key=lambda t: t.id)
+    if not trials:
+        return None
+    moved, seconds = sum(t.all_to_all_bytes for t in trials), sum(t.all_to_all_seconds for t in trials)
+    return {"trials": len(trials), "bytes": moved, "seconds": seconds,
+            "bytes_per_second": moved / seconds if seconds > 0 else None,
+            "per_trial": [{"trial": t.id, "bytes": t.all_to_all_bytes, "seconds": t.all_to_all_seconds,
+                           "bytes_per_second": t.all_to_all_bytes_per_second()} for t in trials]}
 
 
 def busy_fraction(ledger: RunLedger) -> float | None:

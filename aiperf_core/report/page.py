@@ -53,6 +53,7 @@ def render_page(summary: dict[str, Any], result: ScoreResult, ledger: RunLedger,
         _failure(result),
         _facts_table(summary, result),
         _validity(result),
+        _communication(summary.get("communication")),
         "<h2>Score over time</h2>",
         _score_charts(result, ledger.info.run),
         "<h2>Trials per replica</h2>",
@@ -211,7 +212,9 @@ def _timeline(result: ScoreResult, ledger: RunLedger) -> str:
         accuracy = "-" if trial.best_accuracy is None else f"{trial.best_accuracy:.2%}"
         compiled = "" if trial.compile_seconds is None else f", {trial.compile_seconds:.1f} s compiling"
         balance = "" if not trial.expert_load else f", expert load {max(trial.expert_load.values()):.2f} x the mean"
-        tooltip = f"{trial.id}: {status}, {trial.epochs} epochs, best accuracy {accuracy}{compiled}{balance}"
+        bandwidth = trial.all_to_all_bytes_per_second()
+        moved = "" if bandwidth is None else f", all-to-all {_gigabytes(bandwidth)}/s"
+        tooltip = f"{trial.id}: {status}, {trial.epochs} epochs, best accuracy {accuracy}{compiled}{balance}{moved}"
         by_replica.setdefault(trial.replica, []).append(
             Bar((trial.started - start) / 3600, (end - start) / 3600, STATUS_COLORS.get(status, "#555555"), tooltip))
     replicas = sorted(by_replica)
@@ -256,6 +259,28 @@ def _expert_load(load: dict[str, Any] | None) -> str:
             f"one expert takes every token): {load['mean_max_over_mean']:.2f} on average over the trials' least "
             f"even layers, {load['worst_max_over_mean']:.2f} at worst. Reported beside the score, not part of it."
             f"</p><table><tr><th>least even trials</th><th>per moe layer</th></tr>{rows}</table>")
+
+
+def _gigabytes(count: float) -> str:
+    """Bytes in GB (10^9), to three significant digits."""
+    return f"{count / 1e9:.3g} GB"
+
+
+def _communication(communication: dict[str, Any] | None) -> str:
+    """The all-to-all section beside the score: nothing for a run with no expert-parallel trial."""
+    if not communication:
+        return ""
+    bandwidth = communication.get("bytes_per_second")
+    rate = "no time measured" if bandwidth is None else f"{_gigabytes(bandwidth)}/s ({bandwidth:.4g} bytes/s)"
+    rows = [_row("all-to-all bytes (analytic)", f"{_gigabytes(communication['bytes'])} ({communication['bytes']} bytes)"),
+            _row("seconds in all-to-all (measured)", f"{communication['seconds']:.4g} s"),
+            _row("all-to-all bandwidth", rate),
+            _row("trials that ran expert-parallel", str(communication["trials"]))]
+    return ("<h2>Communication: the experts' all-to-all</h2><p>Expert-parallel trials move tokens to their "
+            "experts' devices and back by all-to-all. The bytes are counted from the graph "
+            "(opcount.communication), the seconds measured by the backend; the bandwidth is their ratio over "
+            "the trials' epochs (per replica, not the machine's aggregate). Reported beside the score, not "
+            "part of it.</p><table>" + "".join(rows) + "</table>")
 
 
 def _power_chart(power: dict[str, list[tuple[float, float]]]) -> str:

@@ -155,12 +155,24 @@ def _expert_load(value) -> dict[str, float] | None:
     return out or None
 
 
+def _all_to_all(value) -> tuple[int, float] | None:
+    """(bytes, seconds) of epoch_end.all_to_all; None where the field is absent or does not read as one
+    (the figure is reported beside the score, never part of it: `aiperf score --verify` names a
+    malformed one, scoring passes over it)."""
+    if not isinstance(value, dict):
+        return None
+    moved, seconds = value.get("bytes"), value.get("seconds")
+    if type(moved) is not int or moved < 0 or type(seconds) not in (float, int) or not 0 <= seconds < math.inf:
+        return None
+    return moved, float(seconds)
+
+
 class Trial:
     """One trial as its replica's log tells it."""
 
     __slots__ = ("id", "replica", "round", "parent", "graph_sha256", "precision", "started", "ended",
                  "status", "reason", "epochs", "last_epoch", "last_epoch_time", "best_accuracy", "per_image", "problem",
-                 "compile_seconds", "expert_load")
+                 "compile_seconds", "expert_load", "all_to_all_bytes", "all_to_all_seconds")
 
     def __init__(self, trial_id: str, replica: int, event: dict[str, Any]):
         hyper = event.get("hyper") if isinstance(event.get("hyper"), dict) else {}
@@ -184,6 +196,16 @@ class Trial:
         # Per moe node, its experts' maximum over mean tokens in the latest epoch (epoch_end.expert_load);
         # None for a trial without a mixture of experts.
         self.expert_load: dict[str, float] | None = None
+        # The experts' all-to-all summed over the epochs that logged it (epoch_end.all_to_all): analytic
+        # bytes and measured seconds; None for a trial that did not run expert-parallel.
+        self.all_to_all_bytes: int | None = None
+        self.all_to_all_seconds: float | None = None
+
+    def all_to_all_bytes_per_second(self) -> float | None:
+        """The trial's all-to-all bandwidth: its bytes over its seconds (None: none, or no time measured)."""
+        if self.all_to_all_bytes is None or not self.all_to_all_seconds:
+            return None
+        return self.all_to_all_bytes / self.all_to_all_seconds
 
     def state(self) -> list:
         """Every field, in __slots__ order (RunLedger.state)."""
@@ -196,7 +218,8 @@ class Trial:
         trial = cls.__new__(cls)
         (trial.id, trial.replica, trial.round, trial.parent, trial.graph_sha256, trial.precision, trial.started,
          trial.ended, trial.status, trial.reason, trial.epochs, trial.last_epoch, trial.last_epoch_time,
-         trial.best_accuracy, per_image, trial.problem, trial.compile_seconds, trial.expert_load) = values
+         trial.best_accuracy, per_image, trial.problem, trial.compile_seconds, trial.expert_load,
+         trial.all_to_all_bytes, trial.all_to_all_seconds) = values
         if type(trial.id) is not str or type(trial.replica) is not int or type(trial.epochs) is not int:
             raise ValueError(f"trial {trial.id!r} of replica {trial.replica!r}")
         trial.per_image = None if per_image is None else (int(per_image[0]), int(per_image[1]))
@@ -206,7 +229,10 @@ class Trial:
         return {"trial": self.id, "replica": self.replica, "round": self.round, "parent": self.parent,
                 "started": self.started, "ended": self.ended, "status": self.status, "epochs": self.epochs,
                 "best_accuracy": self.best_accuracy, "precision": self.precision,
-                "compile_seconds": self.compile_seconds, "expert_load": self.expert_load}
+                "compile_seconds": self.compile_seconds, "expert_load": self.expert_load,
+                "all_to_all": None if self.all_to_all_bytes is None else {
+                    "bytes": self.all_to_all_bytes, "seconds": self.all_to_all_seconds,
+                    "bytes_per_second": self.all_to_all_bytes_per_second()}}
 
 
 class ReplicaState:
@@ -285,6 +311,16 @@ class RunLedger:
         self._resolved: dict[str, tuple[int, int]] = {}  # graph sha256 -> (FP, BP), checked in this run
         self._waiting: dict[str, list[Trial]] = {}  # graph sha256 -> trials whose graph did not resolve
         self._new_trials: list[Trial] = []  # started in this refresh; resolved at its end
+        self._count_all_to_all([])
+
+    def _count_all_to_all(self, trials) -> None:
+        """The run's all-to-all totals over `trials` (every epoch that logged epoch_end.all_to_all):
+        analytic bytes, measured seconds, and the epochs that logged it. Kept as epochs are read, so
+        the live display and /metrics never go over every trial."""
+        measured = [t for t in trials if t.all_to_all_bytes is not None]
+        self.all_to_all_bytes = sum(t.all_to_all_bytes for t in measured)
+        self.all_to_all_seconds = sum(t.all_to_all_seconds for t in measured)
+        self.all_to_all_trials = len(measured)
 
     def refresh(self) -> bool:
         """Read what every log gained since the last call. True if anything new was read.
@@ -329,6 +365,7 @@ class RunLedger:
         KeyError or TypeError on a state that does not hold together."""
         ledger = cls(run_dir)
         ledger.trials = {trial.id: trial for trial in map(Trial.from_state, state["trials"])}
+        ledger._count_all_to_all(ledger.trials.values())
         for key, tail_state in state["tails"].items():
             replica = int(key)
             ledger._tails[replica] = LogTail.from_state(ledger.run_dir.replica_log(replica),
@@ -434,6 +471,15 @@ class RunLedger:
         load = _expert_load(event.get("expert_load"))
         if load:
             trial.expert_load = load
+        moved = _all_to_all(event.get("all_to_all")) if "all_to_all" in event else None
+        if moved is not None:
+            if trial.all_to_all_bytes is None:
+                trial.all_to_all_bytes, trial.all_to_all_seconds = 0, 0.0
+                self.all_to_all_trials += 1
+            trial.all_to_all_bytes += moved[0]
+            trial.all_to_all_seconds += moved[1]
+            self.all_to_all_bytes += moved[0]
+            self.all_to_all_seconds += moved[1]
         self.epochs.append((time, trial, train_images, val_images, accuracy, error))
 
     def _resolve_new_trials(self) -> None:

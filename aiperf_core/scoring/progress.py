@@ -63,6 +63,17 @@ class Progress:
     replicas: tuple[ReplicaProgress, ...]
     workload: str = "cnn"
     operations: int = 0  # analytic operations of the epochs counted
+    # The experts' all-to-all of every epoch read that logged it (epoch_end.all_to_all): analytic bytes,
+    # measured seconds, the trials that ran expert-parallel. Reported beside the score, never in it.
+    all_to_all_bytes: int = 0
+    all_to_all_seconds: float = 0.0
+    all_to_all_trials: int = 0
+
+    @property
+    def all_to_all_bytes_per_second(self) -> float | None:
+        """The run's all-to-all bandwidth, bytes over seconds summed over its trials; None before an
+        expert-parallel epoch (or where none measured any time)."""
+        return self.all_to_all_bytes / self.all_to_all_seconds if self.all_to_all_seconds > 0 else None
 
     @property
     def fraction(self) -> float:
@@ -71,7 +82,9 @@ class Progress:
 
 
 CHECKPOINT_FORMAT = "aiperf-progress-checkpoint"
-CHECKPOINT_VERSION = 2  # 2: trials hold their expert_load; a version-1 checkpoint is ignored, the logs read again
+# 2: trials hold their expert_load; 3: and their all-to-all bytes and seconds. A checkpoint of another
+# version is ignored and the logs read again.
+CHECKPOINT_VERSION = 3
 CHECKPOINT_INTERVAL_S = 300.0  # how often the primary writes it: a reader then reads at most 5 minutes of logs
 
 
@@ -212,7 +225,8 @@ def _progress(live: _LiveRun, now: float) -> Progress:
         trials_running=sum(r.running is not None for r in replicas), epochs_counted=live.epochs_done,
         ops_per_s=ops_per_s, regulated_ops=regulated(ops_per_s, live.best_error),
         best_accuracy=live.best_accuracy, best_error=live.best_error, replicas=tuple(replicas),
-        operations=live.ops_done, workload=ledger.workload)
+        operations=live.ops_done, workload=ledger.workload, all_to_all_bytes=ledger.all_to_all_bytes,
+        all_to_all_seconds=ledger.all_to_all_seconds, all_to_all_trials=ledger.all_to_all_trials)
 
 
 def write_checkpoint(run_dir: str | os.PathLike, now: float | None = None) -> None:

@@ -11,11 +11,18 @@
   before run_end), and that the file ends where run_end.history_head pins it (a deleted history is
   caught; a run_end without the field, written by an aiperf before it, pins nothing). The score
   never reads the history: this is about what replicas planned on.
+- each epoch_end.all_to_all (an expert-parallel epoch's communication, reported beside the score):
+  its form, its bytes against opcount.communication's analytic count on the trial's pinned graph at
+  its precision for the epoch's trained and evaluated samples, and bytes_per_second against bytes
+  over seconds. The seconds are the backend's measurement: nothing in the run directory re-derives
+  them. Other fields of epoch_end that scoring does not read are hashed with their line and not
+  checked further.
 Each problem is one line naming the file; an empty list means the run directory is intact.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 from aiperf_core.rundir import GENESIS, RunDir, chain_head, read_events, sha256_file, verify_chain
@@ -53,6 +60,7 @@ def verify_run(run_dir: str | os.PathLike | RunDir, withheld: frozenset[str] = f
     hashes: dict[str, str | None] = {}  # relative path -> sha256, None when missing
     reported: set[str] = set()
     usable: dict[str, tuple[int, dict]] = {}  # trial -> (replica, its trial_end), for the history
+    communication = _AllToAllCheck(run, hashes)
     for replica in replicas:
         for event in read_events(run.replica_log(replica)):
             kind = event.get("event")
@@ -61,6 +69,9 @@ def verify_run(run_dir: str | os.PathLike | RunDir, withheld: frozenset[str] = f
             if kind == "trial_start":
                 problems += _check_file(run, hashes, reported, event.get("trial"), "graph.json",
                                         event.get("graph_sha256"), "trial_start.graph_sha256", withheld)
+                communication.started(event)
+            elif kind == "epoch_end" and "all_to_all" in event:
+                problems += communication.check(f"replicas/{replica}/events.jsonl", event)
             elif kind == "trial_end":
                 files = event.get("files") or {}
                 if not isinstance(files, dict):
@@ -73,6 +84,67 @@ def verify_run(run_dir: str | os.PathLike | RunDir, withheld: frozenset[str] = f
     if run.history_file.exists():
         problems += _check_history(run, usable, ended=run_end is not None, workload=workload)
     return problems
+
+
+class _AllToAllCheck:
+    """epoch_end.all_to_all against what the run directory re-derives (the module's docstring)."""
+
+    def __init__(self, run: RunDir, hashes: dict[str, str | None]):
+        self.run = run
+        self.hashes = hashes  # verify_run's: relative path -> sha256 of the file as it is now
+        self.trials: dict[str, tuple] = {}  # trial -> (graph_sha256, precision) from its trial_start
+        self.per_sample: dict[tuple, tuple[int, int] | str] = {}  # (sha256, precision) -> bytes, or a problem
+
+    def started(self, event: dict) -> None:
+        hyper = event.get("hyper") if isinstance(event.get("hyper"), dict) else {}
+        if isinstance(event.get("trial"), str):
+            self.trials.setdefault(event["trial"], (event.get("graph_sha256"), hyper.get("precision")))
+
+    def check(self, log: str, event: dict) -> list[str]:
+        trial, value = event.get("trial"), event["all_to_all"]
+        where = f"{log}: epoch_end of {trial} epoch {event.get('epoch')}: all_to_all"
+        moved = value.get("bytes") if isinstance(value, dict) else None
+        seconds = value.get("seconds") if isinstance(value, dict) else None
+        rate = value.get("bytes_per_second") if isinstance(value, dict) else None
+        if (type(moved) is not int or moved < 0 or type(seconds) not in (int, float) or not 0 <= seconds < math.inf
+                or (rate is not None and type(rate) not in (int, float))):
+            return [f"{where}: not {{bytes: integer >= 0, seconds: number >= 0, bytes_per_second: number or null}}"]
+        problems = []
+        expected_rate = moved / seconds if seconds > 0 else None
+        if (rate is None) != (expected_rate is None) or (
+                rate is not None and not math.isclose(rate, expected_rate, rel_tol=1e-9)):
+            problems.append(f"{where}: bytes_per_second {rate} is not bytes over seconds ({expected_rate})")
+        start = self.trials.get(trial)
+        train, val = event.get("train_images"), event.get("val_images")
+        if start is None or type(train) is not int or type(val) is not int:
+            return problems  # an epoch of a trial never started, or malformed counts: scoring names them
+        sha, precision = start
+        if not isinstance(sha, str) or self.hashes.get(f"trials/{trial}/graph.json") != sha:
+            return problems  # the graph is missing or changed: its own check names it
+        per_sample = self._per_sample(trial, sha, precision)
+        if isinstance(per_sample, str):
+            return problems + [f"{where}: {per_sample}"]
+        expected = per_sample[0] * train + per_sample[1] * val
+        if moved != expected:
+            problems.append(f"{where}: bytes {moved} differ from the analytic {expected} (opcount.communication on "
+                            f"trials/{trial}/graph.json at {precision}, {train} samples trained, {val} evaluated)")
+        return problems
+
+    def _per_sample(self, trial: str, sha: str, precision) -> tuple[int, int] | str:
+        """All-to-all bytes of a trained and an evaluated sample of the pinned graph, or a problem."""
+        key = (sha, precision)
+        if key not in self.per_sample:
+            from aiperf_core.errors import AiperfError
+            from aiperf_core.ir import Graph
+            from aiperf_opcount.communication import bytes_per_sample
+
+            try:
+                graph = Graph.from_json((self.run.trial_dir(trial) / "graph.json").read_text(encoding="utf-8"))
+                self.per_sample[key] = (bytes_per_sample(graph, precision, True),
+                                        bytes_per_sample(graph, precision, False))
+            except (AiperfError, OSError, UnicodeDecodeError, TypeError) as exc:  # TypeError: an unhashable precision
+                self.per_sample[key] = f"bytes not re-derivable: {exc}"
+        return self.per_sample[key]
 
 
 def _check_history(run: RunDir, usable: dict[str, tuple[int, dict]], ended: bool, workload: str) -> list[str]:

@@ -139,6 +139,11 @@ def render(progress: Any, live: Live | None = None) -> list[str]:
         f"{best}  trials done {progress.trials_done}, running {progress.trials_running}  "
         f"epochs {progress.epochs_counted}",
     ]
+    bandwidth = progress.all_to_all_bytes_per_second
+    if bandwidth is not None:  # an expert-parallel epoch was logged: the experts' all-to-all, not scored
+        lines.append(f"all-to-all {bandwidth / 1e9:.3g} GB/s ({progress.all_to_all_bytes / 1e9:.3g} GB in "
+                     f"{progress.all_to_all_seconds:.3g} s, {progress.all_to_all_trials} expert-parallel "
+                     "trials), not scored")
     if live is not None and live.replicas:
         stepping = any(r.state == STEPPING for r in live.replicas.values())
         idle = _not_stepping(live)
