@@ -5,22 +5,28 @@ seconds) reaches summary.json, the report, /metrics and `aiperf watch`, is check
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
 import pytest
 
+from aiperf_core.backend import Parallelism
 from aiperf_core.builders import gpt
 from aiperf_core.cli import main
 from aiperf_core.errors import AiperfError
+from aiperf_core.ir import Graph
 from aiperf_core.monitoring.collector import RunCollector
-from aiperf_core.replica import all_to_all_fields
+from aiperf_core.replica import all_to_all_fields, run_replica, write_run_json
 from aiperf_core.report import write_report
+from aiperf_core.rundir import EventLog, RunDir, chain_head, read_events
 from aiperf_core.scoring import score_run, verify_run
 from aiperf_core.scoring.ledger import RunLedger
 from aiperf_core.scoring.progress import forget, snapshot
 from aiperf_core.transformer_morph import upcycle_moe
 from aiperf_core.workflow.progress import render
+from aiperf_core.workloads import lm
+from aiperf_numpy.backend import NumpyBackend
 from aiperf_opcount.communication import all_to_all_bytes, bytes_per_sample
 from test_score import GRAPH_1, RunBuilder
 
@@ -243,3 +249,62 @@ def test_verify_names_a_figure_on_a_graph_without_experts(tmp_path):
     assert verify_run(tmp_path) == ["replicas/0/events.jsonl: epoch_end of r0000-t00000 epoch 0: all_to_all: bytes "
                                     "10 differ from the analytic 0 (opcount.communication on "
                                     "trials/r0000-t00000/graph.json at fp32, 1000 samples trained, 200 evaluated)"]
+
+
+# --- what a replica writes -----------------------------------------------------------------------
+TINY_LM = {"workload": "lm", "dataset": "embedded", "initial_architecture": "gpt_tiny", "seq_len": 32,
+           "epoch_tokens": 1024, "val_tokens": 2048, "batch_size": 4, "reference_batch_size": 4,
+           "warmup_epochs": [1, 1, 1], "max_epochs": 2, "nas_candidates": 3, "precision": "fp32"}
+MEASURED_SECONDS = 0.25  # what the fake backend says its all-to-all took each epoch
+
+
+def test_a_replicas_expert_parallel_trial_verifies_and_reports(tmp_path, monkeypatch, capsys):
+    """A replica trains an upcycled seed on a backend that declares expert parallelism over two devices
+    and measures its all-to-all (a NumPy backend that trains data-parallel and reports a fixed time: the
+    figure's path, not a backend's exchange, is under test); `aiperf score --verify` passes on what it
+    logged and the report adds it up."""
+    class TimedExpertParallel(NumpyBackend):
+        def devices(self):
+            return ["cpu:0", "cpu:1"]
+
+        def parallelism(self):
+            return Parallelism(data_parallel=True, synchronized_batch_norm=True, expert_parallel=True)
+
+        def train_checked(self, model, data, config, on_epoch):
+            def measured(report):
+                if config.expert_parallel:
+                    report = dataclasses.replace(report, all_to_all_seconds=MEASURED_SECONDS)
+                return on_epoch(report) if on_epoch is not None else False
+            return super().train_checked(model, data, config, measured)
+
+    seed = lm.Seed.build
+    monkeypatch.setattr(lm.Seed, "build", lambda self, policy, corpus: upcycle_moe(
+        seed(self, policy, corpus), None, "h0_fc1", seed=5).graph)
+    write_run_json(tmp_path, backend="numpy", policy=TINY_LM, stop_after_trials=1)
+    run = RunDir(tmp_path)
+    primary = EventLog(run.primary_log).open()
+    primary.append("run_start", time=run.read_run()["start_time"], resume=False)
+    assert run_replica(tmp_path, 0, backend=TimedExpertParallel()) == "max_trials"
+    primary.append("run_end", time=read_events(run.replica_log(0))[-1]["time"], reason="stopped",
+                   log_heads={"0": chain_head(run.replica_log(0))})
+    primary.close()
+
+    [start] = [e for e in read_events(run.replica_log(0)) if e["event"] == "trial_start"]
+    epochs = [e for e in read_events(run.replica_log(0)) if e["event"] == "epoch_end"]
+    graph = Graph.from_json((run.trial_dir(start["trial"]) / "graph.json").read_text())
+    per_sample = (bytes_per_sample(graph, "fp32", True), bytes_per_sample(graph, "fp32", False))
+    assert per_sample[0] > 0 and epochs
+    for epoch in epochs:
+        moved = per_sample[0] * epoch["train_images"] + per_sample[1] * epoch["val_images"]
+        assert epoch["all_to_all"] == {"bytes": moved, "seconds": MEASURED_SECONDS,
+                                       "bytes_per_second": moved / MEASURED_SECONDS}
+    assert verify_run(tmp_path) == []
+    assert main(["score", "--verify", str(tmp_path)]) == 0
+    assert "verify: intact" in capsys.readouterr().out
+    _, summary_path = write_report(tmp_path)
+    communication = json.loads(summary_path.read_text())["communication"]
+    total = sum(e["all_to_all"]["bytes"] for e in epochs)
+    assert (communication["trials"], communication["bytes"]) == (1, total)
+    assert communication["seconds"] == MEASURED_SECONDS * len(epochs)
+    assert communication["per_trial"] == [{"trial": start["trial"], "bytes": total, "seconds": communication["seconds"],
+                                           "bytes_per_second": total / communication["seconds"]}]
