@@ -272,7 +272,8 @@ def _communication(communication: dict[str, Any] | None) -> str:
         return ""
     bandwidth = communication.get("bytes_per_second")
     rate = "no time measured" if bandwidth is None else f"{_gigabytes(bandwidth)}/s ({bandwidth:.4g} bytes/s)"
-    rows = [_row("all-to-all bytes (analytic)", f"{_gigabytes(communication['bytes'])} ({communication['bytes']} bytes)"),
+    moved = communication["bytes"]
+    rows = [_row("all-to-all bytes (analytic)", f"{_gigabytes(moved)} ({moved} bytes)"),
             _row("seconds in all-to-all (measured)", f"{communication['seconds']:.4g} s"),
             _row("all-to-all bandwidth", rate),
             _row("trials that ran expert-parallel", str(communication["trials"]))]
