@@ -315,7 +315,7 @@ class RunLedger:
 
     def _count_all_to_all(self, trials) -> None:
         """The run's all-to-all totals over `trials` (every epoch that logged epoch_end.all_to_all):
-        analytic bytes, measured seconds, and the epochs that logged it. Kept as epochs are read, so
+        analytic bytes, measured seconds, and the trials that logged it. Kept as epochs are read, so
         the live display and /metrics never go over every trial."""
         measured = [t for t in trials if t.all_to_all_bytes is not None]
         self.all_to_all_bytes = sum(t.all_to_all_bytes for t in measured)
