@@ -163,8 +163,8 @@ class TorchBackend(Backend):
         return matmul_seconds(device, precision, size, repeats)
 
     def parallelism(self) -> Parallelism:
-        return Parallelism(data_parallel=True, synchronized_batch_norm=True,
-                           notes="DistributedDataParallel, one process per device (NCCL on GPUs, gloo on CPUs); SyncBatchNorm on CUDA, DistributedBatchNorm elsewhere")
+        return Parallelism(data_parallel=True, synchronized_batch_norm=True, expert_parallel=True,
+                           notes="DistributedDataParallel, one process per device (NCCL on GPUs, gloo on CPUs); SyncBatchNorm on CUDA, DistributedBatchNorm elsewhere; expert parallelism by all_to_all_single (expert_parallel.py)")
 
     def supported_ops(self) -> frozenset[str]:
         return ALL_OPS

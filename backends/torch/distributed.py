@@ -227,10 +227,16 @@ def set_worker_threads(world: int) -> None:
 
 
 def wrap(model, device: torch.device):
-    """Synchronised batch norm plus DistributedDataParallel around a lowered model on `device`."""
+    """Synchronised batch norm plus DistributedDataParallel around a lowered model on `device`. An
+    expert-parallel model's expert parameters are left out of DDP (their own rank's, not replicas)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from aiperf_backends.torch.expert_parallel import ignored_parameter_names
+
     convert_sync_batchnorm(model, device)
+    ignored = ignored_parameter_names(model)
+    if ignored:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
     if device.type == "cuda":
         return DDP(model, device_ids=[device.index], output_device=device.index)
     return DDP(model)
@@ -265,7 +271,9 @@ def ddp_step(stepper, x_global: torch.Tensor, y_global: torch.Tensor, rank: int,
 
 
 def _start_rank(rank: int, job: dict):
-    """Process group, lowered model, synchronised BN and DDP for this rank: (model, ddp, device, config)."""
+    """Process group, lowered model (this rank's experts only under expert parallelism), synchronised BN
+    and DDP for this rank: (model, ddp, device, config)."""
+    from aiperf_backends.torch import expert_parallel
     from aiperf_backends.torch.lowering import lower_graph, torch_device
 
     world = job["world"]
@@ -273,13 +281,19 @@ def _start_rank(rank: int, job: dict):
     set_worker_threads(world)
     init_process_group(rank, world, device, job["master_addr"], job["master_port"])
     config: TrainConfig = job["config"]
-    model = lower_graph(Graph.from_dict(job["graph"]), job["weights"], config.precision, str(device))
+    graph = Graph.from_dict(job["graph"])
+    model = lower_graph(graph, job["weights"], config.precision, str(device))
+    if expert_parallel.applies(graph, config, world):
+        # The exchanges' own group (every rank creates it, in the same order): they never interleave
+        # with DDP's asynchronous all-reduces on the default group.
+        expert_parallel.shard_experts(model, rank, world, device, dist.new_group(backend=process_group_backend(device)))
     return model, wrap(model, device), device, config
 
 
 def _train_rank(rank: int, job: dict) -> None:
     """One rank of train_data_parallel: the whole epoch loop. Everything that holds the process
     group (the DDP wrapper, the stepper) lives in this call's frame and goes when it returns."""
+    from aiperf_backends.torch.expert_parallel import whole_weights
     from aiperf_backends.torch.training import Stepper, run_epochs
 
     model, ddp, device, config = _start_rank(rank, job)
@@ -298,8 +312,9 @@ def _train_rank(rank: int, job: dict) -> None:
 
     run_epochs(ddp, data, config, device, rank=rank, world=job["world"], all_reduce=float_all_reduce(device),
                on_epoch=on_epoch, stepper=Stepper(ddp, device, config))
+    weights = whole_weights(model)  # every rank's experts gathered: a collective
     if rank == 0:
-        reports_q.put(("weights", model.export_canonical()))
+        reports_q.put(("weights", weights))
         reports_q.close()
         reports_q.join_thread()  # the feeder thread has written everything before the rank ends
 
@@ -316,6 +331,7 @@ def _rank_main(rank: int, job: dict) -> None:
 
 
 def _step_rank(rank: int, job: dict) -> None:
+    from aiperf_backends.torch.expert_parallel import whole_grads, whole_weights
     from aiperf_backends.torch.training import Stepper
 
     model, ddp, device, config = _start_rank(rank, job)
@@ -324,8 +340,8 @@ def _step_rank(rank: int, job: dict) -> None:
     losses, grads = [], []
     for x, y in job["batches"]:
         losses.append(float(ddp_step(stepper, x.to(device), y.to(device), rank, job["world"])))
-        grads.append(model.canonical_grads())
-    job["results"].put((rank, losses, grads, model.export_canonical()))
+        grads.append(whole_grads(model))
+    job["results"].put((rank, losses, grads, whole_weights(model)))
 
 
 def run_rank_steps(rank: int, job: dict) -> None:
@@ -337,7 +353,9 @@ def run_rank_steps(rank: int, job: dict) -> None:
     then puts (rank, per-step summed shard losses, per-step canonical gradients, final canonical
     weights) on the queue. The gradients are those the update took: DDP's all-reduced ones (the
     global batch's mean loss), clipped where config.grad_clip is set. With `job["threads_after"]` (a queue) set, the rank then puts (rank, the
-    names of its process-group threads still running after end_rank) there.
+    names of its process-group threads still running after end_rank) there. Under expert parallelism
+    (config.expert_parallel and a moe node) the gradients and weights are the whole model's, every rank's
+    experts gathered.
     """
     outcome = None
     try:

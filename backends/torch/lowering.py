@@ -373,9 +373,15 @@ class Experts(nn.Module):
         return F.gelu(tokens @ self.w_in[e] + self.b_in[e], approximate="tanh") @ self.w_out[e] + self.b_out[e]
 
     @torch.compiler.disable
-    def segment_products(self, tokens, offsets):
-        """The experts' outputs for `tokens` sorted by expert, one product per non-empty segment."""
-        sizes = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()  # the layer's one host read
+    def segment_products(self, tokens, offsets, sizes: list[int] | None = None):
+        """The experts' outputs for `tokens` sorted by expert, one product per non-empty segment; `sizes`,
+        the segments' sizes where the caller has read them already. No token at all (a data-parallel
+        rank's empty micro-batch, an expert-parallel rank that received none) is one product of no rows,
+        so that the experts' parameters still get their (zero) gradient."""
+        if sizes is None:
+            sizes = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()  # the layer's one host read
+        if not any(sizes):
+            return self.expert(0, tokens)
         segments = tokens.split(sizes)
         return torch.cat([self.expert(e, segment) for e, segment in enumerate(segments) if sizes[e]])
 
@@ -403,25 +409,40 @@ class Experts(nn.Module):
         probability = logits.float().softmax(dim=-1).reshape(sequences, positions, experts).mean(dim=1)
         return Routing(experts * (share * probability).sum(), counts.sum(dim=0))
 
-    def forward(self, x):
-        flat = x.reshape(-1, x.shape[-1])
+    def route(self, x, flat):
+        """(chosen (T, k), gates (T, k)) of the tokens `flat` (T, D) of `x`; in training mode it leaves the
+        forward's Routing in `routing`."""
         logits = flat @ self.router.to(flat.dtype)
         # A stable descending sort puts the lower expert index first among equals, as the IR does.
         chosen = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :self.top_k]
         gates = torch.gather(logits.float(), 1, chosen).softmax(dim=-1).to(flat.dtype)
         if self.training:
             self.routing = self.balance(x, logits, chosen)
+        return chosen, gates
+
+    def products(self, tokens, offsets, expert_of, device, sizes: list[int] | None = None):
+        """This module's experts' outputs for `tokens` sorted by expert into the segments that `offsets`
+        bounds (`expert_of`: each row's expert): torch._grouped_mm where it fits, else segment_products."""
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else tokens.dtype
+        if grouped_mm_fits(device, dtype, tokens.shape[-1], self.w_in.shape[-1]):
+            return self.grouped_products(tokens, offsets, expert_of, dtype)
+        return self.segment_products(tokens, offsets, sizes)
+
+    @staticmethod
+    def combine(flat, outputs, gates, order, token_of):
+        """The moe's output (T, D): each assignment's output, in `order`, weighted by its gate and added to
+        its token."""
+        weighted = outputs * gates.reshape(-1)[order].unsqueeze(1)
+        return torch.zeros(flat.shape, dtype=weighted.dtype, device=flat.device).index_add_(0, token_of, weighted)
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        chosen, gates = self.route(x, flat)
         order, offsets = expert_segments(chosen, self.router.shape[1])
         token_of = order // self.top_k
         tokens = flat.index_select(0, token_of)
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else flat.dtype
-        if grouped_mm_fits(x.device, dtype, x.shape[-1], self.w_in.shape[-1]):
-            outputs = self.grouped_products(tokens, offsets, chosen.reshape(-1)[order], dtype)
-        else:
-            outputs = self.segment_products(tokens, offsets)
-        weighted = outputs * gates.reshape(-1)[order].unsqueeze(1)
-        out = torch.zeros(flat.shape, dtype=weighted.dtype, device=flat.device).index_add_(0, token_of, weighted)
-        return out.reshape(x.shape)
+        outputs = self.products(tokens, offsets, chosen.reshape(-1)[order], x.device)
+        return self.combine(flat, outputs, gates, order, token_of).reshape(x.shape)
 
 
 class Rotary(nn.Module):
@@ -513,6 +534,8 @@ class LoweredModel(nn.Module):
         # Activation checkpointing of the graph's blocks (run_block); the training step sets it from
         # TrainConfig.checkpoint_blocks for its own duration.
         self.checkpoint_blocks = False
+        # Expert parallelism (expert_parallel.shard_experts) sets the rank's ExpertParallel here.
+        self.expert_parallel = None
         self._generate(torch.device("cpu"), probe=False)
 
     @property

@@ -169,6 +169,8 @@ class Stepper:
         self.micro_batch = config.micro_batch
         self.checkpoint_blocks = config.checkpoint_blocks
         self.experts = getattr(model, "module", model).experts
+        # Expert parallelism (expert_parallel.py): the rank's experts' gradients, clip and overflow check.
+        self.expert_parallel = getattr(getattr(model, "module", model), "expert_parallel", None)
         self.moe_aux_loss = config.moe_aux_loss
         self.expert_load = {node_id: torch.zeros(m.router.shape[1], dtype=torch.int64, device=self.device)
                             for node_id, m in self.experts.items()}
@@ -213,12 +215,17 @@ class Stepper:
 
     def _prepare_grads(self) -> None:
         """The gradients as the update takes them: present for every parameter, then clipped."""
+        if self.expert_parallel is not None:  # their gradients as one device's (every optimizer)
+            self.expert_parallel.prepare_grads()
         if self.zero_missing_grads:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
         if self.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+            if self.expert_parallel is not None:  # the global norm: every rank's experts
+                self.expert_parallel.clip(self.params, self.grad_clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
 
     def _micro_batches(self, length: int, largest_shard: int | None) -> list[tuple[int, int]]:
         """[start, stop) of each micro-batch of this shard. With `largest_shard` (several ranks),
@@ -290,10 +297,12 @@ class Stepper:
     def _update(self) -> None:
         """The update on the accumulated gradients: (unscale,) clip, step."""
         if self.scaler is not None:
-            if self.grad_clip is not None:
+            if self.grad_clip is not None or self.expert_parallel is not None:
                 # The ceiling is on the true gradients' norm, not the scaled ones'; scaler.step
                 # does not unscale twice, and still skips the step if they overflowed.
                 self.scaler.unscale_(self.optimizer)
+            if self.expert_parallel is not None:  # an overflow in any rank's experts skips every rank's step
+                self.expert_parallel.agree_found_inf(self.scaler, self.optimizer)
             self._prepare_grads()
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -325,8 +334,10 @@ class Stepper:
 def evaluate(model, feed, device: torch.device, precision: str, label_smoothing: float,
              clock: StepClock) -> tuple[float, int, int, int]:
     """(summed loss, correct predictions, images, skipped) over a validation feed in eval mode; for a
-    sequence graph the images are sequences and the correct predictions are positions."""
+    sequence graph the images are sequences and the correct predictions are positions. An expert-parallel
+    model runs the forward of an empty shard too: its all-to-all exchanges pair up with the other ranks'."""
     base = getattr(model, "module", model)
+    exchanges = getattr(base, "expert_parallel", None) is not None
     was_training = base.training
     base.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -336,7 +347,7 @@ def evaluate(model, feed, device: torch.device, precision: str, label_smoothing:
         with torch.no_grad():
             for batch in feed.epoch(0):
                 skipped += batch.skipped
-                if not len(batch.y):
+                if not len(batch.y) and not exchanges:
                     continue
                 with clock, math_scope(device, precision):
                     part, right = summed_eval(base, batch.x, batch.y, label_smoothing)
@@ -372,12 +383,15 @@ def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int =
     batch is summed over the ranks before the step, so the loss is still the global batch's mean
     over the images it really holds. A sequence graph counts sequences as its images, and its loss
     and accuracy are over every position (loss.py). A graph with moe reports each moe node's expert load
-    over the epoch's training steps (Stepper.take_expert_load), summed over the ranks."""
+    over the epoch's training steps (Stepper.take_expert_load), summed over the ranks. An expert-parallel
+    model reports the seconds its all-to-all exchanges took in the epoch's training and evaluation, rank 0's
+    figure on rank 0 (each rank reports its own; expert_parallel.ExchangeClock)."""
     device = resolved(device)
     if stepper is None:
         stepper = Stepper(model, device, config,
                           compile=compiles(config.compile, device, trial_steps(data, config), world))
     base = getattr(model, "module", model)
+    exchange_clock = base.expert_parallel.clock if getattr(base, "expert_parallel", None) is not None else None
     # Dropout draws from a generator seeded by config.seed and the rank: a run is reproducible.
     seed = int(np.random.SeedSequence([config.seed, rank]).generate_state(1)[0])
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -424,7 +438,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int =
                     val_accuracy=float(round(correct)) / (val_n * base.positions) if val_n else 0.0,
                     skipped_images=int(round(skipped)), step_seconds=clock.lap(),
                     compile_seconds=stepper.take_compile_seconds(),
-                    expert_load=load)
+                    expert_load=load, all_to_all_seconds=exchange_clock.take() if exchange_clock else None)
                 reports.append(report)
                 if on_epoch is not None and on_epoch(report):
                     break
