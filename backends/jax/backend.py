@@ -21,7 +21,9 @@ where jax is not installed; availability() then says why not.
   gradient accumulation (TrainConfig.micro_batch) and activation checkpointing per block
   (TrainConfig.checkpoint_blocks: jax.checkpoint, lowering.py); data parallel over
   TrainConfig.devices (default: every local device) by sharding the batch axis over a mesh of
-  exactly those devices (distributed.py).
+  exactly those devices (distributed.py); expert parallel (TrainConfig.expert_parallel) by sharding
+  each moe node's experts over the same mesh and sending tokens to them by all-to-all
+  (expert_parallel.py), EpochReport.all_to_all_seconds measured apart from the step.
 * device_memory: an accelerator's memory_stats()['bytes_limit'] (None where not reported; the base
   class's share of RAM on a CPU).
 * native counter: XLA's cost analysis, always compiled for the CPU client of this process, whatever
@@ -186,9 +188,11 @@ class JaxBackend(Backend):
         return matmul_seconds(device, precision, size, repeats)
 
     def parallelism(self) -> Parallelism:
-        return Parallelism(data_parallel=True, synchronized_batch_norm=True,
+        return Parallelism(data_parallel=True, synchronized_batch_norm=True, expert_parallel=True,
                            notes="the batch axis sharded over a mesh of the training devices in one jitted step; "
-                                 "batch statistics over the global batch array")
+                                 "batch statistics over the global batch array; with expert_parallel, each moe "
+                                 "node's experts sharded over the same mesh, tokens exchanged by all-to-all under "
+                                 "shard_map (expert_parallel.py)")
 
     def supported_ops(self) -> frozenset[str]:
         from aiperf_core.ir import ALL_OPS  # every op, forward and backward (lowering.py)

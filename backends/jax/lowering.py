@@ -43,7 +43,8 @@ and `apply(graph, params, state, x, ...)` runs the graph node by node:
   `attention` for how its products get the run's precision;
 * gelu: ``jax.nn.gelu(approximate=True)``, the IR's tanh form; silu: ``jax.nn.silu``; mul: the
   elementwise product in the inputs' common dtype;
-* moe: see `routed_experts` (GELU experts with biases, or SwiGLU experts without); a training pass
+* moe: see `routed_experts` (GELU experts with biases, or SwiGLU experts without), or under expert
+  parallelism expert_parallel.py (the experts sharded over the devices, tokens sent by all-to-all); a training pass
   also returns each moe's `MoeRouting` (the load-balancing loss's per-sequence terms, the experts' loads);
 * batch_norm: inference uses the moving statistics; training normalises with the batch mean and
   the biased batch variance (statistics in float32 over the *global* batch array, so with the
@@ -393,6 +394,28 @@ def moe_tile_rows(assignments: int, experts: int) -> int:
     return rows
 
 
+def expert_weights(params, dtype) -> dict:
+    """A moe node's expert stacks (every parameter but the router, leading axis E) in the compute dtype."""
+    return {name: value.astype(dtype) for name, value in params.items() if name != "router"}
+
+
+def expert_mlp(rows, w, swiglu: bool, precision: str = "fp32"):
+    """One expert on its rows (R, D): GELU with biases, or SwiGLU without ((silu(x w_gate) * (x w_in))
+    w_out); `w` holds that expert's matrices (no leading axis)."""
+    import jax
+    import jax.numpy as jnp
+
+    def product(a, b):
+        return jnp.matmul(a, b, precision=lax_precision(precision))
+
+    if swiglu:
+        hidden = jax.nn.silu(product(rows, w["w_gate"])) * product(rows, w["w_in"])
+    else:
+        hidden = jax.nn.gelu(product(rows, w["w_in"]) + w["b_in"], approximate=True)
+    out = product(hidden, w["w_out"])
+    return out + w["b_out"] if "b_out" in w else out
+
+
 def mixture_of_experts(x, params, attrs, precision: str = "fp32"):
     """The IR's moe on (N, S, D), its output alone (`routed_experts`)."""
     return routed_experts(x, params, attrs, precision)[0]
@@ -441,22 +464,12 @@ def routed_experts(x, params, attrs, precision: str = "fp32"):
     token_of_slot = jnp.zeros(tiles * rows, jnp.int32).at[slot].set(jnp.arange(assignments) // top_k)
     tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(tiles), side="right"), experts - 1)
 
-    weights = {name: value.astype(dtype) for name, value in params.items() if name != "router"}
+    weights = expert_weights(params, dtype)
     swiglu = moe_mlp(attrs) == "swiglu"
 
     def tile(_, routed_and_expert):
         routed, expert = routed_and_expert
-        w = {name: value[expert] for name, value in weights.items()}
-
-        def product(a, b):
-            return jnp.matmul(a, b, precision=lax_precision(precision))
-
-        if swiglu:
-            hidden = jax.nn.silu(product(routed, w["w_gate"])) * product(routed, w["w_in"])
-        else:
-            hidden = jax.nn.gelu(product(routed, w["w_in"]) + w["b_in"], approximate=True)
-        out = product(hidden, w["w_out"])
-        return None, (out + w["b_out"] if "b_out" in w else out)
+        return None, expert_mlp(routed, {name: value[expert] for name, value in weights.items()}, swiglu, precision)
 
     routed = x.astype(dtype)[token_of_slot].reshape(tiles, rows, -1)
     _, out = lax.scan(tile, None, (routed, tile_expert))
@@ -587,10 +600,11 @@ def batch_norm(x, p, s, attrs, training: bool):
 
 
 def node_value(node, index: int, ins: list, params, state, x, *, training: bool, precision: str,
-               masks: Mapping[str, Any] | None, key):
+               masks: Mapping[str, Any] | None, key, expert_parallel=None):
     """(the value of one node from its inputs' values, its new BN statistics, or in training its moe
     routing (MoeRouting), or None). `index` is the node's position in the graph (it seeds the node's
-    dropout, so a recomputed block draws the same mask); `x` is the graph's input batch."""
+    dropout, so a recomputed block draws the same mask); `x` is the graph's input batch;
+    `expert_parallel` (an expert_parallel.ExpertParallel, or None) runs a moe's experts sharded."""
     import jax
     import jax.numpy as jnp
 
@@ -656,9 +670,16 @@ def node_value(node, index: int, ins: list, params, state, x, *, training: bool,
         dtype = jnp.result_type(*ins)
         return ins[0].astype(dtype) * ins[1].astype(dtype), None
     if op == "moe":
-        if not training:
+        if expert_parallel is not None:
+            from aiperf_backends.jax import expert_parallel as sharded_experts
+
+            y, logits, chosen = sharded_experts.routed_experts(ins[0], params[node.id], a, precision, expert_parallel)
+            if not training:
+                return y, None
+        elif not training:
             return mixture_of_experts(ins[0], params[node.id], a, precision), None
-        y, logits, chosen = routed_experts(ins[0], params[node.id], a, precision)
+        else:
+            y, logits, chosen = routed_experts(ins[0], params[node.id], a, precision)
         return y, moe_routing(logits, chosen, ins[0].shape[:-1], a["experts"])
     if op == "dropout":
         y = ins[0]
@@ -691,7 +712,7 @@ def checkpointed_blocks(graph: Graph, stop: str) -> dict:
 
 def apply(graph: Graph, params, state, x, *, training: bool = False, logits: bool = False,
           precision: str = "fp32", masks: Mapping[str, Any] | None = None, key=None,
-          checkpoint_blocks: bool = False):
+          checkpoint_blocks: bool = False, expert_parallel=None):
     """Run the graph on x, a float32 (normalised) or uint8 (pixels, normalised here) NHWC batch, a
     float32 sequence batch (N, S, D), or int32 token ids (N, S). Returns (output, new_state, routing);
     new_state holds the BN updates of a training pass (the old statistics where a node was not
@@ -703,7 +724,10 @@ def apply(graph: Graph, params, state, x, *, training: bool = False, logits: boo
     the block's input and recomputes its activations in the backward pass (jax's default remat
     policy saves nothing inside). The values, dropout masks and precisions are those of the plain
     pass: the same node functions run, traced once, and their products' precision is recorded in
-    the traced code. A graph without blocks (an image graph) runs as it would without the flag."""
+    the traced code. A graph without blocks (an image graph) runs as it would without the flag.
+
+    expert_parallel (an expert_parallel.ExpertParallel): the moe nodes run with their experts sharded
+    over its mesh, tokens exchanged by all-to-all (expert_parallel.py); None: the plain lowering."""
     import jax
     import jax.numpy as jnp
 
@@ -723,7 +747,7 @@ def apply(graph: Graph, params, state, x, *, training: bool = False, logits: boo
 
     order = {n.id: k for k, n in enumerate(graph.nodes)}
     blocks = checkpointed_blocks(graph, stop) if checkpoint_blocks else {}
-    options = dict(training=training, precision=precision)
+    options = dict(training=training, precision=precision, expert_parallel=expert_parallel)
     index = 0
     while index < len(graph.nodes):
         node = graph.nodes[index]

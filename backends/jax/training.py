@@ -93,12 +93,13 @@ def labels_per_sample(graph) -> int:
 
 
 def summed_loss(graph, params, state, x, labels, label_smoothing, *, precision="fp32", masks=None, key=None,
-                checkpoint_blocks: bool = False):
+                checkpoint_blocks: bool = False, expert_parallel=None):
     """(summed cross-entropy over the batch's labels, new BN state, {moe node id: MoeRouting}),
     training mode: one label per image, or one per position of a sequence.
 
     With a softmax output the loss comes from its logits (stable log-softmax); otherwise the
-    output is read as probabilities clipped to [1e-7, 1 - 1e-7], as the reference does."""
+    output is read as probabilities clipped to [1e-7, 1 - 1e-7], as the reference does.
+    expert_parallel: an expert_parallel.ExpertParallel for the moe nodes, or None (lowering.apply)."""
     import jax
     import jax.numpy as jnp
 
@@ -106,7 +107,8 @@ def summed_loss(graph, params, state, x, labels, label_smoothing, *, precision="
 
     has_logits = graph[graph.output_id].op == "softmax"
     out, new_state, routing = apply(graph, params, state, x, training=True, logits=has_logits, precision=precision,
-                                    masks=masks, key=key, checkpoint_blocks=checkpoint_blocks)
+                                    masks=masks, key=key, checkpoint_blocks=checkpoint_blocks,
+                                    expert_parallel=expert_parallel)
     classes = out.shape[-1]
     target = jax.nn.one_hot(labels, classes, dtype=jnp.float32) * (1.0 - label_smoothing) + label_smoothing / classes
     if has_logits:
@@ -138,16 +140,17 @@ def expert_loads(routing) -> dict:
     return {node_id: r.load for node_id, r in routing.items()}
 
 
-def eval_sums(graph, params, state, x, labels, valid, label_smoothing, precision):
+def eval_sums(graph, params, state, x, labels, valid, label_smoothing, precision, expert_mesh=None):
     """(summed loss, correct predictions) over the rows where `valid` is true (every position of
-    a sequence row), inference mode."""
+    a sequence row), inference mode; with `expert_mesh` the moe nodes run expert-parallel over it."""
     import jax
     import jax.numpy as jnp
 
     from aiperf_backends.jax.lowering import apply
 
     has_logits = graph[graph.output_id].op == "softmax"
-    out, _, _ = apply(graph, params, state, x, training=False, logits=has_logits, precision=precision)
+    out, _, _ = apply(graph, params, state, x, training=False, logits=has_logits, precision=precision,
+                      expert_parallel=expert_parallel_for(expert_mesh, x.shape[0]))
     classes = out.shape[-1]
     target = jax.nn.one_hot(labels, classes, dtype=jnp.float32) * (1.0 - label_smoothing) + label_smoothing / classes
     if has_logits:
@@ -217,7 +220,23 @@ def adamw_of(config: TrainConfig) -> AdamW | None:
     return AdamW(float(b1), float(b2), float(config.weight_decay), float(config.adam_epsilon))
 
 
-def step_key(config: TrainConfig) -> tuple:
+def expert_parallel_for(expert_mesh, rows: int):
+    """The expert_parallel.ExpertParallel of a batch of `rows` on `expert_mesh` (None: not expert-parallel)."""
+    if expert_mesh is None:
+        return None
+    from aiperf_backends.jax.expert_parallel import for_rows
+
+    return for_rows(expert_mesh, rows)
+
+
+def expert_mesh_key(expert_mesh) -> tuple:
+    """What a step bound to `expert_mesh` adds to its cache key: its devices."""
+    if expert_mesh is None:
+        return ()
+    return (("expert_parallel", tuple(str(d) for d in expert_mesh.devices.flat)),)
+
+
+def step_key(config: TrainConfig, expert_mesh=None) -> tuple:
     """The cache key of the training step: everything baked into its traced code."""
     key = ("train", config.precision, float(config.momentum), float(config.label_smoothing))
     grad_clip = None if config.grad_clip is None else float(config.grad_clip)
@@ -226,20 +245,21 @@ def step_key(config: TrainConfig) -> tuple:
         key += (adamw, grad_clip)
     if config.moe_aux_loss:
         key += (("moe_aux_loss", float(config.moe_aux_loss)),)
+    key += expert_mesh_key(expert_mesh)
     return key + ("checkpoint_blocks",) if config.checkpoint_blocks else key
 
 
-def update_key(config: TrainConfig, sharded: bool) -> tuple:
+def update_key(config: TrainConfig, sharded: bool, expert_mesh=None) -> tuple:
     """The cache key of the update after accumulated micro-batches (`make_update`)."""
     return ("update", float(config.momentum), adamw_of(config),
-            None if config.grad_clip is None else float(config.grad_clip), sharded)
+            None if config.grad_clip is None else float(config.grad_clip), sharded) + expert_mesh_key(expert_mesh)
 
 
-def micro_step_key(config: TrainConfig, placement, sharded: bool) -> tuple:
+def micro_step_key(config: TrainConfig, placement, sharded: bool, expert_mesh=None) -> tuple:
     """The cache key of one micro-batch's gradients (`make_micro_step`); a sharded one is bound to
     its devices' mesh."""
     return ("micro", config.precision, float(config.label_smoothing), bool(config.checkpoint_blocks),
-            float(config.moe_aux_loss), tuple(placement.names()) if sharded else None)
+            float(config.moe_aux_loss), tuple(placement.names()) if sharded else None) + expert_mesh_key(expert_mesh)
 
 
 def initial_optimizer_state(params, adamw: AdamW | None):
@@ -308,7 +328,7 @@ def optimizer_update(params, slots, grads, lr, index, momentum: float, adamw: Ad
 
 def make_train_step(graph, precision: str, momentum: float, label_smoothing: float,
                     adamw: AdamW | None = None, grad_clip: float | None = None,
-                    checkpoint_blocks: bool = False, moe_aux_loss: float = 0.0) -> Traced:
+                    checkpoint_blocks: bool = False, moe_aux_loss: float = 0.0, expert_mesh=None) -> Traced:
     """The jitted step (params, state, optimizer state, x, labels, lr, key, step index) -> (params,
     state, optimizer state, summed cross-entropy, {moe node id: (E,) int32 expert loads}): the gradient
     is that of the mean cross-entropy plus moe_aux_loss's load-balancing term (`balance_loss`). SGD with
@@ -318,19 +338,24 @@ def make_train_step(graph, precision: str, momentum: float, label_smoothing: flo
     counts step index + 1 steps (the index counts the steps since the state was zero). params and the
     optimizer state are donated: the update happens in place where the device allows.
     checkpoint_blocks: the forward pass recomputes each of the graph's blocks in the backward one
-    (lowering.apply)."""
+    (lowering.apply). expert_mesh: the moe nodes run expert-parallel over it (expert_parallel.py), their
+    tokens sharded or replicated as the batch is, and the parameters and optimizer state keep their
+    layout (the expert stacks sharded on E)."""
     import jax
 
     def step(params, state, slots, x, labels, lr, key, index):
+        parallel = expert_parallel_for(expert_mesh, x.shape[0])
+
         def loss_fn(p):
             total, new_state, routing = summed_loss(graph, p, state, x, labels, label_smoothing, precision=precision,
                                                     key=jax.random.fold_in(key, index),
-                                                    checkpoint_blocks=checkpoint_blocks)
+                                                    checkpoint_blocks=checkpoint_blocks, expert_parallel=parallel)
             loss = total / labels.size + balance_loss(routing, moe_aux_loss, labels.shape[0])
             return loss, (total, new_state, expert_loads(routing))
 
         grads, (total, new_state, loads) = jax.grad(loss_fn, has_aux=True)(params)
         params, slots = optimizer_update(params, slots, grads, lr, index, momentum, adamw, grad_clip)
+        params, slots = kept_in_layout(graph, params, slots, expert_mesh)
         return params, new_state, slots, total, loads
 
     return Traced(step, donate_argnums=(0, 2))
@@ -343,8 +368,23 @@ def batch_norm_nodes(graph) -> tuple[str, ...]:
     return tuple(n.id for n in graph.nodes if n.op == "batch_norm")
 
 
+def kept_in_layout(graph, params, slots, expert_mesh):
+    """params and optimizer state held to their layout (`expert_parallel.param_shardings`) where the step
+    is expert-parallel, so that the expert stacks stay sharded on E from step to step; as they are else."""
+    if expert_mesh is None:
+        return params, slots
+    import jax
+
+    from aiperf_backends.jax.expert_parallel import param_shardings
+
+    shardings = param_shardings(graph, params, expert_mesh)
+    slot_shardings = shardings if not isinstance(slots, tuple) else tuple(shardings for _ in slots)
+    return (jax.lax.with_sharding_constraint(params, shardings),
+            jax.lax.with_sharding_constraint(slots, slot_shardings))
+
+
 def make_micro_step(graph, precision: str, label_smoothing: float, checkpoint_blocks: bool,
-                    mesh=None, moe_aux_loss: float = 0.0) -> Traced:
+                    mesh=None, moe_aux_loss: float = 0.0, expert_mesh=None) -> Traced:
     """One micro-batch's share of a step: (params, state, accumulator, x, labels, start, length,
     divisor, key, index, micro index, first) -> (accumulator, state).
 
@@ -364,32 +404,43 @@ def make_micro_step(graph, precision: str, label_smoothing: float, checkpoint_bl
     the devices' sums, one all-reduce per step. The parameters enter the body as device-varying
     (lax.pcast), so that autodiff does not reduce their gradients over devices per micro-batch.
     Batch-norm statistics are then per device micro-batch; the new moving statistics are averaged
-    over the devices to stay replicated."""
+    over the devices to stay replicated.
+
+    expert_mesh (expert parallelism, expert_parallel.py): the expert stacks enter sharded on E (each
+    device its own experts) and their accumulated gradients stay so, without a device axis: a device's
+    experts' gradient is already summed over every device's tokens by the reverse all-to-all. Under
+    a mesh the moe nodes call the collectives directly (MANUAL); without one (a replicated batch) they
+    run REPLICATED."""
     import jax
     import jax.numpy as jnp
     from jax import lax
 
     positions = labels_per_sample(graph)
 
-    def gradients(params, state, x, labels, divisor, key):
+    def gradients(params, state, x, labels, divisor, key, parallel):
         def loss_fn(p):
             total, new_state, routing = summed_loss(graph, p, state, x, labels, label_smoothing, precision=precision,
-                                                    key=key, checkpoint_blocks=checkpoint_blocks)
+                                                    key=key, checkpoint_blocks=checkpoint_blocks,
+                                                    expert_parallel=parallel)
             loss = total / divisor + balance_loss(routing, moe_aux_loss, divisor / positions)
             return loss, (total, new_state, expert_loads(routing))
 
         grads, (total, new_state, loads) = jax.grad(loss_fn, has_aux=True)(params)
         return {"grads": grads, "loss": total, "load": loads}, new_state
 
-    def accumulated(acc, sums, first, widen=lambda v: v):
-        add = lambda a, g: jnp.where(first, widen(g), a + widen(g))  # noqa: E731
+    def accumulated(acc, sums, first):
+        def add(a, g):
+            g = g[None] if a.ndim == g.ndim + 1 else g  # a per-device sum (leading device axis) of a local value
+            return jnp.where(first, g, a + g)
+
         return jax.tree_util.tree_map(add, acc, sums)
 
     if mesh is None:
         def micro(params, state, acc, x, labels, start, length, divisor, key, index, micro_index, first):
             xs, ys = (lax.dynamic_slice_in_dim(a, start, length) for a in (x, labels))
             key = jax.random.fold_in(jax.random.fold_in(key, index), micro_index)
-            sums, new_state = gradients(params, state, xs, ys, divisor, key)
+            sums, new_state = gradients(params, state, xs, ys, divisor, key,
+                                        expert_parallel_for(expert_mesh, x.shape[0]))
             return accumulated(acc, sums, first), new_state
 
         return Traced(micro, static_argnums=(6,), donate_argnums=(2,))
@@ -397,56 +448,84 @@ def make_micro_step(graph, precision: str, label_smoothing: float, checkpoint_bl
     from jax.sharding import PartitionSpec as P
 
     from aiperf_backends.jax.distributed import AXIS
+    from aiperf_backends.jax.expert_parallel import MANUAL, ExpertParallel, param_specs
 
     normalised = batch_norm_nodes(graph)
+    parallel = ExpertParallel(mesh, MANUAL) if expert_mesh is not None else None
 
     def micro(params, state, acc, x, labels, start, length, divisor, key, index, micro_index, first):
+        specs = param_specs(graph, params) if parallel is not None else jax.tree_util.tree_map(lambda _: P(), params)
+
         def local(params, state, acc, x, labels, start, divisor, key, index, micro_index, first):
             xs, ys = (lax.dynamic_slice_in_dim(a, start, length) for a in (x, labels))
             key = jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(key, index), micro_index),
                                      lax.axis_index(AXIS))
-            sums, new_state = gradients(lax.pcast(params, AXIS, to="varying"), state, xs, ys, divisor, key)
+            # replicated parameters made device-varying, so that autodiff does not all-reduce their
+            # gradients per micro-batch; the expert stacks (P(AXIS)) vary already
+            varying = jax.tree_util.tree_map(lambda value, spec: value if spec == P(AXIS)
+                                             else lax.pcast(value, AXIS, to="varying"), params, specs)
+            sums, new_state = gradients(varying, state, xs, ys, divisor, key, parallel)
             new_state = {n: lax.pmean(new_state[n], AXIS) if n in normalised else state[n] for n in state}
-            return accumulated(acc, sums, first, widen=lambda v: v[None]), new_state
+            return accumulated(acc, sums, first), new_state
 
         sharded, replicated = P(AXIS), P()
         return jax.shard_map(local, mesh=mesh,
-                             in_specs=(replicated, replicated, sharded, sharded, sharded) + (replicated,) * 6,
+                             in_specs=(specs, replicated, sharded, sharded, sharded) + (replicated,) * 6,
                              out_specs=(sharded, replicated))(params, state, acc, x, labels, start, divisor, key,
                                                               index, micro_index, first)
 
     return Traced(micro, static_argnums=(6,), donate_argnums=(2,))
 
 
-def make_update(momentum: float, adamw: AdamW | None, grad_clip: float | None, sharded: bool) -> Traced:
+def make_update(momentum: float, adamw: AdamW | None, grad_clip: float | None, sharded: bool,
+                graph=None, expert_mesh=None) -> Traced:
     """(params, optimizer state, accumulator, lr, index) -> (params, optimizer state, summed loss, expert
     loads): the step's update from the accumulated gradients, exactly as one step on the whole batch
     (`optimizer_update`: the clip on the global norm, then SGD or AdamW). A sharded accumulator
-    (one sum per device) is added over its device axis first: XLA's one all-reduce of the step."""
+    (one sum per device) is added over its device axis first: XLA's one all-reduce of the step. Expert
+    stacks accumulated sharded on E (expert parallelism: `graph` and its `expert_mesh`) have no device
+    axis and are taken as they are; params and optimizer state keep their layout."""
     import jax
     import jax.numpy as jnp
 
     def update(params, slots, acc, lr, index):
         if sharded:
-            acc = jax.tree_util.tree_map(lambda sums: jnp.sum(sums, axis=0), acc)
+            grads = jax.tree_util.tree_map(lambda p, sums: jnp.sum(sums, axis=0) if sums.ndim == p.ndim + 1 else sums,
+                                           params, acc["grads"])
+            acc = {"grads": grads, "loss": jnp.sum(acc["loss"], axis=0),
+                   "load": jax.tree_util.tree_map(lambda sums: jnp.sum(sums, axis=0), acc["load"])}
         params, slots = optimizer_update(params, slots, acc["grads"], lr, index, momentum, adamw, grad_clip)
+        params, slots = kept_in_layout(graph, params, slots, expert_mesh)
         return params, slots, acc["loss"], acc["load"]
 
     return Traced(update, donate_argnums=(0, 1))
 
 
-def zero_accumulator(placement, params, sharded: bool, experts: Mapping[str, int] | None = None):
+def zero_accumulator(placement, params, sharded: bool, experts: Mapping[str, int] | None = None,
+                     expert_shardings=None):
     """A micro step's accumulator made on the devices: the gradients' shapes (with a leading device
     axis, sharded, when `sharded`), the loss, and the expert loads of the moe nodes `experts`
-    ({node id: experts}, `moe_experts`)."""
+    ({node id: experts}, `moe_experts`). With `expert_shardings` (expert parallelism: the parameters'
+    layout, `expert_parallel.param_shardings`) an expert stack's gradients are laid out as the stack
+    itself, sharded on E, without a device axis."""
     import jax
     import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
 
     if sharded:
         lead, sharding = (placement.world,), placement.batch_sharding(placement.world)
     else:
         lead, sharding = (), placement.replicated
-    grads = jax.tree_util.tree_map(lambda leaf: jnp.zeros(lead + leaf.shape, leaf.dtype, device=sharding), params)
+
+    def zeros(leaf, layout=None):
+        if layout is not None and layout.spec != P():
+            return jnp.zeros(leaf.shape, leaf.dtype, device=layout)
+        return jnp.zeros(lead + leaf.shape, leaf.dtype, device=sharding)
+
+    if expert_shardings is None:
+        grads = jax.tree_util.tree_map(zeros, params)
+    else:
+        grads = jax.tree_util.tree_map(zeros, params, expert_shardings)
     load = {node_id: jnp.zeros(lead + (count,), jnp.int32, device=sharding)
             for node_id, count in (experts or {}).items()}
     return {"grads": grads, "loss": jnp.zeros(lead, jnp.float32, device=sharding), "load": load}
@@ -462,11 +541,11 @@ def predict_fn(model) -> Traced:
     return model.cache[key]
 
 
-def eval_fn(model, label_smoothing: float) -> Traced:
-    key = ("eval", float(label_smoothing))
+def eval_fn(model, label_smoothing: float, expert_mesh=None) -> Traced:
+    key = ("eval", float(label_smoothing)) + expert_mesh_key(expert_mesh)
     if key not in model.cache:
         model.cache[key] = Traced(partial(eval_sums, model.graph, label_smoothing=float(label_smoothing),
-                                          precision=model.precision))
+                                          precision=model.precision, expert_mesh=expert_mesh))
     return model.cache[key]
 
 
@@ -613,20 +692,32 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
 
     if not model.params:
         raise BackendError("the graph has no trainable parameters: there is nothing to train")
-    key = step_key(config)
+    experts = moe_experts(model.graph)
+    # Expert parallelism (expert_parallel.py): Backend.train has checked that the experts divide by the devices.
+    expert_mesh = placement.mesh if config.expert_parallel and placement.world > 1 and experts else None
+    key = step_key(config, expert_mesh)
     adamw = adamw_of(config)
     grad_clip = None if config.grad_clip is None else float(config.grad_clip)
     if key not in model.cache:
         model.cache[key] = make_train_step(model.graph, config.precision, float(config.momentum),
                                            float(config.label_smoothing), adamw, grad_clip,
-                                           bool(config.checkpoint_blocks), float(config.moe_aux_loss))
+                                           bool(config.checkpoint_blocks), float(config.moe_aux_loss), expert_mesh)
     step = model.cache[key]
-    evaluate = eval_fn(model, config.label_smoothing)
+    evaluate = eval_fn(model, config.label_smoothing, expert_mesh)
+    if expert_mesh is None:
+        place, shardings, exchanges_run = placement.replicate, None, None
+    else:
+        from aiperf_backends.jax.expert_parallel import AllToAllTimer, exchanges, param_shardings
+
+        shardings = param_shardings(model.graph, model.params, expert_mesh)
+        place = partial(jax.device_put, device=shardings)  # the expert stacks sharded on E, the rest replicated
+        exchanges_run = AllToAllTimer(expert_mesh, tuple(placement.names()))
     # Copies first: the step donates params and its optimizer state, and the model keeps its own
     # until the end.
-    params = placement.replicate(jax.tree_util.tree_map(jnp.array, model.params))
+    params = place(jax.tree_util.tree_map(jnp.array, model.params))
     state = placement.replicate(model.state)
-    slots = placement.replicate(initial_optimizer_state(params, adamw))
+    slots = initial_optimizer_state(params, adamw)
+    slots = tuple(place(s) for s in slots) if isinstance(slots, tuple) else place(slots)
     if not is_streaming(data):  # convert once, not per batch
         data = Dataset(host_input(model.graph, np.asarray(data.x_train)), np.asarray(data.y_train, np.int32),
                        host_input(model.graph, np.asarray(data.x_val)), data.y_val, data.classes)
@@ -635,7 +726,6 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
     feed = feed_for(data, placement, compiling, config.batch_size)
     rng_key = placement.replicate(jax.random.PRNGKey(config.seed))
     accumulator: dict = {"value": None, "sharded": None}
-    experts = moe_experts(model.graph)
     if experts and ("add_loads",) not in model.cache:  # the epoch's expert loads, summed on the devices
         model.cache[("add_loads",)] = Traced(lambda total, load: jax.tree_util.tree_map(jnp.add, total, load))
 
@@ -644,18 +734,24 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
         or the fused step where the shard is one micro-batch."""
         sharded = placement.splits(n)
         spans = micro_batches(n // placement.world if sharded else n, config.micro_batch)
+        if exchanges_run is not None and sharded:  # a replicated batch's experts exchange nothing (psum)
+            for start, stop in spans:
+                exchanges_run.add(exchanges(model.graph, stop - start, placement.world, config.precision, True))
         if len(spans) == 1:
             return compiling.call(step, params, state, slots, xb, yb, lr, rng_key, index)
-        micro_key, update_key_ = micro_step_key(config, placement, sharded), update_key(config, sharded)
+        micro_key = micro_step_key(config, placement, sharded, expert_mesh)
+        update_key_ = update_key(config, sharded, expert_mesh)
         if micro_key not in model.cache:
             model.cache[micro_key] = make_micro_step(model.graph, config.precision, float(config.label_smoothing),
                                                      bool(config.checkpoint_blocks),
-                                                     placement.mesh if sharded else None, float(config.moe_aux_loss))
+                                                     placement.mesh if sharded else None, float(config.moe_aux_loss),
+                                                     expert_mesh)
         if update_key_ not in model.cache:
-            model.cache[update_key_] = make_update(float(config.momentum), adamw, grad_clip, sharded)
+            model.cache[update_key_] = make_update(float(config.momentum), adamw, grad_clip, sharded, model.graph,
+                                                   expert_mesh)
         if accumulator["sharded"] is not sharded:
             accumulator["value"] = None  # one at a time: a short last batch may be laid out otherwise
-            accumulator.update(value=zero_accumulator(placement, params, sharded, experts), sharded=sharded)
+            accumulator.update(value=zero_accumulator(placement, params, sharded, experts, shardings), sharded=sharded)
         acc, divisor = accumulator["value"], np.float32(n * positions)
         for k, (start, stop) in enumerate(spans):
             acc, state = compiling.call(model.cache[micro_key], params, state, acc, xb, yb, np.int32(start),
@@ -707,15 +803,21 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
                     with clock:
                         val_parts.append(compiling.call(evaluate, params, state, xb, yb, valid))
                     val_total += n
+                    if exchanges_run is not None and placement.splits(len(yb)):
+                        exchanges_run.add(exchanges(model.graph, len(yb) // placement.world, placement.world,
+                                                    config.precision, False))
             with clock:  # waits for the evaluation
                 val_loss = float(np.sum([np.float64(s) for s, _ in val_parts]))
                 correct = int(np.sum([int(c) for _, c in val_parts]))
+            # Measured apart from the steps, now that none runs (expert_parallel.AllToAllTimer).
+            all_to_all = exchanges_run.lap() if exchanges_run is not None else None
             report = EpochReport(epoch=epoch, train_images=images, val_images=val_total,
                                  loss=loss_sum / max(images * positions, 1),
                                  val_loss=val_loss / (val_total * positions) if val_total else 0.0,
                                  val_accuracy=correct / (val_total * positions) if val_total else 0.0,
                                  skipped_images=skipped, step_seconds=clock.lap(),
-                                 compile_seconds=compiling.lap(), expert_load=expert_load)
+                                 compile_seconds=compiling.lap(), expert_load=expert_load,
+                                 all_to_all_seconds=all_to_all)
             reports.append(report)
             if on_epoch is not None and on_epoch(report):
                 break
