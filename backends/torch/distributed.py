@@ -14,6 +14,11 @@ once, in the last one's backward; every rank runs as many micro-batches as the l
 Streamed data (a StreamingDataset of images, a TokenStream of text) travels to the ranks as the
 object itself, pickled: each rank reads only its own shard of every batch.
 
+Expert parallelism (TrainConfig.expert_parallel, a graph with moe nodes): each rank's moe modules hold
+only its own block of experts (expert_parallel.shard_experts, before DDP, which leaves those parameters
+out), tokens reach their experts by all_to_all_single in a process group of the exchanges' own, and at
+the end every rank's experts are gathered so that rank 0 sends the whole model (expert_parallel.py).
+
 Batch norm is synchronised across the ranks (the statistics of a training step are those of the
 whole global batch, and the moving averages are updated from them identically on every rank). That
 makes data-parallel training mathematically the same as training on one device with the global
