@@ -20,6 +20,11 @@ own rows of a split batch as consecutive micro-batches under shard_map and sums 
 locally, in an accumulator with a leading device axis; the update adds the devices' sums, the one
 all-reduce of the step, then clips and updates as above. A replicated (short) batch accumulates
 like one device's.
+
+Expert parallelism (TrainConfig.expert_parallel, expert_parallel.py) uses the same mesh: each moe
+node's expert stacks, and their optimizer state, are laid out NamedSharding(mesh, P('batch')) on their
+E axis instead of replicated, and the moe runs under shard_map with all-to-all exchanges of tokens; the
+rest of the model is data-parallel as above.
 """
 
 from __future__ import annotations

@@ -59,6 +59,15 @@ cross-entropy. The steps return the loads summed over their micro-batches and de
 adds them up on the devices (one small jitted add per step) and reads them once, at the epoch's end,
 for EpochReport.expert_load (None without a moe node).
 
+Expert parallelism (TrainConfig.expert_parallel on several devices, a graph with moe nodes;
+expert_parallel.py): the expert stacks and their optimizer state are placed sharded on E over the
+mesh, the steps (fused, micro and update) hold them to that layout, and the moe nodes run their
+experts under shard_map, chosen per batch shape when a step traces (split rows: all-to-all; replicated
+rows: own experts and a psum; inside the micro step's shard_map: the collectives directly). The epoch
+loop counts the all-to-all exchanges its steps ran and, at the epoch's end, prices them with
+exchanges of the same shapes timed apart from the steps (expert_parallel.AllToAllTimer):
+EpochReport.all_to_all_seconds.
+
 Feeding the device (issue 17):
 
 * host batches (in-memory arrays, streamed uint8 pixels) are issued to the devices with
