@@ -6,7 +6,8 @@ expert_parallel on against 1 device:
 
 * the exported weights, the losses and the expert loads equal one device's;
 * each device holds its 2 experts' stacks only (sharded on E), the router whole;
-* all_to_all_seconds is measured on 2 devices and None on 1;
+* all_to_all_seconds is measured on 2 devices and None on 1, and the exchanges it prices are those of the
+  compiled training and evaluation steps (all-to-all ops in their optimised HLO);
 * the exported weights are the whole model: a fresh model lowered from them predicts as the trained one,
   and a morph (deeper, and its replay) grows a child from them that does too;
 * gradient accumulation (micro_batch) on 2 devices trains as one device's whole batches;
@@ -134,6 +135,44 @@ def run_refusal() -> dict:
     return {"refused": None}
 
 
+def run_compiled_exchanges() -> dict:
+    """The all-to-alls in the compiled training step (plain and with checkpointed blocks) and evaluation
+    of a split batch of 8 sequences, against those the epoch loop counts (expert_parallel.exchanges)."""
+    import re
+
+    import jax
+
+    from aiperf_backends.jax import expert_parallel, training
+    from aiperf_backends.jax.distributed import Placement
+    from aiperf_core.weights import init_weights
+
+    jax_backend().devices()  # initialises jax with AIPERF_CPU_DEVICES
+    graph = _graph()
+    placement = Placement(jax.local_devices()[:2])
+    model = jax_backend().lower(graph, init_weights(graph, seed=0))
+    params = jax.device_put(model.params, expert_parallel.param_shardings(graph, model.params, placement.mesh))
+    slots = jax.device_put(training.initial_optimizer_state(params, None),
+                           expert_parallel.param_shardings(graph, params, placement.mesh))
+    tokens = np.zeros((8, SIZES["seq_len"]), np.int32)
+    x, y, valid = placement.put_batch(tokens, tokens, np.ones(8, bool))
+
+    def compiled(lowered) -> int:
+        return len(re.findall(r"\ball-to-all\(", lowered.compile().as_text()))
+
+    out = {}
+    for checkpoint in (False, True):
+        step = training.make_train_step(graph, "fp32", 0.9, 0.0, checkpoint_blocks=checkpoint,
+                                        expert_mesh=placement.mesh)
+        lowered = step.jitted.lower(params, model.state, slots, x, y, np.float32(0.1), jax.random.PRNGKey(0),
+                                    np.int32(0))
+        out[f"train checkpoint={checkpoint}"] = [
+            compiled(lowered), len(expert_parallel.exchanges(graph, 4, 2, "fp32", True, checkpoint))]
+    evaluate = training.eval_fn(model, 0.0, placement.mesh)
+    out["eval"] = [compiled(evaluate.jitted.lower(params, model.state, x, y, valid)),
+                   len(expert_parallel.exchanges(graph, 4, 2, "fp32", False))]
+    return out
+
+
 def jax_backend():
     from aiperf_core.registry import load_backend
 
@@ -189,6 +228,13 @@ def test_the_export_is_the_whole_model_and_morphs_grow_from_it(fused):
     assert fused["fresh"] < 1e-6  # a model lowered from the export predicts as the trained one
     assert fused["child_moe_equal"] and fused["replay_equal"]
     assert fused["child"] < 1e-5  # deeper is function-preserving
+
+
+def test_the_exchanges_counted_for_all_to_all_seconds_are_those_of_the_compiled_steps():
+    counts = run_on_cpu_devices(SCRIPT.format(call="run_compiled_exchanges()"))
+    # per moe node: rows out, their expert index, outputs back; training adds the 2 reverse exchanges,
+    # and checkpointed blocks recompute the 3 forward ones
+    assert counts == {"train checkpoint=False": [5, 5], "train checkpoint=True": [8, 8], "eval": [3, 3]}
 
 
 def test_micro_batches_on_two_devices_train_as_one_device():

@@ -41,8 +41,8 @@ Timing (`AllToAllTimer`): XLA compiles the exchanges into the step, between the 
 cannot be timed inside it. They are measured apart from the step instead: a jitted shard_map of the
 same jax.lax.all_to_all, on a buffer of the step's own shape and dtype over the step's own mesh, run
 a few times once per shape (the median), times the number of such exchanges the epoch ran
-(`exchanges`). EpochReport.all_to_all_seconds is that estimate, not a measurement of the steps
-themselves.
+(`exchanges`; a block recomputed under TrainConfig.checkpoint_blocks runs its forward exchanges twice).
+EpochReport.all_to_all_seconds is that estimate, not a measurement of the steps themselves.
 """
 
 from __future__ import annotations
@@ -270,12 +270,28 @@ def exchange_dtype(precision: str):
     return np.dtype(compute_dtype(precision) or np.float32)
 
 
-def exchanges(graph, rows: int, world: int, precision: str, training: bool) -> list[tuple[tuple, Any]]:
+def recomputed_moe(graph, checkpoint_blocks: bool) -> frozenset:
+    """The moe nodes a checkpointed training pass runs twice forward (TrainConfig.checkpoint_blocks:
+    their block is recomputed in the backward pass, exchanges included; lowering.checkpointed_blocks)."""
+    if not checkpoint_blocks:
+        return frozenset()
+    from aiperf_backends.jax.lowering import checkpointed_blocks
+
+    output = graph[graph.output_id]
+    stop = output.inputs[0] if output.op == "softmax" else graph.output_id  # where a training pass ends
+    return frozenset(node_id for block, _ in checkpointed_blocks(graph, stop).values() for node_id in block.nodes
+                     if graph[node_id].op == "moe")
+
+
+def exchanges(graph, rows: int, world: int, precision: str, training: bool,
+              checkpoint_blocks: bool = False) -> list[tuple[tuple, Any]]:
     """The all-to-alls one SHARDED (or MANUAL) pass of `rows` sequences a device runs: (local buffer
     shape, dtype) per exchange, per moe node. Forward: the rows out (d, C, D_in), their local expert
     index (d, C) int32, the outputs back (d, C, D_out); a training pass adds the two reverse exchanges
-    of the gradients, (d, C, D_out) and (d, C, D_in)."""
+    of the gradients, (d, C, D_out) and (d, C, D_in), and, with checkpointed blocks, the forward ones
+    again for a moe its block recomputes."""
     dtype = exchange_dtype(precision)
+    recomputed = recomputed_moe(graph, checkpoint_blocks) if training else frozenset()
     found = []
     for node in graph.nodes:
         if node.op != "moe":
@@ -284,7 +300,8 @@ def exchanges(graph, rows: int, world: int, precision: str, training: bool) -> l
         tokens = rows * int(np.prod(in_shape[:-1], dtype=np.int64))
         per_device = capacity(tokens, node.attrs, world)
         out_rows, back_rows = (world, per_device, in_shape[-1]), (world, per_device, out_width)
-        found += [(out_rows, dtype), ((world, per_device), np.dtype(np.int32)), (back_rows, dtype)]
+        forward = [(out_rows, dtype), ((world, per_device), np.dtype(np.int32)), (back_rows, dtype)]
+        found += forward * (2 if node.id in recomputed else 1)
         if training:
             found += [(back_rows, dtype), (out_rows, dtype)]
     return found

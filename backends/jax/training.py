@@ -745,7 +745,8 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
         spans = micro_batches(n // placement.world if sharded else n, config.micro_batch)
         if exchanges_run is not None and sharded:  # a replicated batch's experts exchange nothing (psum)
             for start, stop in spans:
-                exchanges_run.add(exchanges(model.graph, stop - start, placement.world, config.precision, True))
+                exchanges_run.add(exchanges(model.graph, stop - start, placement.world, config.precision, True,
+                                            bool(config.checkpoint_blocks)))
         if len(spans) == 1:
             return compiling.call(step, params, state, slots, xb, yb, lr, rng_key, index)
         micro_key = micro_step_key(config, placement, sharded, expert_mesh)
