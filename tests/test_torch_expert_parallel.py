@@ -56,6 +56,25 @@ def worst(got: dict, want: dict, skip: frozenset = frozenset()) -> tuple[float, 
     return max((rel_err(got[n][p], want[n][p]), f"{n}/{p}") for n in want for p in want[n] if (n, p) not in skip)
 
 
+def spawn_steps(fn, job: dict) -> list:
+    """Run `fn` (run_rank_steps or a wrapper) on 2 spawned ranks; their results by rank. A rank that fails
+    fails the test at once (torch's join raises), not at the queue's timeout."""
+    import queue
+
+    import torch.multiprocessing as mp
+
+    processes = mp.start_processes(fn, args=(job,), nprocs=2, join=False, start_method="spawn")
+    results = []
+    while len(results) < 2:
+        try:
+            results.append(job["results"].get(timeout=1))
+        except queue.Empty:
+            processes.join(timeout=0)
+    while not processes.join(timeout=60):
+        pass
+    return sorted(results, key=lambda r: r[0])
+
+
 def test_torch_declares_expert_parallelism():
     declared = TorchBackend().parallelism()
     assert declared.data_parallel and declared.expert_parallel
@@ -115,10 +134,7 @@ def test_steps_gradients_match_one_device():
 
     ctx = mp.get_context("spawn")
     job = make_job(backend.lower(graph, weights), config, ["cpu", "cpu"], batches=batches, results=ctx.Queue())
-    processes = mp.start_processes(run_rank_steps, args=(job,), nprocs=2, join=False, start_method="spawn")
-    results = sorted((job["results"].get(timeout=300) for _ in range(2)), key=lambda r: r[0])
-    while not processes.join(timeout=60):
-        pass
+    results = spawn_steps(run_rank_steps, job)
     skip = key_biases(graph)
     for rank, losses, grads, final in results:
         for step, (got, want) in enumerate(zip(grads, single_grads)):
@@ -230,3 +246,47 @@ def test_experts_that_do_not_divide_are_refused(trained):
     graph, _ = upcycled(experts=3)
     (moe_id,) = (n.id for n in graph.nodes if n.op == "moe")
     assert refused["node"] == moe_id and f"'{moe_id}'" in refused["message"]
+
+
+def grouped_rank_steps(rank: int, job: dict) -> None:
+    """run_rank_steps with the grouped products forced (torch's CPU build has its own torch._grouped_mm):
+    the path a rank's local experts take on CUDA in bf16."""
+    from aiperf_backends.torch import lowering
+
+    lowering.grouped_mm_fits = lambda *args: True
+    run_rank_steps(rank, job)
+
+
+def test_grouped_products_of_local_experts_match_one_device(monkeypatch):
+    """The local experts as torch._grouped_mm over the segments that arrived (int32 local offsets, biases by
+    local expert), forced on this CPU at fp32 on both sides: one step on a global batch of 7 and one of 1
+    (rank 1 receives rows but sends none) give one device's gradients. CUDA's kernel itself is unverified."""
+    import torch.multiprocessing as mp
+
+    from aiperf_backends.torch import lowering
+
+    monkeypatch.setattr(lowering, "grouped_mm_fits", lambda *args: True)
+    graph, weights = upcycled()
+    config = TrainConfig(epochs=1, batch_size=16, schedule=Schedule(initial=0.05), moe_aux_loss=0.01,
+                         expert_parallel=True)
+    rng = np.random.default_rng(8)
+    batches = []
+    for n in (7, 1):
+        tokens = rng.integers(0, VOCAB, (n, SEQ + 1))
+        batches.append((torch.from_numpy(tokens[:, :-1]), torch.from_numpy(tokens[:, 1:])))
+    backend = TorchBackend()
+    model = backend.lower(graph, weights)
+    stepper = Stepper(model, device_of(model), config)
+    stepper.set_lr(config.schedule.initial)
+    single_grads = []
+    for xb, yb in batches:
+        stepper.step(xb, yb, len(yb))
+        single_grads.append(model.canonical_grads())
+
+    ctx = mp.get_context("spawn")
+    job = make_job(backend.lower(graph, weights), config, ["cpu", "cpu"], batches=batches, results=ctx.Queue())
+    results = spawn_steps(grouped_rank_steps, job)
+    for rank, _, grads, _ in results:
+        for step, (got, want) in enumerate(zip(grads, single_grads)):
+            err, where = worst(got, want, key_biases(graph))
+            assert err <= TOL, f"rank {rank} step {step}: gradient {where} differs by {err:.3g}"

@@ -13,7 +13,8 @@ loss is its shard's summed cross-entropy scaled by world / global batch size, so
 DistributedDataParallel averages the gradients over the ranks they are exactly the gradients of
 the global batch's mean loss, even when the last batch does not split evenly. The clip and the
 update then run on those averaged gradients, identically in every rank: k ranks take the step that
-one device takes on the global batch.
+one device takes on the global batch. Under expert parallelism (expert_parallel.py) a rank's experts
+are its own: their gradients, outside DDP, are divided by world, and the clip's norm sums every rank's.
 
 Batches reach the device through a feed (feeds.py); streamed images arrive as uint8 pixels and
 the model normalises them on the device, inside the step; streamed text (a TokenStream) arrives as
