@@ -444,12 +444,15 @@ def make_micro_step(graph, precision: str, label_smoothing: float, checkpoint_bl
 
         return jax.tree_util.tree_map(add, acc, sums)
 
-    if mesh is None:
+    if mesh is None:  # one device, or a replicated batch: under expert parallelism, each device its own experts
+        from aiperf_backends.jax.expert_parallel import REPLICATED, ExpertParallel
+
+        replicated_experts = ExpertParallel(expert_mesh, REPLICATED) if expert_mesh is not None else None
+
         def micro(params, state, acc, x, labels, start, length, divisor, key, index, micro_index, first):
             xs, ys = (lax.dynamic_slice_in_dim(a, start, length) for a in (x, labels))
             key = jax.random.fold_in(jax.random.fold_in(key, index), micro_index)
-            sums, new_state = gradients(params, state, xs, ys, divisor, key,
-                                        expert_parallel_for(expert_mesh, x.shape[0]))
+            sums, new_state = gradients(params, state, xs, ys, divisor, key, replicated_experts)
             return accumulated(acc, sums, first), new_state
 
         return Traced(micro, static_argnums=(6,), donate_argnums=(2,))
