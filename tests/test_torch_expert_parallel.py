@@ -197,7 +197,8 @@ def trained():
     graph, _ = upcycled()
     for run in out.values():
         if run is not None and "weights" in run:
-            run["weights"] = {n: {p: np.asarray(a, np.float32) for p, a in ps.items()} for n, ps in run["weights"].items()}
+            run["weights"] = {n: {p: np.asarray(a, np.float32) for p, a in ps.items()}
+                              for n, ps in run["weights"].items()}
     return out, key_biases(graph)
 
 
