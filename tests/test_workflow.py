@@ -99,6 +99,15 @@ def test_cpu_machine_runs_one_cpu_replica_with_every_core():
     assert plan_layout([], 2, None, cores=8).threads_per_replica == 4
 
 
+def test_logical_cpu_devices_are_every_cpu_replicas_devices():
+    layout = plan_layout([], None, None, cores=2, cpu_devices=2)
+    assert (layout.replicas, layout.devices_per_replica, layout.devices) == (1, 2, [["cpu:0", "cpu:1"]])
+    assert plan_layout([], None, 2, cores=2, cpu_devices=2).devices_per_replica == 2
+    with pytest.raises(AiperfError, match=r"^--devices-per-replica: 1 asked, but the backend shows 2 CPU devices "
+                                          r"\(AIPERF_CPU_DEVICES=2\), each replica trains on them all$"):
+        plan_layout([], None, 1, cores=2, cpu_devices=2)
+
+
 def test_accelerators_scale_up_by_default_and_out_on_request():
     gpus = [f"cuda:{i}" for i in range(4)]
     assert plan_layout(gpus, None, None, cores=16).devices == [gpus]

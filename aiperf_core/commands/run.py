@@ -186,7 +186,8 @@ def _layout(kind, devices, replicas, devices_per_replica, watch):
     from aiperf_core.workflow.executors.local import plan_layout, replica_environment
 
     accelerators = [d for d in devices if not d.startswith("cpu")]
-    layout = plan_layout(accelerators, replicas, devices_per_replica)
+    cpu_devices = max(1, len([d for d in devices if d.startswith("cpu:")]))
+    layout = plan_layout(accelerators, replicas, devices_per_replica, cpu_devices=cpu_devices)
     environments = [replica_environment(devices, layout.threads_per_replica) for devices in layout.devices]
     return layout.replicas, layout.devices_per_replica, environments
 

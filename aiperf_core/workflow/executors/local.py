@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from aiperf_core.backend import CPU_DEVICES_ENV
 from aiperf_core.errors import AiperfError
 from aiperf_core.workflow.executors.base import (STACKS_SIGNAL, Executor, ProcessEnd, ReplicaCommand, ReplicaHandle,
                                                  describe_exit_code)
@@ -38,17 +39,22 @@ class LocalLayout:
 
 
 def plan_layout(accelerators: list[str], replicas: int | None, devices_per_replica: int | None,
-                cores: int | None = None) -> LocalLayout:
-    """Partition this machine's accelerators (backend device names, e.g. 'cuda:1') between replicas."""
+                cores: int | None = None, cpu_devices: int = 1) -> LocalLayout:
+    """Partition this machine's accelerators (backend device names, e.g. 'cuda:1') between replicas.
+    Without accelerators each replica trains on the CPU: as `cpu_devices` logical devices where the
+    backend shows several (AIPERF_CPU_DEVICES, aiperf_core.backend.CPU_DEVICES_ENV, which the
+    replicas inherit), else as one."""
     cores = cores or os.cpu_count() or 1
     if not accelerators:
-        if devices_per_replica not in (None, 1):
-            raise AiperfError(f"--devices-per-replica: {devices_per_replica} asked, but the backend sees no "
-                              "accelerator here; a CPU replica uses the CPU")
+        if devices_per_replica not in (None, cpu_devices):
+            shown = (f"shows {cpu_devices} CPU devices ({CPU_DEVICES_ENV}={cpu_devices}), each replica trains on them "
+                     f"all" if cpu_devices > 1 else "sees no accelerator here; a CPU replica uses the CPU")
+            raise AiperfError(f"--devices-per-replica: {devices_per_replica} asked, but the backend {shown}")
         replicas = replicas or 1
         if replicas > cores:
             raise AiperfError(f"--replicas: {replicas} CPU replicas on {cores} cores would oversubscribe the CPU")
-        return LocalLayout(replicas, 1, [["cpu"]] * replicas, max(1, cores // replicas))
+        devices = [f"cpu:{i}" for i in range(cpu_devices)] if cpu_devices > 1 else ["cpu"]
+        return LocalLayout(replicas, cpu_devices, [devices] * replicas, max(1, cores // replicas))
     count = len(accelerators)
     if replicas is None and devices_per_replica is None:
         replicas, devices_per_replica = 1, count  # scale-up
