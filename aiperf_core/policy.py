@@ -97,6 +97,21 @@ def _odd_kernels(value: Any) -> str | None:
     return problem
 
 
+# aiperf_core.transformer_morph.OPERATORS (a test holds them equal; importing it here would import the
+# morph and counting modules into every reader of a policy).
+TRANSFORMER_MORPHS = ("deeper", "wider_mlp", "more_heads", "double_width", "upcycle_moe")
+
+
+def _transformer_morphs(value: Any) -> str | None:
+    if (not isinstance(value, (list, tuple)) or not value or not all(isinstance(v, str) for v in value)
+            or len(set(value)) != len(value)):
+        return "must be a non-empty list of distinct morph names"
+    unknown = [v for v in value if v not in TRANSFORMER_MORPHS]
+    if unknown:
+        return f"has {unknown[0]!r}, not a transformer morph (choose from {', '.join(TRANSFORMER_MORPHS)})"
+    return None
+
+
 def _int_pair_range(low: float) -> Callable[[Any], str | None]:
     def check(value: Any) -> str | None:
         if (not isinstance(value, (list, tuple)) or len(value) != 2
@@ -243,6 +258,8 @@ ITEMS: tuple[PolicyItem, ...] = (
                "docs/search.md, \"Expert parallelism\")", _choice("auto", "none"), LM),
     PolicyItem("activation_checkpointing", "auto", False, "recompute each block's activations in the backward pass: "
                "auto (where the memory estimate needs it), always or never", _choice("auto", "always", "never"), LM),
+    PolicyItem("nas_morphs", list(TRANSFORMER_MORPHS), False, "the morphs a round's candidates are drawn from "
+               "(docs/search.md, \"Transformer morphs\")", _transformer_morphs, LM),
     PolicyItem("nas_candidates", 8, False, "morph candidates generated and scored per round", _int_range(1)),
     PolicyItem("nas_acquisition", "ucb", False, "acquisition function of the architecture GP",
                _choice("ucb", "ei")),

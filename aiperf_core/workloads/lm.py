@@ -64,7 +64,7 @@ class Morphs:
         caps = transformer_morph.TransformerCaps(max_layers=policy["max_layers"], max_width=policy["max_width"],
                                                  max_heads=policy["max_heads"], max_experts=policy["max_experts"],
                                                  memory=memory)
-        return transformer_morph.generate_candidates(graph, weights, n, seed, caps)
+        return transformer_morph.generate_candidates(graph, weights, n, seed, caps, ops=tuple(policy["nas_morphs"]))
 
     def replay(self, graph: Graph, weights, record: Mapping):
         from aiperf_core import transformer_morph
