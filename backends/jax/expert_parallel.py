@@ -39,8 +39,9 @@ CPU; every device therefore sends d C rows, of which T k are filled in all.
 
 Timing (`AllToAllTimer`): XLA compiles the exchanges into the step, between the products, so they
 cannot be timed inside it. They are measured apart from the step instead: a jitted shard_map of the
-same jax.lax.all_to_all, on a buffer of the step's own shape and dtype over the step's own mesh, run
-a few times once per shape (the median), times the number of such exchanges the epoch ran
+same jax.lax.all_to_all, on a buffer of the step's own shape and dtype over the step's own mesh
+(compiled once per shape), run a few times at the end of every epoch (the median), times the number of
+such exchanges the epoch ran
 (`exchanges`; a block recomputed under TrainConfig.checkpoint_blocks runs its forward exchanges twice).
 EpochReport.all_to_all_seconds is that estimate, not a measurement of the steps themselves.
 """
@@ -307,12 +308,15 @@ def exchanges(graph, rows: int, world: int, precision: str, training: bool,
     return found
 
 
-_MEASURED: dict = {}  # (device names, local shape, dtype) -> seconds of one exchange
+# (device names, local shape, dtype) -> (the jitted exchange, compiled, and a buffer on the mesh)
+_EXCHANGES: dict = {}
 
 
 class AllToAllTimer:
     """The epoch's all-to-all exchanges, counted as the steps run (`add`), and their time: each buffer
-    shape's exchange measured once on the mesh (`seconds`), apart from the steps, times its count."""
+    shape's exchange timed on the mesh at the end of every epoch (`lap`), apart from the steps, times its
+    count. The exchange is compiled once per shape; its timing is taken afresh each epoch, so the figure
+    follows the machine (other jobs, clocks) as the epochs go."""
 
     def __init__(self, mesh, names: tuple[str, ...]):
         self.mesh, self.names = mesh, tuple(names)
@@ -324,8 +328,8 @@ class AllToAllTimer:
             self.counts[key] = self.counts.get(key, 0) + 1
 
     def lap(self) -> float | None:
-        """The seconds of the exchanges counted since the last lap (None when none ran), measuring any
-        shape not yet measured: call it between epochs, while no step runs."""
+        """The seconds of the exchanges counted since the last lap (None when none ran), each shape's
+        exchange timed now: call it between epochs, while no step runs."""
         counts, self.counts = self.counts, {}
         if not counts:
             return None
@@ -333,14 +337,14 @@ class AllToAllTimer:
 
     def seconds(self, shape: tuple, dtype: str) -> float:
         key = (self.names, shape, dtype)
-        if key not in _MEASURED:
-            _MEASURED[key] = measure_all_to_all(self.mesh, shape, dtype)
-        return _MEASURED[key]
+        if key not in _EXCHANGES:
+            _EXCHANGES[key] = compiled_all_to_all(self.mesh, shape, dtype)
+        return time_all_to_all(*_EXCHANGES[key])
 
 
-def measure_all_to_all(mesh, shape: tuple, dtype: str, repeats: int = TIMING_REPEATS) -> float:
-    """Median wall seconds of one jax.lax.all_to_all of a (d, ...) buffer per device over `mesh`, as the
-    step runs it (split and concatenated on axis 0), jitted and compiled before it is timed."""
+def compiled_all_to_all(mesh, shape: tuple, dtype: str):
+    """(a jitted jax.lax.all_to_all of a (d, ...) buffer per device over `mesh`, as the step runs it: split
+    and concatenated on axis 0; a buffer for it on the mesh), compiled by one call."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -351,6 +355,11 @@ def measure_all_to_all(mesh, shape: tuple, dtype: str, repeats: int = TIMING_REP
                                      in_specs=P(AXIS), out_specs=P(AXIS)))
     buffer = jax.device_put(jnp.ones((world * shape[0],) + tuple(shape[1:]), dtype), NamedSharding(mesh, P(AXIS)))
     exchange(buffer).block_until_ready()  # compiles
+    return exchange, buffer
+
+
+def time_all_to_all(exchange, buffer, repeats: int = TIMING_REPEATS) -> float:
+    """Median wall seconds of one call of a compiled exchange."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
