@@ -89,6 +89,9 @@ def expert_parallel_child(name: str, hidden: int, layers: int, seq_len: int, bat
     x, y = tokens[:, :-1], tokens[:, 1:]
     data = Dataset(x, y, x[:batch], y[:batch], graph.vocab)
     out = {"devices": list(devices)}
+    if len(devices) < 2:  # one accelerator: the CPU devices are hidden behind it
+        return {**out, "error": f"{name} shows {len(devices)} device(s) here ({', '.join(devices)}): the "
+                                f"expert-parallel step needs two"}
     for key, on, parallel in (("one", devices[:1], False), ("two", devices, True)):
         model = backend.lower(graph, init_weights(graph, seed=0))
         config = TrainConfig(epochs=2, batch_size=batch, schedule=Schedule(initial=0.01), seed=0, precision=precision,
@@ -118,6 +121,9 @@ def expert_parallel_part(name: str, args, sizes: tuple) -> None:
         print(f"{name}: expert-parallel part failed (exit {done.returncode}): {tail}")
         return
     found = json.loads(lines[-1][3:])
+    if "error" in found:
+        print(f"{name}: expert-parallel part not run: {found['error']}")
+        return
     one, two = found["one"], found["two"]
     a2a = two["all_to_all_seconds"]
     print(f"{name}: an epoch's steps ({steps} training, 1 evaluation) on {found['devices'][0]}: "
