@@ -412,12 +412,17 @@ class Replica:
         device = self.backend.devices()[0]
         budget = self.backend.device_memory(device)
         plan = plan_memory(graph, self._device_shard(batch_size), budget, self.precision, self.policy["optimizer"],
-                           self.policy["micro_batch"], self.policy["activation_checkpointing"])
+                           self.policy["micro_batch"], self.policy["activation_checkpointing"],
+                           expert_devices=self._expert_devices(graph))
         if plan is None:
             raise ReplicaError(f"the graph does not fit {device}'s {budget / 2**30:.2f} GiB even one sample at a time "
                                f"(policy micro_batch {self.policy['micro_batch']}, activation_checkpointing "
                                f"{self.policy['activation_checkpointing']})")
         return plan
+
+    def _expert_devices(self, graph: Graph) -> int:
+        """The devices a trial of `graph` shards its experts over (1: every expert on every device)."""
+        return len(self.backend.devices()) if expert_parallel(self.policy, self.backend, graph) else 1
 
     def _memory_check(self, batch_size: int, over_memory: list):
         """The candidate filter's memory test (workloads' Morphs.generate_candidates): the estimate of
@@ -437,7 +442,8 @@ class Replica:
 
         def needs(graph: Graph) -> int | None:
             """The bytes over the budget this child's smallest step needs; None when it fits."""
-            total = estimate(graph, smallest, self.precision, self.policy["optimizer"], checkpoint).total
+            total = estimate(graph, smallest, self.precision, self.policy["optimizer"], checkpoint,
+                             expert_devices=self._expert_devices(graph)).total
             if total <= budget * MEMORY_HEADROOM:
                 return None
             over_memory.append({"estimate_bytes": total, "budget_bytes": budget, "params": graph.num_params()})

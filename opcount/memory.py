@@ -17,6 +17,12 @@ A step holds, per device:
 - in flight during the backward pass: the gradient arriving at the widest node and the one leaving
   it, two of its outputs.
 
+Under expert parallelism over `expert_devices` devices (aiperf_core.backend.TrainConfig.expert_parallel)
+a device holds 1 / expert_devices of every `moe` node's expert stacks (all but its router), with their
+gradients, copies and optimizer state. Its experts' activations are counted as those of its own
+micro-batch's assignments: the share a balanced router sends it (the load-balancing loss keeps the
+router near that; a device that receives more holds more).
+
 Matrix products, attention, GELU and experts compute at the run's precision (2 bytes an element
 under bf16 or fp16); norms, the residual stream's sums, the softmax and the loss stay float32 (4), as
 every backend's mixed precision keeps them. The estimate leaves out what no graph decides: the
@@ -116,22 +122,33 @@ def activation_bytes(graph: Graph, batch: int, precision: str = "fp32", checkpoi
     return batch * (outside + recomputed + in_flight)
 
 
+def _expert_stack(graph: Graph, node_id: str, name: str) -> bool:
+    return graph[node_id].op == "moe" and name != "router"
+
+
 def estimate(graph: Graph, batch: int, precision: str = "fp32", optimizer: str = "adamw",
-             checkpoint_blocks: bool = False, attention_scores: bool = False) -> MemoryEstimate:
-    """The memory of one device's training step on `batch` samples at once (a micro-batch)."""
+             checkpoint_blocks: bool = False, attention_scores: bool = False,
+             expert_devices: int = 1) -> MemoryEstimate:
+    """The memory of one device's training step on `batch` samples at once (a micro-batch), its
+    experts sharded over `expert_devices` devices (1: every expert on every device)."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise AiperfError(f"batch must be a positive integer, got {batch!r}")
     if precision not in PRECISIONS:
         raise AiperfError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise AiperfError(f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}")
+    if isinstance(expert_devices, bool) or not isinstance(expert_devices, int) or expert_devices < 1:
+        raise AiperfError(f"expert_devices must be a positive integer, got {expert_devices!r}")
     trainable = frozen = 0
-    for params in graph.all_param_shapes().values():
+    for node_id, params in graph.all_param_shapes().items():
         for name, shape in params.items():
+            size = math.prod(shape)
+            if _expert_stack(graph, node_id, name):
+                size //= expert_devices  # the experts divide by the devices (backend.check_expert_parallel)
             if is_trainable(name):
-                trainable += math.prod(shape)
+                trainable += size
             else:
-                frozen += math.prod(shape)
+                frozen += size
     copies = 2 * trainable if precision in MIXED else 0
     return MemoryEstimate(batch, precision, optimizer, bool(checkpoint_blocks and graph.blocks()),
                           4 * (trainable + frozen) + copies, 4 * trainable,
@@ -156,7 +173,7 @@ class MemoryPlan:
 
 def plan_memory(graph: Graph, shard: int, budget: int | None, precision: str = "fp32", optimizer: str = "adamw",
                 micro_batch: int | str = "auto", checkpointing: str = "auto",
-                attention_scores: bool = False) -> MemoryPlan | None:
+                attention_scores: bool = False, expert_devices: int = 1) -> MemoryPlan | None:
     """The step a device of `budget` bytes runs on its `shard` of each global batch; None when even
     the smallest step the settings allow does not fit. `micro_batch` is the policy item: an integer
     (at most the shard), or auto: the largest that fits. `checkpointing` is the policy item
@@ -169,12 +186,12 @@ def plan_memory(graph: Graph, shard: int, budget: int | None, precision: str = "
     fixed = None if micro_batch == "auto" else min(int(micro_batch), shard)
     if budget is None:
         size = fixed or shard
-        return MemoryPlan(size, choices[0], estimate(graph, size, precision, optimizer, choices[0], attention_scores),
-                          None)
+        return MemoryPlan(size, choices[0], estimate(graph, size, precision, optimizer, choices[0], attention_scores,
+                                                     expert_devices), None)
     limit = budget * MEMORY_HEADROOM
     for checkpoint in choices:
         def fits(size: int) -> MemoryEstimate | None:
-            found = estimate(graph, size, precision, optimizer, checkpoint, attention_scores)
+            found = estimate(graph, size, precision, optimizer, checkpoint, attention_scores, expert_devices)
             return found if found.total <= limit else None
 
         if fixed is not None:

@@ -107,3 +107,19 @@ def test_the_epoch_log_carries_analytic_bytes_and_measured_seconds():
                                      "bytes_per_second": (35 * 4096 + 5 * 2048) / 0.5}}
     assert all_to_all_fields(report, None) == {}  # the trial did not run expert-parallel
     assert all_to_all_fields(EpochReport(0, 35, 5, 1.0, 1.0, 0.1), (4096, 2048)) == {}  # nothing measured
+
+
+def test_the_memory_estimate_holds_a_devices_share_of_the_experts():
+    from aiperf_opcount.memory import estimate, plan_memory
+
+    graph = moe_gpt(4)
+    stacks = sum(int(np.prod(shape)) for name, shape in graph.param_shapes("m1_moe").items() if name != "router")
+    one, two = (estimate(graph, 2, "bf16", "adamw", expert_devices=d) for d in (1, 2))
+    half = stacks // 2
+    assert one.parameters - two.parameters == half * 4 + half * 2  # float32 masters and the bf16 copies
+    assert one.gradients - two.gradients == half * 4
+    assert one.optimizer_state - two.optimizer_state == half * 8
+    assert one.activations == two.activations
+    assert plan_memory(graph, 4, None, expert_devices=2).estimate == estimate(graph, 4, expert_devices=2)
+    with pytest.raises(Exception, match="expert_devices must be a positive integer, got 0"):
+        estimate(graph, 2, expert_devices=0)
