@@ -296,23 +296,30 @@ def _expert_parallel_refused(backend, seed: int) -> Outcome:
     if len(devices) < 2:
         return _too_few_devices(backend, devices)
     graph = _gpt_moe()
+    asked = tuple(devices[:2])
+    return _refused(backend, graph, SCENARIOS[EXPERT_PARALLEL_CHECK], seed,
+                    TrainConfig(epochs=1, batch_size=BATCH, devices=asked, expert_parallel=True),
+                    "expert parallelism", f"expert parallelism on {', '.join(asked)} refused",
+                    f"backend '{backend.name}' declares no expert parallelism but trained with expert_parallel on "
+                    f"{list(asked)}")
+
+
+def _refused(backend, graph: Graph, scenario: Scenario, seed: int, config: TrainConfig, what: str, passed: str,
+             trained: str) -> Outcome:
+    """Training `graph` with `config` must raise a BackendError before any weight changes."""
     weights = trained_looking_weights(graph, seed)
     model = backend.lower(graph, weights)
-    scenario = SCENARIOS[EXPERT_PARALLEL_CHECK]
     data = _data(scenario, seed, graph.output_shape[-1], graph.input_shape)
-    asked = tuple(devices[:2])
     try:
-        backend.train(model, data, TrainConfig(epochs=1, batch_size=BATCH, devices=asked, expert_parallel=True))
+        backend.train(model, data, config)
     except BackendError as exc:
         after = backend.export_weights(model)
         changed = [n for n in weights for p in weights[n] if not np.array_equal(after[n][p], weights[n][p])]
         if changed:
-            return Outcome(False, changed[:3], [], None, f"refused expert parallelism ({exc}) but trained first: "
-                                                         f"node '{changed[0]}' changed")
-        return Outcome(True, "refused", "refused", None, f"expert parallelism on {', '.join(asked)} refused: {exc}")
-    return Outcome(False, "trained", "BackendError", None,
-                   f"backend '{backend.name}' declares no expert parallelism but trained with expert_parallel on "
-                   f"{list(asked)}")
+            return Outcome(False, changed[:3], [], None, f"refused {what} ({exc}) but trained first: node "
+                                                         f"'{changed[0]}' changed")
+        return Outcome(True, "refused", "refused", None, f"{passed}: {exc}")
+    return Outcome(False, "trained", "BackendError", None, trained)
 
 
 def _single_device(backend, name: str, scenario: Scenario | None, seed: int, tol: float) -> Outcome:
@@ -343,23 +350,11 @@ def _single_device(backend, name: str, scenario: Scenario | None, seed: int, tol
     if declared.synchronized_batch_norm:
         return Outcome(False, True, False, None, f"backend '{backend.name}' declares synchronised batch norm "
                                                  f"without data parallelism")
-    graph = _resnet()
-    weights = trained_looking_weights(graph, seed)
-    model = backend.lower(graph, weights)
-    data = _data(SCENARIOS["uneven_last_batch"], seed, 3, graph.input_shape)
     asked = (devices[0], devices[1] if len(devices) > 1 else "second-device")
-    try:
-        backend.train(model, data, TrainConfig(epochs=1, batch_size=BATCH, devices=asked))
-    except BackendError as exc:
-        after = backend.export_weights(model)
-        changed = [n for n in weights for p in weights[n] if not np.array_equal(after[n][p], weights[n][p])]
-        if changed:
-            return Outcome(False, changed[:3], [], None, f"refused two devices ({exc}) but trained first: node "
-                                                         f"'{changed[0]}' changed")
-        return Outcome(True, "refused", "refused", None, f"single device ({len(devices)} visible: "
-                                                          f"{', '.join(devices)}); two devices refused: {exc}")
-    return Outcome(False, "trained", "BackendError", None,
-                   f"backend '{backend.name}' declares no data parallelism but trained on devices {list(asked)}")
+    return _refused(backend, _resnet(), SCENARIOS["uneven_last_batch"], seed,
+                    TrainConfig(epochs=1, batch_size=BATCH, devices=asked), "two devices",
+                    f"single device ({len(devices)} visible: {', '.join(devices)}); two devices refused",
+                    f"backend '{backend.name}' declares no data parallelism but trained on devices {list(asked)}")
 
 
 def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str | None = None,
