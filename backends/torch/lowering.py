@@ -336,6 +336,127 @@ class Routing(NamedTuple):
     load: torch.Tensor
 
 
+class SegmentProducts(torch.autograd.Function):
+    """The experts' products over the contiguous segments of tokens sorted by expert, as one autograd node:
+    apply(tokens (N, D), sizes (the E segments' row counts), swiglu, dtype, *weights), weights as
+    Experts holds them (GELU: w_in, b_in, w_out, b_out; SwiGLU: w_gate, w_in, w_out), outputs (N, D).
+
+    Why one node: indexing an expert's slice of a stack (w_in[e]) per expert made autograd build, for each
+    of E experts and each stack, a zero-filled gradient of the whole stack and add them up (E stack-sized
+    fills and adds per parameter and step: more time than the products). Here the forward writes each
+    segment's products into preallocated (N, F) and (N, D) buffers (torch.mm/addmm with out=, no cat), the
+    activation runs once over the whole buffer, and the backward writes each expert's weight gradient
+    straight into its slice of the stack's gradient (zeros only for experts that got no token).
+
+    `dtype` is the products' dtype (autocast's where it is on, as Experts.products decides): the tokens
+    and weights are cast to it explicitly and autocast is off inside, since out= variants are not
+    autocast's to cast; the gradients come back in each input's own dtype. The products are the ones
+    the per-expert form ran (FlopCounterMode books mm.out and addmm.out as mm and addmm)."""
+
+    @staticmethod
+    def forward(ctx, tokens, sizes, swiglu, dtype, *weights):
+        device_type = tokens.device.type
+        with torch.autocast(device_type, enabled=False):
+            x = tokens.to(dtype)
+            cast = [w.to(dtype) for w in weights]  # no copy unless autocast changes the dtype
+            segments = _segments(sizes)
+            rows, width = x.shape
+            out = x.new_empty(rows, width)
+            if swiglu:
+                w_gate, w_in, w_out = cast
+                gate, up = x.new_empty(rows, w_in.shape[-1]), x.new_empty(rows, w_in.shape[-1])
+                for e, a, b in segments:
+                    torch.mm(x[a:b], w_gate[e], out=gate[a:b])
+                    torch.mm(x[a:b], w_in[e], out=up[a:b])
+                hidden = F.silu(gate) * up
+                for e, a, b in segments:
+                    torch.mm(hidden[a:b], w_out[e], out=out[a:b])
+                ctx.save_for_backward(x, gate, up, hidden, w_gate, w_in, w_out)
+            else:
+                w_in, b_in, w_out, b_out = cast
+                before = x.new_empty(rows, w_in.shape[-1])
+                for e, a, b in segments:
+                    torch.addmm(b_in[e], x[a:b], w_in[e], out=before[a:b])
+                hidden = F.gelu(before, approximate="tanh")
+                for e, a, b in segments:
+                    torch.addmm(b_out[e], hidden[a:b], w_out[e], out=out[a:b])
+                ctx.save_for_backward(x, before, hidden, w_in, w_out)
+        ctx.segments, ctx.swiglu, ctx.experts = segments, swiglu, len(sizes)
+        ctx.dtypes = (tokens.dtype,) + tuple(w.dtype for w in weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # Inputs: 0 tokens, 1 sizes, 2 swiglu, 3 dtype, 4... the weights (GELU: w_in 4, b_in 5, w_out 6,
+        # b_out 7; SwiGLU: w_gate 4, w_in 5, w_out 6).
+        segments, needs, experts = ctx.segments, ctx.needs_input_grad, ctx.experts
+        grads: dict[int, torch.Tensor] = {}
+        with torch.autocast(grad_out.device.type, enabled=False):
+            if ctx.swiglu:
+                x, gate, up, hidden, w_gate, w_in, w_out = ctx.saved_tensors
+            else:
+                x, before, hidden, w_in, w_out = ctx.saved_tensors
+            grad_out = grad_out.to(x.dtype).contiguous()
+            grad_hidden = hidden.new_empty(hidden.shape)
+            for e, a, b in segments:
+                torch.mm(grad_out[a:b], w_out[e].t(), out=grad_hidden[a:b])
+            if ctx.swiglu:
+                # hidden = silu(gate) * up: the gradients of the two (N, F) products' outputs.
+                firsts = {4: (w_gate, torch.ops.aten.silu_backward(grad_hidden * up, gate)),
+                          5: (w_in, grad_hidden * F.silu(gate))}
+            else:
+                grad_before = torch.ops.aten.gelu_backward(grad_hidden, before, approximate="tanh")
+                firsts = {4: (w_in, grad_before)}
+                if needs[5]:
+                    grads[5] = _per_expert(segments, experts, (experts, w_in.shape[-1]), x,
+                                           lambda a, b, out: torch.sum(grad_before[a:b], 0, out=out))
+                if needs[7]:
+                    grads[7] = _per_expert(segments, experts, (experts, x.shape[-1]), x,
+                                           lambda a, b, out: torch.sum(grad_out[a:b], 0, out=out))
+            for index, (weight, grad) in firsts.items():
+                if needs[index]:
+                    grads[index] = _per_expert(segments, experts, weight.shape, x,
+                                               lambda a, b, out, grad=grad: torch.mm(x[a:b].t(), grad[a:b], out=out))
+            if needs[6]:
+                grads[6] = _per_expert(segments, experts, w_out.shape, x,
+                                       lambda a, b, out: torch.mm(hidden[a:b].t(), grad_out[a:b], out=out))
+            grad_tokens = None
+            if needs[0]:
+                grad_tokens = x.new_empty(x.shape)
+                (weight, grad), *others = firsts.values()
+                for e, a, b in segments:
+                    torch.mm(grad[a:b], weight[e].t(), out=grad_tokens[a:b])
+                    for other, other_grad in others:  # addmm out= itself, not addmm_: the counter books it
+                        torch.addmm(grad_tokens[a:b], other_grad[a:b], other[e].t(), out=grad_tokens[a:b])
+                grad_tokens = grad_tokens.to(ctx.dtypes[0])
+        weights = [grads[i].to(ctx.dtypes[i - 3]) if i in grads else None for i in range(4, 4 + len(ctx.dtypes) - 1)]
+        return (grad_tokens, None, None, None, *weights)
+
+
+def _segments(sizes) -> list[tuple[int, int, int]]:
+    """(expert, first row, end row) of each non-empty segment of rows sorted by expert."""
+    out, start = [], 0
+    for e, size in enumerate(sizes):
+        if size:
+            out.append((e, start, start + size))
+        start += size
+    return out
+
+
+def _per_expert(segments, experts: int, shape, like, write):
+    """A gradient of an expert stack of `shape` (like `like`'s dtype and device): write(a, b, out) fills
+    expert e's slice from its segment's rows [a, b); the slices of experts without rows are zeros."""
+    grad = like.new_empty(shape)
+    seen = set()
+    for e, a, b in segments:
+        write(a, b, grad[e])
+        seen.add(e)
+    for e in range(experts):
+        if e not in seen:
+            grad[e].zero_()
+    return grad
+
+
 class Experts(nn.Module):
     """A moe node: its router (D, E) and expert stacks in the IR's layout: GELU experts w_in (E, D, F),
     b_in (E, F), w_out (E, F, D), b_out (E, D); SwiGLU experts w_gate and w_in (E, D, F), w_out (E, F, D).
@@ -373,17 +494,17 @@ class Experts(nn.Module):
         return F.gelu(tokens @ self.w_in[e] + self.b_in[e], approximate="tanh") @ self.w_out[e] + self.b_out[e]
 
     @torch.compiler.disable
-    def segment_products(self, tokens, offsets, sizes: list[int] | None = None):
-        """The experts' outputs for `tokens` sorted by expert, one product per non-empty segment; `sizes`,
-        the segments' sizes where the caller has read them already. No token at all (a data-parallel
-        rank's empty micro-batch, an expert-parallel rank that received none) is one product of no rows,
-        so that the experts' parameters still get their (zero) gradient."""
+    def segment_products(self, tokens, offsets, sizes: list[int] | None = None, dtype=None):
+        """The experts' outputs for `tokens` sorted by expert, one product per non-empty segment, in `dtype`
+        (default: the tokens'); `sizes`, the segments' sizes where the caller has read them already. One
+        autograd node for the whole block (`SegmentProducts`). No token at all (a data-parallel rank's empty
+        micro-batch, an expert-parallel rank that received none) is no product, and the experts' parameters
+        still get their (zero) gradient."""
         if sizes is None:
             sizes = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()  # the layer's one host read
-        if not any(sizes):
-            return self.expert(0, tokens)
-        segments = tokens.split(sizes)
-        return torch.cat([self.expert(e, segment) for e, segment in enumerate(segments) if sizes[e]])
+        weights = ((self.w_gate, self.w_in, self.w_out) if self.swiglu else
+                   (self.w_in, self.b_in, self.w_out, self.b_out))
+        return SegmentProducts.apply(tokens, tuple(sizes), self.swiglu, dtype or tokens.dtype, *weights)
 
     def grouped_products(self, tokens, offsets, expert_of, dtype):
         """The experts' outputs for `tokens` sorted by expert, as torch._grouped_mm over the segments that
@@ -426,13 +547,13 @@ class Experts(nn.Module):
         dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else tokens.dtype
         if grouped_mm_fits(device, dtype, tokens.shape[-1], self.w_in.shape[-1]):
             return self.grouped_products(tokens, offsets, expert_of, dtype)
-        return self.segment_products(tokens, offsets, sizes)
+        return self.segment_products(tokens, offsets, sizes, dtype)
 
     @staticmethod
     def combine(flat, outputs, gates, order, token_of):
         """The moe's output (T, D): each assignment's output, in `order`, weighted by its gate and added to
         its token."""
-        weighted = outputs * gates.reshape(-1)[order].unsqueeze(1)
+        weighted = outputs * gates.reshape(-1).index_select(0, order).unsqueeze(1)
         return torch.zeros(flat.shape, dtype=weighted.dtype, device=flat.device).index_add_(0, token_of, weighted)
 
     def forward(self, x):
