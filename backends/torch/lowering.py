@@ -405,7 +405,9 @@ class SegmentProducts(torch.autograd.Function):
                 firsts = {4: (w_gate, torch.ops.aten.silu_backward(grad_hidden * up, gate)),
                           5: (w_in, grad_hidden * F.silu(gate))}
             else:
-                grad_before = torch.ops.aten.gelu_backward(grad_hidden, before, approximate="tanh")
+                # In place: grad_hidden is not read again (an elementwise op may write its own input).
+                grad_before = torch.ops.aten.gelu_backward.grad_input(grad_hidden, before, approximate="tanh",
+                                                                     grad_input=grad_hidden)
                 firsts = {4: (w_in, grad_before)}
                 if needs[5]:
                     grads[5] = _per_expert(segments, experts, (experts, w_in.shape[-1]), x,
