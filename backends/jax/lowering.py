@@ -476,10 +476,10 @@ def _tiles_backward(swiglu: bool, precision: str, residuals, d_outs):
     """The gradients of `_tiles_forward`'s outputs to the routed rows and the weight stacks: a lax.scan
     per level whose carry is the stacks' gradients, each tile adding its weight gradients into its
     expert's slice in place (autodiff of the forward's dynamic index would instead add a whole
-    zero-padded (E, ...) stack per tile: 5.6 times the time on the benchmark's layer). The products are
-    autodiff's (GELU: h^T dy, dy w_out^T, x^T dz, dz w_in^T; SwiGLU two more), on the saved
-    pre-activations, so none of the forward's is recomputed: the native counter's backward count is
-    the same as autodiff's."""
+    zero-padded (E, ...) stack per tile: about 6 times the time on the benchmark's layer). The
+    products are autodiff's (GELU: h^T dy, dy w_out^T, x^T dz, dz w_in^T; SwiGLU two more), on the
+    saved pre-activations, so none of the forward's is recomputed: the native counter's backward
+    count is the same as autodiff's."""
     import jax
     import jax.numpy as jnp
     from jax import lax
