@@ -343,45 +343,45 @@ class SegmentProducts(torch.autograd.Function):
 
     Why one node: indexing an expert's slice of a stack (w_in[e]) per expert made autograd build, for each
     of E experts and each stack, a zero-filled gradient of the whole stack and add them up (E stack-sized
-    fills and adds per parameter and step: more time than the products). Here the forward writes each
-    segment's products into preallocated (N, F) and (N, D) buffers (torch.mm/addmm with out=, no cat), the
-    activation runs once over the whole buffer, and the backward writes each expert's weight gradient
-    straight into its slice of the stack's gradient (zeros only for experts that got no token).
+    fills and adds per parameter and step: more time than the products). Here the forward writes the
+    products into preallocated (N, F) and (N, D) buffers (`out=`, no cat), the activation runs once over
+    the whole buffer, and the backward writes each expert's weight gradient straight into its slice of the
+    stack's gradient (zeros only for experts that got no token).
+
+    The block (`_Layout`): when every expert has m >= BLOCK_MIN_ROWS rows, the first m rows of each are
+    one (E, m) block whose products are one batched product over the stacks (torch.bmm / baddbmm), and
+    only each expert's remaining rows run as per-expert products. A batched product parallelises over the
+    experts, which E products of a few hundred rows each on a few threads do not. The (N, F) buffers
+    live in that order; only the (N, D) tokens and outputs (and their gradients) are permuted. Either
+    way the products are exactly the routed ones (FlopCounterMode books mm/addmm/bmm/baddbmm with out=
+    like the plain ones, and addmm with out= its input, unlike addmm_).
 
     `dtype` is the products' dtype (autocast's where it is on, as Experts.products decides): the tokens
     and weights are cast to it explicitly and autocast is off inside, since out= variants are not
-    autocast's to cast; the gradients come back in each input's own dtype. The products are the ones
-    the per-expert form ran (FlopCounterMode books mm.out and addmm.out as mm and addmm)."""
+    autocast's to cast; the gradients come back in each input's own dtype."""
 
     @staticmethod
     def forward(ctx, tokens, sizes, swiglu, dtype, *weights):
-        device_type = tokens.device.type
-        with torch.autocast(device_type, enabled=False):
-            x = tokens.to(dtype)
+        layout = _Layout(sizes, tokens.device)
+        with torch.autocast(tokens.device.type, enabled=False):
+            x = layout.permute(tokens.to(dtype))
             cast = [w.to(dtype) for w in weights]  # no copy unless autocast changes the dtype
-            segments = _segments(sizes)
             rows, width = x.shape
-            out = x.new_empty(rows, width)
             if swiglu:
                 w_gate, w_in, w_out = cast
-                gate, up = x.new_empty(rows, w_in.shape[-1]), x.new_empty(rows, w_in.shape[-1])
-                for e, a, b in segments:
-                    torch.mm(x[a:b], w_gate[e], out=gate[a:b])
-                    torch.mm(x[a:b], w_in[e], out=up[a:b])
+                gate = layout.products(x, w_gate, x.new_empty(rows, w_in.shape[-1]))
+                up = layout.products(x, w_in, x.new_empty(rows, w_in.shape[-1]))
                 hidden = F.silu(gate) * up
-                for e, a, b in segments:
-                    torch.mm(hidden[a:b], w_out[e], out=out[a:b])
+                out = layout.products(hidden, w_out, x.new_empty(rows, width))
                 ctx.save_for_backward(x, gate, up, hidden, w_gate, w_in, w_out)
             else:
                 w_in, b_in, w_out, b_out = cast
-                before = x.new_empty(rows, w_in.shape[-1])
-                for e, a, b in segments:
-                    torch.addmm(b_in[e], x[a:b], w_in[e], out=before[a:b])
+                before = layout.products(x, w_in, x.new_empty(rows, w_in.shape[-1]), b_in)
                 hidden = F.gelu(before, approximate="tanh")
-                for e, a, b in segments:
-                    torch.addmm(b_out[e], hidden[a:b], w_out[e], out=out[a:b])
+                out = layout.products(hidden, w_out, x.new_empty(rows, width), b_out)
                 ctx.save_for_backward(x, before, hidden, w_in, w_out)
-        ctx.segments, ctx.swiglu, ctx.experts = segments, swiglu, len(sizes)
+            out = layout.restore(out)
+        ctx.layout, ctx.swiglu = layout, swiglu
         ctx.dtypes = (tokens.dtype,) + tuple(w.dtype for w in weights)
         return out
 
@@ -389,17 +389,15 @@ class SegmentProducts(torch.autograd.Function):
     def backward(ctx, grad_out):
         # Inputs: 0 tokens, 1 sizes, 2 swiglu, 3 dtype, 4... the weights (GELU: w_in 4, b_in 5, w_out 6,
         # b_out 7; SwiGLU: w_gate 4, w_in 5, w_out 6).
-        segments, needs, experts = ctx.segments, ctx.needs_input_grad, ctx.experts
+        layout, needs = ctx.layout, ctx.needs_input_grad
         grads: dict[int, torch.Tensor] = {}
         with torch.autocast(grad_out.device.type, enabled=False):
             if ctx.swiglu:
                 x, gate, up, hidden, w_gate, w_in, w_out = ctx.saved_tensors
             else:
                 x, before, hidden, w_in, w_out = ctx.saved_tensors
-            grad_out = grad_out.to(x.dtype).contiguous()
-            grad_hidden = hidden.new_empty(hidden.shape)
-            for e, a, b in segments:
-                torch.mm(grad_out[a:b], w_out[e].t(), out=grad_hidden[a:b])
+            grad_out = layout.permute(grad_out.to(x.dtype).contiguous())
+            grad_hidden = layout.products(grad_out, w_out, hidden.new_empty(hidden.shape), transposed=True)
             if ctx.swiglu:
                 # hidden = silu(gate) * up: the gradients of the two (N, F) products' outputs.
                 firsts = {4: (w_gate, torch.ops.aten.silu_backward(grad_hidden * up, gate)),
@@ -410,53 +408,125 @@ class SegmentProducts(torch.autograd.Function):
                                                                      grad_input=grad_hidden)
                 firsts = {4: (w_in, grad_before)}
                 if needs[5]:
-                    grads[5] = _per_expert(segments, experts, (experts, w_in.shape[-1]), x,
-                                           lambda a, b, out: torch.sum(grad_before[a:b], 0, out=out))
+                    grads[5] = layout.row_sums(grad_before)
                 if needs[7]:
-                    grads[7] = _per_expert(segments, experts, (experts, x.shape[-1]), x,
-                                           lambda a, b, out: torch.sum(grad_out[a:b], 0, out=out))
+                    grads[7] = layout.row_sums(grad_out)
             for index, (weight, grad) in firsts.items():
                 if needs[index]:
-                    grads[index] = _per_expert(segments, experts, weight.shape, x,
-                                               lambda a, b, out, grad=grad: torch.mm(x[a:b].t(), grad[a:b], out=out))
+                    grads[index] = layout.weight_grad(x, grad)
             if needs[6]:
-                grads[6] = _per_expert(segments, experts, w_out.shape, x,
-                                       lambda a, b, out: torch.mm(hidden[a:b].t(), grad_out[a:b], out=out))
+                grads[6] = layout.weight_grad(hidden, grad_out)
             grad_tokens = None
             if needs[0]:
-                grad_tokens = x.new_empty(x.shape)
                 (weight, grad), *others = firsts.values()
-                for e, a, b in segments:
-                    torch.mm(grad[a:b], weight[e].t(), out=grad_tokens[a:b])
-                    for other, other_grad in others:  # addmm out= itself, not addmm_: the counter books it
-                        torch.addmm(grad_tokens[a:b], other_grad[a:b], other[e].t(), out=grad_tokens[a:b])
-                grad_tokens = grad_tokens.to(ctx.dtypes[0])
+                grad_tokens = layout.products(grad, weight, x.new_empty(x.shape), transposed=True)
+                for other, other_grad in others:
+                    layout.products(other_grad, other, grad_tokens, transposed=True, accumulate=True)
+                grad_tokens = layout.restore(grad_tokens).to(ctx.dtypes[0])
         weights = [grads[i].to(ctx.dtypes[i - 3]) if i in grads else None for i in range(4, 4 + len(ctx.dtypes) - 1)]
         return (grad_tokens, None, None, None, *weights)
 
 
-def _segments(sizes) -> list[tuple[int, int, int]]:
-    """(expert, first row, end row) of each non-empty segment of rows sorted by expert."""
-    out, start = [], 0
-    for e, size in enumerate(sizes):
-        if size:
-            out.append((e, start, start + size))
-        start += size
-    return out
+# The fewest rows every expert must have for SegmentProducts to batch them (_Layout): below it the products
+# are small and each runs alone, so that small models (and the tests comparing a one-device run with an
+# expert-parallel one, whose AdamW steps amplify any change of summation order) keep per-expert products.
+BLOCK_MIN_ROWS = 128
 
 
-def _per_expert(segments, experts: int, shape, like, write):
-    """A gradient of an expert stack of `shape` (like `like`'s dtype and device): write(a, b, out) fills
-    expert e's slice from its segment's rows [a, b); the slices of experts without rows are zeros."""
-    grad = like.new_empty(shape)
-    seen = set()
-    for e, a, b in segments:
-        write(a, b, grad[e])
-        seen.add(e)
-    for e in range(experts):
-        if e not in seen:
-            grad[e].zero_()
-    return grad
+class _Layout:
+    """The row order of SegmentProducts' buffers for segments of `sizes` rows (sorted by expert). `block`:
+    the rows every expert has (the smallest size; 0 when an expert has none or fewer than BLOCK_MIN_ROWS);
+    the buffers hold the first `block` rows of each expert as an (E, block) block, then each expert's
+    remaining rows, whose spans are `segments`: (expert, first row, end row). With no block the order is
+    the sorted one."""
+
+    def __init__(self, sizes, device):
+        self.experts = len(sizes)
+        self.block = min(sizes) if sizes else 0
+        if self.block < BLOCK_MIN_ROWS:
+            self.block = 0
+        starts = [sum(sizes[:e]) for e in range(self.experts)]
+        self.segments, row = [], self.block * self.experts
+        for e, size in enumerate(sizes):
+            if size > self.block:
+                self.segments.append((e, row, row + size - self.block))
+                row += size - self.block
+        self.order = self.inverse = None
+        if self.block:  # buffer row i holds sorted row order[i]
+            first = torch.arange(self.block, device=device)
+            spans = [start + first for start in starts]
+            spans += [torch.arange(start + self.block, start + size, device=device)
+                      for start, size in zip(starts, sizes)]
+            self.order = torch.cat(spans)
+            positions = torch.arange(len(self.order), device=device)
+            self.inverse = torch.empty_like(self.order).scatter_(0, self.order, positions)
+
+    def permute(self, rows):
+        """Sorted rows (N, ...) in the buffers' order."""
+        return rows if self.order is None else rows.index_select(0, self.order)
+
+    def restore(self, rows):
+        """Rows in the buffers' order back in the sorted order."""
+        return rows if self.inverse is None else rows.index_select(0, self.inverse)
+
+    def _blocked(self, rows):
+        return rows[:self.block * self.experts].view(self.experts, self.block, rows.shape[-1])
+
+    def products(self, rows, stack, out, bias=None, transposed=False, accumulate=False):
+        """out = rows @ stack[e] (stack[e].T when `transposed`) + bias[e] for each row's expert e; added to
+        `out` when `accumulate`. Returns out."""
+        weights = stack.transpose(1, 2) if transposed else stack
+        if self.block:
+            block = self._blocked(out)
+            if accumulate:
+                torch.baddbmm(block, self._blocked(rows), weights, out=block)
+            elif bias is not None:
+                torch.baddbmm(bias.unsqueeze(1), self._blocked(rows), weights, out=block)
+            else:
+                torch.bmm(self._blocked(rows), weights, out=block)
+        for e, a, b in self.segments:
+            if accumulate:
+                torch.addmm(out[a:b], rows[a:b], weights[e], out=out[a:b])
+            elif bias is not None:
+                torch.addmm(bias[e], rows[a:b], weights[e], out=out[a:b])
+            else:
+                torch.mm(rows[a:b], weights[e], out=out[a:b])
+        return out
+
+    def weight_grad(self, inputs, grad):
+        """The gradient of a stack used as inputs @ stack[e]: inputs[rows of e].T @ grad[rows of e] per
+        expert, (E, inputs' width, grad's width); zeros for an expert without rows."""
+        shape = (self.experts, inputs.shape[-1], grad.shape[-1])
+        if self.block:
+            out = torch.bmm(self._blocked(inputs).transpose(1, 2), self._blocked(grad),
+                            out=inputs.new_empty(shape))
+            for e, a, b in self.segments:
+                torch.addmm(out[e], inputs[a:b].t(), grad[a:b], out=out[e])
+            return out
+        out = inputs.new_empty(shape)
+        for e, a, b in self.segments:
+            torch.mm(inputs[a:b].t(), grad[a:b], out=out[e])
+        self._zero_idle(out)
+        return out
+
+    def row_sums(self, grad):
+        """Each expert's sum of its rows of `grad`, (E, grad's width): a bias's gradient."""
+        if self.block:
+            out = self._blocked(grad).sum(dim=1)
+            for e, a, b in self.segments:
+                out[e] += grad[a:b].sum(dim=0)
+            return out
+        out = grad.new_empty(self.experts, grad.shape[-1])
+        for e, a, b in self.segments:
+            torch.sum(grad[a:b], 0, out=out[e])
+        self._zero_idle(out)
+        return out
+
+    def _zero_idle(self, out) -> None:
+        busy = {e for e, _, _ in self.segments}
+        for e in range(self.experts):
+            if e not in busy:
+                out[e].zero_()
 
 
 class Experts(nn.Module):
