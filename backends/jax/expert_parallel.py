@@ -18,8 +18,8 @@ the training and evaluation steps choose per batch shape, when they trace (`Expe
   on one device, so no routing can exceed C and no token is ever dropped); the rows nobody filled are
   zeros. jax.lax.all_to_all sends block j to device j (with each row's local expert index, an int32
   (d, C) exchange); the device runs its experts on the d C rows it received (`local_experts`: the
-  valid rows sorted by expert into tiles, a lax.scan over the tiles whose lax.cond skips the tiles
-  no row reached, so padding is computed only in each expert's last, partial tile), all_to_all sends
+  single-device moe's tile levels and custom VJP, sized for every row to be filled, so the tiles a
+  routing leaves empty compute on a zero row: about d times the device's share), all_to_all sends
   the outputs back, and each token sums its k outputs weighted by its gates. Autodiff transposes
   each all_to_all into the reverse all_to_all: 2 exchanges forward and 2 backward per moe node.
 * REPLICATED (a batch whose rows do not divide by the devices, the short last one, held whole by
@@ -102,68 +102,60 @@ def param_shardings(graph, params, mesh) -> dict:
             for node_id, leaves in param_specs(graph, params).items()}
 
 
-def varying_axes(value) -> frozenset:
-    """The manual mesh axes a value inside shard_map varies over (empty outside shard_map)."""
-    import jax
-
-    axis_type = getattr(jax.typeof(value), "manual_axis_type", None)
-    return frozenset(axis_type.varying) if axis_type is not None else frozenset()
-
-
-def local_experts(rows, expert_of, weights, attrs, precision: str, assignments: int):
+def local_experts(rows, expert_of, weights, attrs, precision: str):
     """The outputs (R, D_out) of R rows (R, D), row i through local expert expert_of[i] (in [0, E_l)),
     or zeros where expert_of[i] == E_l (no expert: a padding row). `weights`: the local expert stacks
-    (leading axis E_l) in the compute dtype; `assignments`: the valid rows a device gets on average,
-    which sets the tile size as lowering.moe_tile_rows does.
+    (leading axis E_l) in the compute dtype.
 
-    The valid rows are placed expert by expert in tiles of b rows (lowering.moe_tile_rows), each
-    expert's segment a whole number of tiles, its valid rows first, so the tiles any routing uses come
-    first; a lax.scan runs every tile the static shapes allow, and a lax.cond computes only those the
-    routing reached (the others give zeros). Padding is thus computed only in each expert's last tile."""
+    The valid rows are laid out as lowering.routed_experts lays out a device's assignments: expert by
+    expert in tiles of levels of decreasing rows (lowering.moe_tile_levels), sized for any R of them to
+    be valid (every row of every device's buffer routed here), run by lowering's tile scans with their
+    custom VJP (each tile's weight gradients added into its expert's slice). The tiles a routing leaves
+    empty compute on a zero row: a device computes on its whole worst-case buffer, about `devices` times
+    its share of the assignments (docs/backends/jax.md, "Expert parallelism")."""
     import jax
     import jax.numpy as jnp
-    from jax import lax
 
-    from aiperf_backends.jax.lowering import expert_mlp, moe_tile_rows
+    from aiperf_backends.jax.lowering import _expert_tiles, moe_tile_levels, moe_tile_rows
     from aiperf_core.ir import moe_mlp
 
     count, width = rows.shape
     local = next(iter(weights.values())).shape[0]
-    tile_rows = moe_tile_rows(assignments, local)
-    tiles = (count + local * (tile_rows - 1)) // tile_rows
+    levels = moe_tile_levels(count, local, moe_tile_rows(count, local))
     one_hot = jax.nn.one_hot(expert_of, local + 1, dtype=jnp.int32)[:, :local]  # padding rows: all zeros
     valid = jnp.sum(one_hot, axis=1) > 0
-    rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)
-    expert_tiles = (jnp.sum(one_hot, axis=0) + tile_rows - 1) // tile_rows
-    tile_end = jnp.cumsum(expert_tiles)
-    start = (tile_end - expert_tiles)[jnp.minimum(expert_of, local - 1)] * tile_rows
-    slot = jnp.where(valid, start + rank, tiles * tile_rows)  # padding rows: past the end, dropped
-    row_of_slot = jnp.full(tiles * tile_rows, count, jnp.int32).at[slot].set(jnp.arange(count, dtype=jnp.int32),
-                                                                              mode="drop")
-    tile_expert = jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(tiles), side="right"), local - 1)
-    used = tile_end[-1]
-    swiglu = moe_mlp(attrs) == "swiglu"
-    out_width = weights["w_out"].shape[-1]
+    expert = jnp.minimum(expert_of, local - 1)
+    rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)  # earlier rows, same expert
+    left = jnp.sum(one_hot, axis=0)
+    placed = jnp.zeros_like(left)
+    total = sum(size * tiles for size, tiles in levels)
+    slot = jnp.full_like(expert_of, total)  # padding rows: past the end, never placed
+    tile_experts = []
+    offset = 0
+    for level, (size, tiles) in enumerate(levels):
+        if level < len(levels) - 1:  # whole tiles only, expert by expert until the level's tiles run out
+            whole = left // size
+            taken = jnp.clip(tiles - (jnp.cumsum(whole) - whole), 0, whole)
+        else:
+            taken = (left + size - 1) // size
+        tile_end = jnp.cumsum(taken)
+        low = placed[expert]
+        here = valid & (rank >= low) & (rank < low + (taken * size)[expert])
+        slot = jnp.where(here, offset + (tile_end - taken)[expert] * size + rank - low, slot)
+        tile_experts.append(jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(tiles), side="right"), local - 1))
+        placed, left = placed + taken * size, left - taken * size
+        offset += size * tiles
+    row_of_slot = jnp.full(total, count, jnp.int32).at[slot].set(jnp.arange(count, dtype=jnp.int32), mode="drop")
     padded = jnp.concatenate([rows, jnp.zeros((1, width), rows.dtype)])  # row `count`: zeros, for empty slots
-
-    def tile(_, inputs):
-        routed, expert, index = inputs
-
-        def run(routed, expert):
-            return expert_mlp(routed, {name: value[expert] for name, value in weights.items()}, swiglu, precision)
-
-        def skip(routed, expert):
-            zeros = jnp.zeros((tile_rows, out_width), rows.dtype)
-            # as varying over the manual axes as run's output (shard_map's types must match)
-            axes = tuple(sorted(varying_axes(routed) | varying_axes(weights["w_out"])))
-            return lax.pcast(zeros, axes, to="varying") if axes else zeros
-
-        return None, lax.cond(index < used, run, skip, routed, expert)
-
-    routed = padded[row_of_slot].reshape(tiles, tile_rows, width)
-    _, out = lax.scan(tile, None, (routed, tile_expert, jnp.arange(tiles)))
-    out = out.reshape(tiles * tile_rows, out_width)
-    return jnp.where(valid[:, None], out[jnp.minimum(slot, tiles * tile_rows - 1)], jnp.zeros((), out.dtype))
+    routed = padded[row_of_slot]
+    routed_levels, start = [], 0
+    for size, tiles in levels:
+        routed_levels.append(routed[start:start + size * tiles].reshape(tiles, size, width))
+        start += size * tiles
+    outs = _expert_tiles()(tuple(routed_levels), tuple(tile_experts), weights, moe_mlp(attrs) == "swiglu",
+                           precision)
+    out = jnp.concatenate([level_out.reshape(-1, level_out.shape[-1]) for level_out in outs], axis=0)
+    return jnp.where(valid[:, None], out[jnp.minimum(slot, total - 1)], jnp.zeros((), out.dtype))
 
 
 def route(x, router, attrs, precision: str):
@@ -212,7 +204,7 @@ def exchanged_experts(x, params, attrs, precision: str, world: int):
     received = lax.all_to_all(send, AXIS, 0, 0)
     received_expert = lax.all_to_all(expert_of_slot.reshape(world, per_device), AXIS, 0, 0)
     out = local_experts(received.reshape(world * per_device, width), received_expert.reshape(-1),
-                        expert_weights(params, dtype), attrs, precision, tokens * top_k)
+                        expert_weights(params, dtype), attrs, precision)
     back = lax.all_to_all(out.reshape(world, per_device, -1), AXIS, 0, 0).reshape(world * per_device, -1)
     picked = back[slot].reshape(tokens, top_k, -1)
     return jnp.sum(picked * gates.astype(picked.dtype)[..., None], axis=1), logits, chosen
@@ -234,7 +226,7 @@ def replicated_experts(x, params, attrs, precision: str, world: int):
     own = chosen.reshape(-1) - lax.axis_index(AXIS) * local
     mine = (own >= 0) & (own < local)
     out = local_experts(x.astype(dtype)[jnp.arange(tokens * top_k) // top_k], jnp.where(mine, own, local),
-                        expert_weights(params, dtype), attrs, precision, tokens * top_k // world)
+                        expert_weights(params, dtype), attrs, precision)
     picked = out.reshape(tokens, top_k, -1)
     return lax.psum(jnp.sum(picked * gates.astype(picked.dtype)[..., None], axis=1), AXIS), logits, chosen
 
