@@ -49,10 +49,9 @@ def _every_expert(x, params, attrs):
 @pytest.mark.parametrize("mlp,top_k", [("gelu", 2), ("gelu", 1), ("swiglu", 2)])
 def test_the_routed_mixture_gives_the_every_expert_values_and_gradients(mlp, top_k):
     _backend()
-    import jax
     import jax.numpy as jnp
 
-    from aiperf_backends.jax.lowering import mixture_of_experts, moe_tile_rows
+    from aiperf_backends.jax.lowering import moe_tile_rows
 
     experts, d, f, tokens = 4, 8, 12, 2 * 200
     assert moe_tile_rows(tokens * top_k, experts) >= 4  # tiles of several rows, with padding
@@ -68,11 +67,21 @@ def test_the_routed_mixture_gives_the_every_expert_values_and_gradients(mlp, top
     params = {name: jnp.asarray(value, jnp.float32) for name, value in params.items()}
     x = jnp.asarray(rng.normal(size=(2, tokens // 2, d)), jnp.float32)
     attrs = {"experts": experts, "top_k": top_k, "units": f, "mlp": mlp}
-    probe = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+    assert_routed_matches_every_expert(x, params, attrs, jnp.asarray(rng.normal(size=x.shape), jnp.float32))
+
+
+def assert_routed_matches_every_expert(x, params, attrs, probe):
+    """The routed mixture's value and gradients (to x and every parameter) of sum(moe(x) * probe) equal
+    the every-expert formula's, to float32 rounding over the tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from aiperf_backends.jax.lowering import mixture_of_experts
 
     def loss(fn):
         return jax.jit(jax.value_and_grad(lambda x, p: jnp.sum(fn(x, p, attrs) * probe), (0, 1)))(x, params)
 
+    tokens = x.shape[0] * x.shape[1]
     routed, formula = loss(mixture_of_experts), loss(_every_expert)
     for got, want in zip(jax.tree.leaves(routed), jax.tree.leaves(formula)):
         scale = float(jnp.max(jnp.abs(want)))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from test_jax_llama import _backend
-from test_jax_moe import _every_expert
+from test_jax_moe import assert_routed_matches_every_expert
 
 
 @pytest.mark.parametrize("assignments,experts", [(64, 8), (800, 4), (2048, 8), (8192, 8), (8192, 64), (3, 2),
@@ -33,10 +33,9 @@ def test_the_levels_hold_the_padded_rows_of_tiles_of_b_in_fewer_tiles(assignment
 def _routed_against_formula(router_bias, top_k: int, mlp: str = "gelu", experts: int = 4, tokens: int = 400):
     """The routed mixture's output and gradients against the every-expert formula's, the router's logits
     shifted by `router_bias` (E,) so that the routing is as skewed as wanted."""
-    import jax
     import jax.numpy as jnp
 
-    from aiperf_backends.jax.lowering import mixture_of_experts, moe_tile_levels, moe_tile_rows
+    from aiperf_backends.jax.lowering import moe_tile_levels, moe_tile_rows
 
     d, f = 8, 12
     assert len(moe_tile_levels(tokens * top_k, experts, moe_tile_rows(tokens * top_k, experts))) >= 2
@@ -52,15 +51,7 @@ def _routed_against_formula(router_bias, top_k: int, mlp: str = "gelu", experts:
     x = np.concatenate([rng.normal(size=(2, tokens // 2, d)), np.ones((2, tokens // 2, 1))], axis=-1)
     x = jnp.asarray(x, jnp.float32)
     attrs = {"experts": experts, "top_k": top_k, "units": f, "mlp": mlp}
-    probe = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
-
-    def loss(fn):
-        return jax.jit(jax.value_and_grad(lambda x, p: jnp.sum(fn(x, p, attrs) * probe), (0, 1)))(x, params)
-
-    routed, formula = loss(mixture_of_experts), loss(_every_expert)
-    for got, want in zip(jax.tree.leaves(routed), jax.tree.leaves(formula)):
-        scale = float(jnp.max(jnp.abs(want)))
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=2e-6 * scale * tokens ** 0.5)
+    assert_routed_matches_every_expert(x, params, attrs, jnp.asarray(rng.normal(size=x.shape), jnp.float32))
 
 
 @pytest.mark.parametrize("name,bias,top_k", [

@@ -8,27 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch  # noqa: E402  (`make test` installs torch: missing it is a failure, never a skip)
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from aiperf_backends.torch import lowering
+from test_torch_moe_dispatch import DispatchedOps
 
 WIDTH, UNITS, EXPERTS = 8, 12, 4
 SIZES = (3, 0, 5, 2)  # expert 1 gets no token: no block, one product per segment
 # Every expert has rows: a block of the 2 (of 3) rows each has, then the rest; every expert the same rows.
 LAYOUTS = [SIZES, (3, 4, 5, 2), (3, 3, 3, 3)]
 PRODUCTS = ("mm", "addmm", "bmm", "baddbmm")
-
-
-class DispatchedOps(TorchDispatchMode):
-    """The aten ops a region dispatches, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True)
