@@ -19,7 +19,7 @@ the training and evaluation steps choose per batch shape, when they trace (`Expe
   zeros. jax.lax.all_to_all sends block j to device j (with each row's local expert index, an int32
   (d, C) exchange); the device runs its experts on the d C rows it received (`local_experts`: the
   single-device moe's tile levels and custom VJP, sized for every row to be filled, so the tiles a
-  routing leaves empty compute on a zero row: about d times the device's share), all_to_all sends
+  routing leaves empty compute on an unread row: about d times the device's share), all_to_all sends
   the outputs back, and each token sums its k outputs weighted by its gates. Autodiff transposes
   each all_to_all into the reverse all_to_all: 2 exchanges forward and 2 backward per moe node.
 * REPLICATED (a batch whose rows do not divide by the devices, the short last one, held whole by
@@ -107,55 +107,23 @@ def local_experts(rows, expert_of, weights, attrs, precision: str):
     or zeros where expert_of[i] == E_l (no expert: a padding row). `weights`: the local expert stacks
     (leading axis E_l) in the compute dtype.
 
-    The valid rows are laid out as lowering.routed_experts lays out a device's assignments: expert by
-    expert in tiles of levels of decreasing rows (lowering.moe_tile_levels), sized for any R of them to
-    be valid (every row of every device's buffer routed here), run by lowering's tile scans with their
-    custom VJP (each tile's weight gradients added into its expert's slice). The tiles a routing leaves
-    empty compute on a zero row: a device computes on its whole worst-case buffer, about `devices` times
-    its share of the assignments (docs/backends/jax.md, "Expert parallelism")."""
-    import jax
+    The valid rows are laid out and run as lowering.routed_experts runs a device's assignments
+    (lowering.tiled_experts: tiles in levels of decreasing rows, their custom VJP), the levels sized for
+    all R of them to be valid (every row of every device's buffer routed here). The tiles a routing
+    leaves empty compute on row 0, unread: a device computes on its whole worst-case buffer, about
+    `devices` times its share of the assignments (docs/backends/jax.md, "Expert parallelism")."""
     import jax.numpy as jnp
 
-    from aiperf_backends.jax.lowering import _expert_tiles, moe_tile_levels, moe_tile_rows
+    from aiperf_backends.jax.lowering import moe_tile_levels, moe_tile_rows, tiled_experts
     from aiperf_core.ir import moe_mlp
 
-    count, width = rows.shape
+    count = rows.shape[0]
     local = next(iter(weights.values())).shape[0]
     levels = moe_tile_levels(count, local, moe_tile_rows(count, local))
-    one_hot = jax.nn.one_hot(expert_of, local + 1, dtype=jnp.int32)[:, :local]  # padding rows: all zeros
-    valid = jnp.sum(one_hot, axis=1) > 0
-    expert = jnp.minimum(expert_of, local - 1)
-    rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)  # earlier rows, same expert
-    left = jnp.sum(one_hot, axis=0)
-    placed = jnp.zeros_like(left)
-    total = sum(size * tiles for size, tiles in levels)
-    slot = jnp.full_like(expert_of, total)  # padding rows: past the end, never placed
-    tile_experts = []
-    offset = 0
-    for level, (size, tiles) in enumerate(levels):
-        if level < len(levels) - 1:  # whole tiles only, expert by expert until the level's tiles run out
-            whole = left // size
-            taken = jnp.clip(tiles - (jnp.cumsum(whole) - whole), 0, whole)
-        else:
-            taken = (left + size - 1) // size
-        tile_end = jnp.cumsum(taken)
-        low = placed[expert]
-        here = valid & (rank >= low) & (rank < low + (taken * size)[expert])
-        slot = jnp.where(here, offset + (tile_end - taken)[expert] * size + rank - low, slot)
-        tile_experts.append(jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(tiles), side="right"), local - 1))
-        placed, left = placed + taken * size, left - taken * size
-        offset += size * tiles
-    row_of_slot = jnp.full(total, count, jnp.int32).at[slot].set(jnp.arange(count, dtype=jnp.int32), mode="drop")
-    padded = jnp.concatenate([rows, jnp.zeros((1, width), rows.dtype)])  # row `count`: zeros, for empty slots
-    routed = padded[row_of_slot]
-    routed_levels, start = [], 0
-    for size, tiles in levels:
-        routed_levels.append(routed[start:start + size * tiles].reshape(tiles, size, width))
-        start += size * tiles
-    outs = _expert_tiles()(tuple(routed_levels), tuple(tile_experts), weights, moe_mlp(attrs) == "swiglu",
-                           precision)
-    out = jnp.concatenate([level_out.reshape(-1, level_out.shape[-1]) for level_out in outs], axis=0)
-    return jnp.where(valid[:, None], out[jnp.minimum(slot, total - 1)], jnp.zeros((), out.dtype))
+    out, slot = tiled_experts(rows, jnp.arange(count), expert_of, weights, levels, moe_mlp(attrs) == "swiglu",
+                              precision)
+    valid = slot < out.shape[0]
+    return jnp.where(valid[:, None], out[jnp.minimum(slot, out.shape[0] - 1)], jnp.zeros((), out.dtype))
 
 
 def route(x, router, attrs, precision: str):

@@ -544,6 +544,50 @@ def _expert_tiles():
     return tiles
 
 
+def tiled_experts(rows, row_of, expert_of, weights, levels, swiglu: bool, precision: str):
+    """(outputs (L, D_out) of the padded layout, each assignment's slot in it) of assignments (A,): row
+    row_of[a] of `rows` (R, D) through expert expert_of[a] of the stacks `weights` (leading axis E), or
+    through none where expert_of[a] == E (its slot is then L, past the layout). The assignments are laid
+    out expert by expert in `levels` (moe_tile_levels): each expert's rows fill whole tiles of the
+    largest size first, as far as that level's tiles go, and what is left goes on to the next; the last
+    level's tiles take the remainders. Empty slots read row 0; the tiles run in `_expert_tiles`."""
+    import jax
+    import jax.numpy as jnp
+
+    experts = next(iter(weights.values())).shape[0]
+    one_hot = jax.nn.one_hot(expert_of, experts + 1, dtype=jnp.int32)[:, :experts]  # no expert: all zeros
+    valid = jnp.sum(one_hot, axis=1) > 0
+    expert = jnp.minimum(expert_of, experts - 1)
+    rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)  # earlier assignments, same expert
+    left = jnp.sum(one_hot, axis=0)  # each expert's rows not yet in a tile
+    placed = jnp.zeros_like(left)  # each expert's rows in the levels before
+    length = sum(size * count for size, count in levels)
+    slot = jnp.full_like(expert_of, length)  # each assignment's row in the padded layout
+    tile_experts = []
+    offset = 0  # the level's first row in the layout
+    for level, (size, count) in enumerate(levels):
+        if level < len(levels) - 1:  # whole tiles only, expert by expert until the level's tiles run out
+            whole = left // size
+            taken = jnp.clip(count - (jnp.cumsum(whole) - whole), 0, whole)
+        else:  # every row left, the last tile part empty
+            taken = (left + size - 1) // size
+        tile_end = jnp.cumsum(taken)
+        low = placed[expert]
+        here = valid & (rank >= low) & (rank < low + (taken * size)[expert])
+        slot = jnp.where(here, offset + (tile_end - taken)[expert] * size + rank - low, slot)
+        tile_experts.append(jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(count), side="right"), experts - 1))
+        placed, left = placed + taken * size, left - taken * size
+        offset += size * count
+    row_of_slot = jnp.zeros(length, jnp.int32).at[slot].set(row_of.astype(jnp.int32), mode="drop")
+    routed = rows[row_of_slot]
+    routed_levels, start = [], 0
+    for size, count in levels:
+        routed_levels.append(routed[start:start + size * count].reshape(count, size, -1))
+        start += size * count
+    outs = _expert_tiles()(tuple(routed_levels), tuple(tile_experts), weights, swiglu, precision)
+    return jnp.concatenate([level_out.reshape(-1, level_out.shape[-1]) for level_out in outs], axis=0), slot
+
+
 def mixture_of_experts(x, params, attrs, precision: str = "fp32"):
     """The IR's moe on (N, S, D), its output alone (`routed_experts`)."""
     return routed_experts(x, params, attrs, precision)[0]
@@ -585,38 +629,8 @@ def routed_experts(x, params, attrs, precision: str = "fp32"):
 
     assignments = x.shape[0] * top_k
     levels = moe_tile_levels(assignments, experts, moe_tile_rows(assignments, experts))
-    expert_of = chosen.reshape(-1)
-    one_hot = jax.nn.one_hot(expert_of, experts, dtype=jnp.int32)
-    rank = jnp.sum((jnp.cumsum(one_hot, axis=0) - one_hot) * one_hot, axis=1)  # earlier assignments, same expert
-    left = jnp.sum(one_hot, axis=0)  # each expert's rows not yet in a tile
-    placed = jnp.zeros_like(left)  # each expert's rows in the levels before
-    slot = jnp.zeros_like(expert_of)  # each assignment's row in the padded layout
-    tile_experts = []
-    offset = 0  # the level's first row in the layout
-    for level, (size, count) in enumerate(levels):
-        if level < len(levels) - 1:  # whole tiles only, expert by expert until the level's tiles run out
-            whole = left // size
-            taken = jnp.clip(count - (jnp.cumsum(whole) - whole), 0, whole)
-        else:  # every row left, the last tile part empty
-            taken = (left + size - 1) // size
-        tile_end = jnp.cumsum(taken)
-        low = placed[expert_of]
-        here = (rank >= low) & (rank < low + (taken * size)[expert_of])
-        slot = jnp.where(here, offset + (tile_end - taken)[expert_of] * size + rank - low, slot)
-        tile_experts.append(jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(count), side="right"), experts - 1))
-        placed, left = placed + taken * size, left - taken * size
-        offset += size * count
-    token_of_slot = jnp.zeros(offset, jnp.int32).at[slot].set(jnp.arange(assignments) // top_k)
-
-    weights = expert_weights(params, dtype)
-    swiglu = moe_mlp(attrs) == "swiglu"
-    routed = x.astype(dtype)[token_of_slot]
-    routed_levels, start = [], 0
-    for size, count in levels:
-        routed_levels.append(routed[start:start + size * count].reshape(count, size, -1))
-        start += size * count
-    outs = _expert_tiles()(tuple(routed_levels), tuple(tile_experts), weights, swiglu, precision)
-    out = jnp.concatenate([level_out.reshape(-1, level_out.shape[-1]) for level_out in outs], axis=0)
+    out, slot = tiled_experts(x.astype(dtype), jnp.arange(assignments) // top_k, chosen.reshape(-1),
+                              expert_weights(params, dtype), levels, moe_mlp(attrs) == "swiglu", precision)
     picked_out = out[slot].reshape(-1, top_k, out.shape[-1])
     y = jnp.sum(picked_out * gates.astype(out.dtype)[..., None], axis=1).reshape(shape[:-1] + (out.shape[-1],))
     return y, logits, chosen
