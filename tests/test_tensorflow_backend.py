@@ -246,10 +246,17 @@ def test_fp16_loss_scaling_skips_an_overflowing_step_and_trains_like_fp32(monkey
 
 
 def test_xla_policy(monkeypatch):
+    from aiperf_core.builders import gpt
+    from aiperf_core.transformer_morph import upcycle_moe
+
+    dense = gpt(layers=1, hidden=16, heads=2, seq_len=8, vocab=32)
+    moe = upcycle_moe(dense, None, "h0_fc1", seed=5).graph
     monkeypatch.delenv("AIPERF_TF_XLA", raising=False)
     assert lowering.use_xla("gpu:0") and not lowering.use_xla("cpu") and not lowering.use_xla("cpu:1")
+    # A mixture of experts routes only without XLA (static shapes would run every expert on every token).
+    assert lowering.use_xla("gpu:0", dense) and not lowering.use_xla("gpu:0", moe)
     monkeypatch.setenv("AIPERF_TF_XLA", "1")
-    assert lowering.use_xla("cpu") and lowering.use_xla("gpu:0")
+    assert lowering.use_xla("cpu") and lowering.use_xla("gpu:0") and lowering.use_xla("gpu:0", moe)
     monkeypatch.setenv("AIPERF_TF_XLA", "0")
     assert not lowering.use_xla("gpu:0")
     monkeypatch.setenv("AIPERF_TF_XLA", "sometimes")

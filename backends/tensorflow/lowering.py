@@ -77,8 +77,8 @@ for images):
   (tf.matmul, dynamic rows) run on its segment only; the outputs, weighted by their gates in float32, are
   summed back per token by tf.math.unsorted_segment_sum. The expert parameters are unstacked once, so
   each one's gradient is one stack of the experts' gradients. SwiGLU experts (mlp: swiglu) compute
-  ``silu(x w_gate) * (x w_in)`` and then ``w_out``, without biases. Under XLA (jit_compile, on GPUs by
-  default), which needs static shapes (tf.split's sizes must be compile-time constants), every expert runs
+  ``silu(x w_gate) * (x w_in)`` and then ``w_out``, without biases. Under XLA (jit_compile: only where
+  AIPERF_TF_XLA=1 asks for it, as use_xla leaves a moe graph uncompiled), which needs static shapes (tf.split's sizes must be compile-time constants), every expert runs
   on every token in einsums and a gate of 0 drops what a token did not choose: the same function at E/k
   times the expert work (``_every_expert``). The node's ops are under the name scope MOE_SCOPE, by which
   the native counter books them.
@@ -118,8 +118,8 @@ float32 (an add of a float32 and a compute-dtype value is float32). tf32 compute
 units do the rest).
 
 XLA (`use_xla`): AIPERF_TF_XLA=1 compiles the single-device train and eval steps and predict with
-jit_compile, =0 never; unset, they are compiled on GPUs and not on CPUs (docs/backends/tensorflow.md
-has the measurements and the reasons).
+jit_compile, =0 never; unset, they are compiled on GPUs and not on CPUs, nor for a graph with a moe
+node (docs/backends/tensorflow.md has the measurements and the reasons).
 """
 
 from __future__ import annotations
@@ -146,11 +146,15 @@ FUSED_MIN_EPSILON = 1.001e-5
 COMPUTE_DTYPES = {"fp32": tf.float32, "tf32": tf.float32, "bf16": tf.bfloat16, "fp16": tf.float16}
 
 
-def use_xla(device: str) -> bool:
+def use_xla(device: str, graph: Graph | None = None) -> bool:
     """Whether the single-device steps and predict on `device` (a backend device name) compile with
-    XLA: AIPERF_TF_XLA when set, else on GPUs only."""
+    XLA: AIPERF_TF_XLA when set, else on GPUs only, and not for a graph with a moe node: XLA needs
+    static shapes, under which a moe runs every expert on every token (E/k times the counted work),
+    where the graph without XLA routes."""
     setting = xla_setting()
-    return device.startswith("gpu") if setting is None else setting
+    if setting is not None:
+        return setting
+    return device.startswith("gpu") and not (graph is not None and any(n.op == "moe" for n in graph.nodes))
 
 
 _tf32_lock = threading.RLock()
@@ -264,7 +268,7 @@ class LoweredModel(tf.Module):
         if self.precision not in self._predict_fns:
             spec = tf.TensorSpec([None] + list(self.graph.input_shape), self.input_dtype)
             self._predict_fns[self.precision] = tf.function(lambda x: self.call(x, False)[0], input_signature=[spec],
-                                                            jit_compile=use_xla(self.device))
+                                                            jit_compile=use_xla(self.device, self.graph))
         return self._predict_fns[self.precision]
 
     @property

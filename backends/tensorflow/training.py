@@ -210,7 +210,7 @@ class Trainer:
             [tf_device_name(model.device)]
         self.device = self.replica_devices[0]
         self.on_cpu = all("CPU" in d.upper().rsplit("/", 1)[-1] for d in self.replica_devices)
-        self.xla = strategy is None and use_xla(model.device)
+        self.xla = strategy is None and use_xla(model.device, model.graph)
         self.compiling = CompileClock()
         scope = strategy.scope() if strategy is not None else tf.device(self.device)
         # The optimizer's state, replicated like the model's variables under a strategy. `slots` is
