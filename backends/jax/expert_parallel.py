@@ -18,8 +18,8 @@ the training and evaluation steps choose per batch shape, when they trace (`Expe
   on one device, so no routing can exceed C and no token is ever dropped); the rows nobody filled are
   zeros. jax.lax.all_to_all sends block j to device j (with each row's local expert index, an int32
   (d, C) exchange); the device runs its experts on the d C rows it received (`local_experts`: the
-  single-device moe's tile levels and custom VJP, sized for every row to be filled, so the tiles a
-  routing leaves empty compute on an unread row: about d times the device's share), all_to_all sends
+  single-device moe's tile levels and custom VJP, sized for every row to be filled, each tile under a
+  lax.cond that skips it when the routing left it empty), all_to_all sends
   the outputs back, and each token sums its k outputs weighted by its gates. Autodiff transposes
   each all_to_all into the reverse all_to_all: 2 exchanges forward and 2 backward per moe node.
 * REPLICATED (a batch whose rows do not divide by the devices, the short last one, held whole by
@@ -109,9 +109,9 @@ def local_experts(rows, expert_of, weights, attrs, precision: str):
 
     The valid rows are laid out and run as lowering.routed_experts runs a device's assignments
     (lowering.tiled_experts: tiles in levels of decreasing rows, their custom VJP), the levels sized for
-    all R of them to be valid (every row of every device's buffer routed here). The tiles a routing
-    leaves empty compute on row 0, unread: a device computes on its whole worst-case buffer, about
-    `devices` times its share of the assignments (docs/backends/jax.md, "Expert parallelism")."""
+    all R of them to be valid (every row of every device's buffer routed here), and a lax.cond per tile
+    computes only the tiles the routing reached, forward and backward: the products are the rows that
+    arrived plus the layout's padding bound (docs/backends/jax.md, "Expert parallelism")."""
     import jax.numpy as jnp
 
     from aiperf_backends.jax.lowering import moe_tile_levels, moe_tile_rows, tiled_experts
@@ -121,7 +121,7 @@ def local_experts(rows, expert_of, weights, attrs, precision: str):
     local = next(iter(weights.values())).shape[0]
     levels = moe_tile_levels(count, local, moe_tile_rows(count, local))
     out, slot = tiled_experts(rows, jnp.arange(count), expert_of, weights, levels, moe_mlp(attrs) == "swiglu",
-                              precision)
+                              precision, skip_unused=True)
     valid = slot < out.shape[0]
     return jnp.where(valid[:, None], out[jnp.minimum(slot, out.shape[0] - 1)], jnp.zeros((), out.dtype))
 

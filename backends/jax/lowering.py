@@ -441,10 +441,20 @@ def moe_tile_levels(assignments: int, experts: int, rows: int) -> tuple:
     return tuple(levels)
 
 
-def _tiles_forward(routed_levels, expert_levels, weights, swiglu: bool, precision: str):
+def _zero_like_all(*values):
+    """A scalar 0 typed as varying over every manual mesh axis any of `values` varies over (inside
+    shard_map both branches of a lax.cond must agree on that), whatever their values (no 0 * inf)."""
+    import jax.numpy as jnp
+
+    total = sum(value.reshape(-1)[0].astype(jnp.float32) for value in values)
+    return jnp.where(jnp.zeros((), bool), total, 0.0)
+
+
+def _tiles_forward(routed_levels, expert_levels, used_levels, weights, swiglu: bool, precision: str):
     """(each level's outputs (tiles, B, D), each level's pre-activations: (x w_in + b_in,) for GELU
     experts, (x w_gate, x w_in) for SwiGLU ones); a lax.scan per level over its tiles, each with its
-    own expert's weights (a dynamic index into the stacks)."""
+    own expert's weights (a dynamic index into the stacks). With `used_levels` (each level's tiles in
+    use, a traced count), a lax.cond computes only those and gives the others zeros."""
     import jax
     import jax.numpy as jnp
     from jax import lax
@@ -452,9 +462,7 @@ def _tiles_forward(routed_levels, expert_levels, weights, swiglu: bool, precisio
     def product(a, b):
         return jnp.matmul(a, b, precision=lax_precision(precision))
 
-    def tile(_, rows_and_expert):
-        rows, expert = rows_and_expert
-        w = {name: lax.dynamic_index_in_dim(value, expert, keepdims=False) for name, value in weights.items()}
+    def run(rows, w):
         if swiglu:
             gate, up = product(rows, w["w_gate"]), product(rows, w["w_in"])
             hidden, pre = jax.nn.silu(gate) * up, (gate, up)
@@ -462,11 +470,23 @@ def _tiles_forward(routed_levels, expert_levels, weights, swiglu: bool, precisio
             pre = (product(rows, w["w_in"]) + w["b_in"],)
             hidden = jax.nn.gelu(pre[0], approximate=True)
         out = product(hidden, w["w_out"])
-        return None, (out + w["b_out"] if "b_out" in w else out, pre)
+        return out + w["b_out"] if "b_out" in w else out, pre
+
+    def skip(rows, w):
+        zero = _zero_like_all(rows, *w.values())
+        hidden = jnp.zeros((rows.shape[0], w["w_in"].shape[-1]), rows.dtype) + zero.astype(rows.dtype)
+        out = jnp.zeros((rows.shape[0], w["w_out"].shape[-1]), rows.dtype) + zero.astype(rows.dtype)
+        return out, ((hidden, hidden) if swiglu else (hidden,))
+
+    def tile(used, xs):
+        rows, expert, index = xs
+        w = {name: lax.dynamic_index_in_dim(value, expert, keepdims=False) for name, value in weights.items()}
+        return used, (run(rows, w) if used is None else lax.cond(index < used, run, skip, rows, w))
 
     outs, pres = [], []
-    for routed, experts in zip(routed_levels, expert_levels):
-        _, (out, pre) = lax.scan(tile, None, (routed, experts))
+    for level, (routed, experts) in enumerate(zip(routed_levels, expert_levels)):
+        used = None if used_levels is None else used_levels[level]
+        _, (out, pre) = lax.scan(tile, used, (routed, experts, jnp.arange(routed.shape[0])))
         outs.append(out)
         pres.append(pre)
     return tuple(outs), tuple(pres)
@@ -484,14 +504,12 @@ def _tiles_backward(swiglu: bool, precision: str, residuals, d_outs):
     import jax.numpy as jnp
     from jax import lax
 
-    routed_levels, expert_levels, weights, pres = residuals
+    routed_levels, expert_levels, used_levels, weights, pres = residuals
 
     def product(a, b):
         return jnp.matmul(a, b, precision=lax_precision(precision))
 
-    def tile(grads, tile_in):
-        rows, expert, pre, d_out = tile_in
-        w = {name: lax.dynamic_index_in_dim(value, expert, keepdims=False) for name, value in weights.items()}
+    def compute(rows, w, pre, d_out):
         d_out = d_out.astype(rows.dtype)
         if swiglu:
             gate, up = pre
@@ -512,45 +530,65 @@ def _tiles_backward(swiglu: bool, precision: str, residuals, d_outs):
             (d_pre,) = gelu_vjp(d_hidden)
             tile_grads["w_in"], tile_grads["b_in"] = product(rows.T, d_pre), jnp.sum(d_pre, axis=0)
             d_rows = product(d_pre, w["w_in"].T)
+        return tile_grads, d_rows
+
+    def skip(rows, w, pre, d_out):
+        zero = _zero_like_all(rows, d_out, *w.values(), *pre)
+        return ({name: jnp.zeros(value.shape, value.dtype) + zero.astype(value.dtype) for name, value in w.items()},
+                jnp.zeros(rows.shape, rows.dtype) + zero.astype(rows.dtype))
+
+    def tile(carry, tile_in):
+        grads, used = carry
+        rows, expert, pre, d_out, index = tile_in
+        w = {name: lax.dynamic_index_in_dim(value, expert, keepdims=False) for name, value in weights.items()}
+        if used is None:
+            tile_grads, d_rows = compute(rows, w, pre, d_out)
+        else:  # the cond holds the products only: the carry's update stays outside, so it is not copied
+            tile_grads, d_rows = lax.cond(index < used, compute, skip, rows, w, pre, d_out)
         grads = {name: lax.dynamic_update_index_in_dim(
                      value, lax.dynamic_index_in_dim(value, expert, keepdims=False) + tile_grads[name], expert, 0)
                  for name, value in grads.items()}
-        return grads, d_rows
+        return (grads, used), d_rows
 
     grads = {name: jnp.zeros_like(value) for name, value in weights.items()}
     d_routed = []
-    for routed, experts, pre, d_out in zip(routed_levels, expert_levels, pres, d_outs):
-        grads, d_rows = lax.scan(tile, grads, (routed, experts, pre, d_out))
+    for level, (routed, experts, pre, d_out) in enumerate(zip(routed_levels, expert_levels, pres, d_outs)):
+        used = None if used_levels is None else used_levels[level]
+        (grads, _), d_rows = lax.scan(tile, (grads, used), (routed, experts, pre, d_out, jnp.arange(routed.shape[0])))
         d_routed.append(d_rows)
-    return tuple(d_routed), tuple(None for _ in expert_levels), grads
+    used_cotangent = None if used_levels is None else tuple(None for _ in used_levels)
+    return tuple(d_routed), tuple(None for _ in expert_levels), used_cotangent, grads
 
 
 @functools.cache
 def _expert_tiles():
-    """expert_tiles(routed levels, tile experts per level, weight stacks, swiglu, precision) -> each
-    level's outputs: `_tiles_forward` with `_tiles_backward` as its VJP (built on first use, so that
+    """expert_tiles(routed levels, tile experts per level, tiles in use per level or None, weight stacks,
+    swiglu, precision) -> each level's outputs: `_tiles_forward` with `_tiles_backward` as its VJP (built on first use, so that
     importing this module does not import jax)."""
     import jax
 
-    def forward(routed_levels, expert_levels, weights, swiglu, precision):
-        return _tiles_forward(routed_levels, expert_levels, weights, swiglu, precision)[0]
+    def forward(routed_levels, expert_levels, used_levels, weights, swiglu, precision):
+        return _tiles_forward(routed_levels, expert_levels, used_levels, weights, swiglu, precision)[0]
 
-    def forward_saving(routed_levels, expert_levels, weights, swiglu, precision):
-        outs, pres = _tiles_forward(routed_levels, expert_levels, weights, swiglu, precision)
-        return outs, (routed_levels, expert_levels, weights, pres)
+    def forward_saving(routed_levels, expert_levels, used_levels, weights, swiglu, precision):
+        outs, pres = _tiles_forward(routed_levels, expert_levels, used_levels, weights, swiglu, precision)
+        return outs, (routed_levels, expert_levels, used_levels, weights, pres)
 
-    tiles = jax.custom_vjp(forward, nondiff_argnums=(3, 4))
+    tiles = jax.custom_vjp(forward, nondiff_argnums=(4, 5))
     tiles.defvjp(forward_saving, _tiles_backward)
     return tiles
 
 
-def tiled_experts(rows, row_of, expert_of, weights, levels, swiglu: bool, precision: str):
+def tiled_experts(rows, row_of, expert_of, weights, levels, swiglu: bool, precision: str, skip_unused: bool = False):
     """(outputs (L, D_out) of the padded layout, each assignment's slot in it) of assignments (A,): row
     row_of[a] of `rows` (R, D) through expert expert_of[a] of the stacks `weights` (leading axis E), or
     through none where expert_of[a] == E (its slot is then L, past the layout). The assignments are laid
     out expert by expert in `levels` (moe_tile_levels): each expert's rows fill whole tiles of the
     largest size first, as far as that level's tiles go, and what is left goes on to the next; the last
-    level's tiles take the remainders. Empty slots read row 0; the tiles run in `_expert_tiles`."""
+    level's tiles take the remainders. Empty slots read row 0; the tiles run in `_expert_tiles`, which
+    with `skip_unused` computes only the tiles a routing reached (a lax.cond per tile: for layouts sized
+    far beyond what a routing fills, as an expert-parallel device's; the single-device layout runs every
+    tile, its padding bound being E (b - 1) rows)."""
     import jax
     import jax.numpy as jnp
 
@@ -563,7 +601,7 @@ def tiled_experts(rows, row_of, expert_of, weights, levels, swiglu: bool, precis
     placed = jnp.zeros_like(left)  # each expert's rows in the levels before
     length = sum(size * count for size, count in levels)
     slot = jnp.full_like(expert_of, length)  # each assignment's row in the padded layout
-    tile_experts = []
+    tile_experts, used = [], []
     offset = 0  # the level's first row in the layout
     for level, (size, count) in enumerate(levels):
         if level < len(levels) - 1:  # whole tiles only, expert by expert until the level's tiles run out
@@ -576,6 +614,7 @@ def tiled_experts(rows, row_of, expert_of, weights, levels, swiglu: bool, precis
         here = valid & (rank >= low) & (rank < low + (taken * size)[expert])
         slot = jnp.where(here, offset + (tile_end - taken)[expert] * size + rank - low, slot)
         tile_experts.append(jnp.minimum(jnp.searchsorted(tile_end, jnp.arange(count), side="right"), experts - 1))
+        used.append(tile_end[-1])
         placed, left = placed + taken * size, left - taken * size
         offset += size * count
     row_of_slot = jnp.zeros(length, jnp.int32).at[slot].set(row_of.astype(jnp.int32), mode="drop")
@@ -584,7 +623,8 @@ def tiled_experts(rows, row_of, expert_of, weights, levels, swiglu: bool, precis
     for size, count in levels:
         routed_levels.append(routed[start:start + size * count].reshape(count, size, -1))
         start += size * count
-    outs = _expert_tiles()(tuple(routed_levels), tuple(tile_experts), weights, swiglu, precision)
+    outs = _expert_tiles()(tuple(routed_levels), tuple(tile_experts), tuple(used) if skip_unused else None, weights,
+                           swiglu, precision)
     return jnp.concatenate([level_out.reshape(-1, level_out.shape[-1]) for level_out in outs], axis=0), slot
 
 
