@@ -373,8 +373,11 @@ def test_list_prints_every_check_with_level_precision_and_counter(capsys):
     assert {"attention", "embedding", "gelu", "layer_norm"} <= set(by_id["train/gpt_gradients_match_reference"]["ops"])
     assert by_id["op/conv_grouped/forward"]["ops"] == ["grouped_conv2d"]
     assert by_id["train/digits_accuracy"]["ops"] == []
-    assert len(catalogue(["parallel"])) == 7  # 5 data-parallel (one of them the GPT's) and 2 single-device
+    # 5 data-parallel (one of them the GPT's), the expert-parallel check or its refusal, and 2 single-device
+    assert len(catalogue(["parallel"])) == 9
     assert rows["parallel/gpt_matches_one_device"] == ["parallel", "fp32", "lm", "-"]
+    assert rows["parallel/gpt_moe_expert_parallel_matches_one_device"] == ["parallel", "fp32", "lm", "-"]
+    assert rows["parallel/gpt_moe_expert_parallel_refused"] == ["parallel", "fp32", "lm", "-"]
     assert by_id["train/gpt_adamw_matches_reference"]["workload"] == "lm"
 
 
