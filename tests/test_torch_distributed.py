@@ -69,6 +69,19 @@ def spawn(fn, job: dict, world: int):
     return sorted(results, key=lambda r: r[0])
 
 
+def one_device_steps(backend, graph, weights, config: TrainConfig, batches) -> tuple[list, list, dict]:
+    """(summed loss, canonical gradients) of each of `batches` stepped on one device at epoch 0's rate,
+    and the final canonical weights: what a data-parallel run's ranks must match."""
+    model = backend.lower(graph, weights)
+    stepper = Stepper(model, device_of(model), config)
+    stepper.set_lr(config.schedule.rate(0, max(config.epochs, 1)))
+    losses, grads = [], []
+    for xb, yb in batches:
+        losses.append(float(stepper.step(xb, yb, len(yb))))
+        grads.append(model.canonical_grads())
+    return losses, grads, model.export_canonical()
+
+
 def test_ddp_steps_match_single_process(setup):
     import torch.multiprocessing as mp
 
@@ -82,14 +95,7 @@ def test_ddp_steps_match_single_process(setup):
     global_batches = [(torch.from_numpy(x[a:b]), torch.from_numpy(y[a:b])) for a, b in zip(starts, starts[1:])]
 
     backend = TorchBackend()
-    model = backend.lower(graph, weights)
-    stepper = Stepper(model, device_of(model), config)
-    stepper.set_lr(config.schedule.initial)
-    single_losses, single_grads = [], []
-    for xb, yb in global_batches:
-        single_losses.append(float(stepper.step(xb, yb, len(yb))))
-        single_grads.append(model.canonical_grads())
-    single_weights = model.export_canonical()
+    single_losses, single_grads, single_weights = one_device_steps(backend, graph, weights, config, global_batches)
 
     ctx = mp.get_context("spawn")
     job = make_job(backend.lower(graph, weights), config, DEVICES, batches=global_batches, results=ctx.Queue(),

@@ -29,6 +29,7 @@ from aiperf_core.backend import Schedule, TrainConfig  # noqa: E402
 from aiperf_core.builders import gpt  # noqa: E402
 
 from cpu_devices import run_on_cpu_devices  # noqa: E402
+from test_torch_distributed import one_device_steps  # noqa: E402
 
 TOL = 2e-5
 SEQ, VOCAB = 8, 32
@@ -123,14 +124,7 @@ def test_steps_gradients_match_one_device():
         batches.append((torch.from_numpy(tokens[:, :-1]), torch.from_numpy(tokens[:, 1:])))
 
     backend = TorchBackend()
-    model = backend.lower(graph, weights)
-    stepper = Stepper(model, device_of(model), config)
-    stepper.set_lr(config.schedule.rate(0, config.epochs))
-    single_losses, single_grads = [], []
-    for xb, yb in batches:
-        single_losses.append(float(stepper.step(xb, yb, len(yb))))
-        single_grads.append(model.canonical_grads())
-    single_weights = model.export_canonical()
+    single_losses, single_grads, single_weights = one_device_steps(backend, graph, weights, config, batches)
 
     ctx = mp.get_context("spawn")
     job = make_job(backend.lower(graph, weights), config, ["cpu", "cpu"], batches=batches, results=ctx.Queue())
