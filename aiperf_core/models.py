@@ -33,7 +33,7 @@ def load_model(spec: str, input_shape=None, classes: int | None = None, weights_
     if not path.is_file():
         raise AiperfError(f"{spec}: no such file")
     if suffix == ".onnx":
-        from aiperf_core.onnx_io import import_onnx
+        from aiperf_core.onnx import import_onnx
 
         graph, weights = import_onnx(path)
         if weights_path is not None:

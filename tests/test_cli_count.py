@@ -84,7 +84,7 @@ def test_count_onnx_file_and_unsupported_op(tmp_path, capsys):
     import onnx
     from onnx import TensorProto, helper
 
-    from aiperf_core.onnx_io import export_onnx
+    from aiperf_core.onnx import export_onnx
 
     path = tmp_path / "small.onnx"
     export_onnx(resnet_small(), path=path)

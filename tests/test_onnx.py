@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 from aiperf_core.builders import resnet50, resnet_small  # noqa: E402
 from aiperf_core.errors import AiperfError, GraphError  # noqa: E402
 from aiperf_core.ir import Graph, Node  # noqa: E402
-from aiperf_core.onnx_io import export_onnx, import_onnx, with_random_initializers  # noqa: E402
+from aiperf_core.onnx import export_onnx, import_onnx, with_random_initializers  # noqa: E402
 from aiperf_core.weights import init_weights  # noqa: E402
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"

@@ -46,8 +46,8 @@ from aiperf_core.cli import main
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.ir import Graph, Node
 from aiperf_core.registry import load_backend
-from aiperf_core.onnx_import import rotary_base, rotary_tables
-from aiperf_core.onnx_io import export_onnx, import_onnx
+from aiperf_core.onnx import rotary_base, rotary_tables
+from aiperf_core.onnx import export_onnx, import_onnx
 from aiperf_numpy.executor import forward
 from aiperf_opcount import count
 

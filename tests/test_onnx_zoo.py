@@ -22,7 +22,7 @@ from aiperf_core.builders import gpt
 from aiperf_core.cli import main
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.ir import Graph, Node
-from aiperf_core.onnx_io import export_onnx, import_onnx, reference_evaluator
+from aiperf_core.onnx import export_onnx, import_onnx, reference_evaluator
 from aiperf_core.weights import init_weights
 from aiperf_numpy.executor import forward
 from aiperf_opcount import count

@@ -5,7 +5,7 @@ onnx.reference.ReferenceEvaluator; at every precision the backend declares on th
 
 The model-zoo CNNs (onnx/backend/test/data/light in the onnx wheel, batch 1 at 224 px) check the
 importer and the backend together against an oracle nobody here wrote: each model gets random
-weights (aiperf_core.onnx_io.with_random_initializers), ReferenceEvaluator runs it on a random NCHW
+weights (aiperf_core.onnx.with_random_initializers), ReferenceEvaluator runs it on a random NCHW
 input, and the backend runs the graph import_onnx makes of the same model on the same input in NHWC.
 ReferenceEvaluator is slow (pure Python: minutes for the nine), so its outputs are kept on disk
 (zoo_cache_folder(), keyed by the sha256 of the model with its weights, the input, the onnx version
@@ -151,10 +151,10 @@ def zoo_cache_folder() -> Path:
 
 def zoo_reference_key(model_bytes: bytes, x: np.ndarray) -> str:
     """What the reference logits depend on: the model with its random weights (so the seed), the input,
-    the onnx version and the evaluator's own op fixes (aiperf_core.onnx_io.reference_evaluator)."""
+    the onnx version and the evaluator's own op fixes (aiperf_core.onnx.reference_evaluator)."""
     import onnx
 
-    from aiperf_core.onnx_io import reference_evaluator
+    from aiperf_core.onnx import reference_evaluator
 
     digest = hashlib.sha256()
     for part in (model_bytes, x.tobytes(), str(x.shape).encode(), onnx.__version__.encode(),
@@ -187,7 +187,7 @@ def zoo_reference(name: str, model, x: np.ndarray) -> np.ndarray:
     cache when it holds it, else computed (ReferenceEvaluator runs in Python: 1 to 35 s a model at 224 px
     on one core, about 2 minutes for the nine on this project's 2-core CPU) and cached."""
     from aiperf_core.atomic import write_atomic
-    from aiperf_core.onnx_io import reference_evaluator
+    from aiperf_core.onnx import reference_evaluator
 
     file = zoo_reference_file(name, model, x)
     for folder in (SHIPPED_ZOO_REFERENCES, zoo_cache_folder()):
@@ -211,7 +211,7 @@ def _zoo_model(name: str):
     if name not in _zoo_cache:
         import onnx
 
-        from aiperf_core.onnx_io import import_onnx, with_random_initializers
+        from aiperf_core.onnx import import_onnx, with_random_initializers
 
         model = _without_softmax(with_random_initializers(onnx.load(str(zoo_file(name))), seed=ZOO_SEED))
         data = next(i for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer})

@@ -1,4 +1,4 @@
-"""Constant folding of an ONNX model with static shapes, before aiperf reads it (aiperf_core.onnx_io).
+"""Constant folding of an ONNX model with static shapes, before aiperf reads it (aiperf_core.onnx).
 
 Exporters write a model's shape arithmetic (Shape, Gather, Unsqueeze, Concat, Range, Slice of a shape),
 its causal masks (Trilu, Where, Equal of constants), its rotary tables (the angles of a position range)

@@ -6,11 +6,11 @@ or for a token graph the int64 token ids [N, S]. Import reads the CNNs that
 real exporters (torch.onnx, tf2onnx, Keras, Caffe2) write, opset 9 and newer,
 the transformers that export writes, and those of torch.onnx's TorchScript and
 dynamo exporters and Hugging Face's models (docs/onnx.md). It folds every node
-computed from constants and fixed shapes (aiperf_core.onnx_fold), then maps each
+computed from constants and fixed shapes (aiperf_core.onnx.fold), then maps each
 ONNX tensor to an IR node plus the ONNX layout it stands for, so that layout
 changes (transposes, flattening, pooling to 1x1, a transformer's head reshapes)
-cost no IR node: aiperf_core.onnx_import holds the core of that reader,
-aiperf_core.onnx_sequence what it takes to read a transformer's decomposed
+cost no IR node: aiperf_core.onnx.importer holds the core of that reader,
+aiperf_core.onnx.sequence what it takes to read a transformer's decomposed
 attention, norms, activations and rotary embedding.
 
 How each IR op is written, and read back:
@@ -65,8 +65,8 @@ from onnx import TensorProto, helper, numpy_helper
 from aiperf_core.atomic import write_bytes_atomic
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.ir import Graph, Node, kv_heads
-from aiperf_core.onnx_import import FLOAT_TYPES, INPUT_ID_KEY, one_line, read_model, rotary_tables
-from aiperf_core.onnx_sequence import TransformerImporter
+from aiperf_core.onnx.importer import FLOAT_TYPES, INPUT_ID_KEY, one_line, read_model, rotary_tables
+from aiperf_core.onnx.sequence import TransformerImporter
 from aiperf_core.weights import Weights, init_weights, validate_weights
 
 INPUT_NAME = "input"

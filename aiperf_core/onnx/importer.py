@@ -1,9 +1,9 @@
-"""Reading ONNX into the graph IR: the importer's core (aiperf_core.onnx_io.import_onnx is the entry point).
+"""Reading ONNX into the graph IR: the importer's core (aiperf_core.onnx.import_onnx is the entry point).
 
 Each ONNX tensor maps to an IR node plus the ONNX layout it stands for (Act), so that layout changes
 (transposes, flattening, pooling to 1x1) cost no IR node; each ONNX op has a handler `_op_<OpType>`
 that emits IR nodes or refuses in one line naming the ONNX node and op. This module reads the CNNs of
-real exporters and the ops aiperf's own export writes; aiperf_core.onnx_sequence extends it to the
+real exporters and the ops aiperf's own export writes; aiperf_core.onnx.sequence extends it to the
 transformers that torch.onnx and Hugging Face models write with their attention, norms and activations
 decomposed.
 """
@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from aiperf_core.errors import GraphError
 from aiperf_core.ir import OPS, Graph, Node
-from aiperf_core.onnx_fold import fold_constants
+from aiperf_core.onnx.fold import fold_constants
 from aiperf_core.weights import Weights, validate_weights
 
 MIN_IMPORT_OPSET = 9
@@ -79,7 +79,7 @@ def rotary_base(cos: np.ndarray, sin: np.ndarray, head_dim: int) -> float | None
 #   tokens  S         of the IR token input (integer ids)
 #   split   G, C/G, H, W  and  swapped  C/G, G, H, W: the two halves of a channel shuffle of an IR
 #           image H x W x C, which only the shuffle's Transpose and last Reshape may read
-# and the layouts of a transformer's inner tensors (aiperf_core.onnx_sequence), each private to the
+# and the layouts of a transformer's inner tensors (aiperf_core.onnx.sequence), each private to the
 # handlers of the pattern it belongs to.
 LAYOUT_TEXT = {
     "nchw": "an NCHW feature map",
@@ -150,7 +150,7 @@ class Act:
     group: int = 1
     # The heads and scores layouts: a scalar factor not applied yet (attention's scale).
     scale: float = 1.0
-    # What the other private layouts carry (aiperf_core.onnx_sequence): a pending elementwise function,
+    # What the other private layouts carry (aiperf_core.onnx.sequence): a pending elementwise function,
     # a rotary table, the query and key of attention scores.
     info: Any = None
 

@@ -1,8 +1,8 @@
-"""Reading the transformers that real exporters write into the IR (aiperf_core.onnx_io.import_onnx).
+"""Reading the transformers that real exporters write into the IR (aiperf_core.onnx.import_onnx).
 
 torch.onnx's TorchScript exporter (opsets 14 to 18), its dynamo exporter (opset 18 on) and Hugging Face's
 models write a transformer's attention, norms, activations and rotary embedding as many small ONNX nodes.
-After constant folding (aiperf_core.onnx_fold: shape arithmetic, masks, rotary tables, weight transposes
+After constant folding (aiperf_core.onnx.fold: shape arithmetic, masks, rotary tables, weight transposes
 become initializers), TransformerImporter reads what is left tensor by tensor, as the core importer does,
 with a layout per ONNX tensor that says what it is in IR terms:
 
@@ -27,7 +27,7 @@ with a layout per ONNX tensor that says what it is in IR terms:
   Reshape: repeat_kv) give the node's kv_heads. ONNX's Attention on 3-D or 4-D heads reads directly.
 - Rotary: heads times a cos table plus rotate_half(heads) (Slice of the halves, Neg of the upper, Concat)
   times a sin table is an IR rotary node on the projection, when the tables are the angles of positions
-  0 to S - 1 (halves repeated) for some base (onnx_import.rotary_base).
+  0 to S - 1 (halves repeated) for some base (importer.rotary_base).
 - A fused q/k/v projection split (Split or Slice of its last axis) is one dense node per part, with the
   kernel's (and bias's) columns of that part; the fused node must be read by the split alone. A projection
   over the rows [N * S, D] (Hugging Face's Conv1D: Reshape, Gemm, Reshape) is a dense over the sequence.
@@ -53,7 +53,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from aiperf_core.errors import GraphError
-from aiperf_core.onnx_import import LAYOUT_TEXT, Act, Importer, clean_float, node_attrs, rotary_base
+from aiperf_core.onnx.importer import LAYOUT_TEXT, Act, Importer, clean_float, node_attrs, rotary_base
 
 PROBE = np.linspace(-4.0, 4.0, 33)  # where a pending elementwise function of an activation is known
 STAT_PROBE = np.linspace(0.05, 8.0, 33)  # where one of a row statistic (positive) is known
