@@ -87,7 +87,7 @@ def _int_list(low: int) -> Callable[[Any], str | None]:
     return check
 
 
-MAX_MORPH_KERNEL = 7  # aiperf_core.morph.MAX_KERNEL, the largest kernel a morph can make
+MAX_MORPH_KERNEL = 7  # aiperf_core.morph.cnn.MAX_KERNEL, the largest kernel a morph can make
 
 
 def _odd_kernels(value: Any) -> str | None:
@@ -97,7 +97,7 @@ def _odd_kernels(value: Any) -> str | None:
     return problem
 
 
-# aiperf_core.transformer_morph.OPERATORS (a test holds them equal; importing it here would import the
+# aiperf_core.morph.transformer.OPERATORS (a test holds them equal; importing it here would import the
 # morph and counting modules into every reader of a policy).
 TRANSFORMER_MORPHS = ("deeper", "wider_mlp", "more_heads", "double_width", "upcycle_moe")
 

@@ -3,7 +3,7 @@ peak, for the LM track's official seed and a grown child (issue 39 item 3; goal:
 
 Cases: the official seed (aiperf_core.workloads.lm.SEEDS["gpt2_small"] at the official seq_len,
 1,024) with and without activation checkpointing (TrainConfig.checkpoint_blocks), and a grown child,
-the seed after transformer_morph.double_width (342 M parameters), without. Each trains as a trial of
+the seed after morph.transformer.double_width (342 M parameters), without. Each trains as a trial of
 the LM track does: the backend's training.Stepper with the policy's AdamW (betas, weight decay) and
 gradient clip, on random token ids. On a CPU: batch 1 (--batch=N), fp32. On a CUDA device: the
 official global batch (32) at the backend's fastest precision (bf16 where declared).
@@ -69,8 +69,8 @@ def option(name: str) -> str | None:
 def case_graph(case: str, smoke: bool):
     """The graph of a case: the official seed at the official seq_len (toy sizes under --smoke), or
     its double_width child."""
-    from aiperf_core import transformer_morph
     from aiperf_core.builders import gpt
+    from aiperf_core.morph import transformer
     from aiperf_core.policy import Policy
     from aiperf_core.workloads.lm import BITS_PER_BYTE, OFFICIAL_SEED, SEEDS
 
@@ -78,7 +78,7 @@ def case_graph(case: str, smoke: bool):
         seed = gpt(layers=2, hidden=64, heads=2, seq_len=64, vocab=2 ** BITS_PER_BYTE)
     else:
         seed = gpt(**SEEDS[OFFICIAL_SEED], seq_len=Policy({"workload": "lm"})["seq_len"], vocab=2 ** BITS_PER_BYTE)
-    return transformer_morph.double_width(seed, None).graph if case == "child" else seed
+    return transformer.double_width(seed, None).graph if case == "child" else seed
 
 
 def train_config(batch: int, precision: str, checkpoint: bool):

@@ -1,7 +1,7 @@
 """A mixture-of-experts GPT's training step against the dense GPT of the same active parameters, per backend
 (issue 40, item 5).
 
-The MoE GPT is `builders.gpt` with every MLP upcycled (transformer_morph.upcycle_moe) to 8 experts of the
+The MoE GPT is `builders.gpt` with every MLP upcycled (morph.transformer.upcycle_moe) to 8 experts of the
 MLP's width F, 2 chosen per token; the dense GPT has MLPs of width 2F, so a token meets the same
 expert-side products in both (the MoE adds its router, D x 8 per token). A backend that routes does
 about the dense work; one that runs every expert on every token does 4 times the MLP's. Each backend's
@@ -44,7 +44,7 @@ EXPERTS, TOP_K = 8, 2
 def graphs(hidden: int, layers: int, seq_len: int):
     """(the dense GPT with MLPs of 2F, the GPT with every MLP of F upcycled to EXPERTS experts, TOP_K each)."""
     from aiperf_core.builders import gpt
-    from aiperf_core.transformer_morph import upcycle_moe
+    from aiperf_core.morph.transformer import upcycle_moe
 
     sizes = dict(layers=layers, hidden=hidden, heads=4, seq_len=seq_len, vocab=256)
     moe = gpt(**sizes)

@@ -16,7 +16,7 @@ import numpy as np  # noqa: E402
 
 from _common import report  # noqa: E402
 from aiperf_core.builders import resnet50  # noqa: E402
-from aiperf_core.morph import generate_candidates, random_morph  # noqa: E402
+from aiperf_core.morph.cnn import generate_candidates, random_morph  # noqa: E402
 from aiperf_core.weights import init_weights  # noqa: E402
 
 SEEDS = 10

@@ -17,13 +17,13 @@ from aiperf_core.cli import main
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph
 from aiperf_core.monitoring.collector import RunCollector
+from aiperf_core.morph.transformer import upcycle_moe
 from aiperf_core.replica import all_to_all_fields, run_replica, write_run_json
 from aiperf_core.report import write_report
 from aiperf_core.rundir import EventLog, RunDir, chain_head, read_events
 from aiperf_core.scoring import score_run, verify_run
 from aiperf_core.scoring.ledger import RunLedger
 from aiperf_core.scoring.progress import forget, snapshot
-from aiperf_core.transformer_morph import upcycle_moe
 from aiperf_core.workflow.progress import render
 from aiperf_core.workloads import lm
 from aiperf_numpy.backend import NumpyBackend

@@ -10,9 +10,9 @@ from aiperf_core.backend import (BackendError, Dataset, EpochReport, Parallelism
                                  expert_shard)
 from aiperf_core.builders import gpt
 from aiperf_core.errors import GraphError
+from aiperf_core.morph.transformer import upcycle_moe
 from aiperf_core.policy import Policy, PolicyError
 from aiperf_core.replica import all_to_all_fields, expert_parallel
-from aiperf_core.transformer_morph import upcycle_moe
 from aiperf_numpy.backend import NumpyBackend
 
 import numpy as np

@@ -12,8 +12,8 @@ _SCRIPT = """
 import json
 from aiperf_conformance.levels import parallel
 from aiperf_core.builders import llama
+from aiperf_core.morph.transformer import upcycle_moe
 from aiperf_core.registry import load_backend
-from aiperf_core.transformer_morph import upcycle_moe
 
 def graph():
     return upcycle_moe(llama(layers=1, hidden=16, heads=2, kv_heads=1, seq_len=8, vocab=32), None, "h0_gate",

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from aiperf_core.builders import resnet_small
-from aiperf_core.morph import random_morph
+from aiperf_core.morph.cnn import random_morph
 from aiperf_core.rundir import GENESIS, EventLog, RunDir, RunDirError, read_events, sha256_bytes, verify_chain
 from aiperf_core.scoring import score_run, verify_run
 from aiperf_core.search.arch import encode

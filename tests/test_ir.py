@@ -165,7 +165,8 @@ def test_core_and_opcount_import_no_framework():
     import subprocess
     import sys
 
-    code = ("import sys, aiperf_core.ir, aiperf_core.builders, aiperf_core.weights, aiperf_core.morph, "
+    code = ("import sys, aiperf_core.ir, aiperf_core.builders, aiperf_core.weights, aiperf_core.morph.cnn, "
+            "aiperf_core.morph.transformer, "
             "aiperf_core.backend, aiperf_core.registry, aiperf_core.cli, aiperf_opcount, aiperf_backends.torch; "
             "print(sorted(m for m in ('torch', 'tensorflow', 'jax', 'mindspore', 'flax', 'onnx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

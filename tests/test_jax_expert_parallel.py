@@ -25,7 +25,7 @@ import pytest
 
 from aiperf_core.backend import Dataset, Schedule, TrainConfig
 from aiperf_core.builders import gpt
-from aiperf_core.transformer_morph import upcycle_moe
+from aiperf_core.morph.transformer import upcycle_moe
 
 from cpu_devices import run_on_cpu_devices
 
@@ -94,7 +94,7 @@ def run_against_one_device(micro_batch: int | None) -> dict:
     """In the two-device subprocess: one device (expert_parallel on, which one device ignores) against
     two; with micro_batch, on two devices only."""
     from aiperf_conformance.levels.op import key_biases
-    from aiperf_core.transformer_morph import deeper, replay, residual_points
+    from aiperf_core.morph.transformer import deeper, replay, residual_points
 
     backend = jax_backend()
     devices = tuple(backend.devices())

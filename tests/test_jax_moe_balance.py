@@ -27,8 +27,8 @@ import pytest
 
 from aiperf_core.backend import Dataset, Schedule, TrainConfig
 from aiperf_core.builders import gpt
+from aiperf_core.morph.transformer import upcycle_moe
 from aiperf_core.registry import load_backend
-from aiperf_core.transformer_morph import upcycle_moe
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_numpy import executor
 
@@ -108,7 +108,7 @@ _TWO_DEVICES = """
     from aiperf_conformance.cases import trained_looking_weights
     from aiperf_core.backend import Dataset, Schedule, TrainConfig
     from aiperf_core.builders import gpt
-    from aiperf_core.transformer_morph import upcycle_moe
+    from aiperf_core.morph.transformer import upcycle_moe
 
     backend = JaxBackend()
     graph = upcycle_moe(gpt(**SIZES), None, "h0_fc1", seed=5).graph

@@ -5,11 +5,11 @@ that name the node; candidates, chains and the CLI on a Llama seed; the architec
 import numpy as np
 import pytest
 
-from aiperf_core import transformer_morph as T
 from aiperf_core.builders import gpt, llama
 from aiperf_core.cli import main
 from aiperf_core.errors import GraphError
 from aiperf_core.ir import Graph, Node, kv_heads, load_graph
+from aiperf_core.morph import transformer as T
 from aiperf_core.search.arch import (ATTENTION, DENSE, GQA_ATTENTION, MOE, SWIGLU_MOE, distance_matrix,
                                      encode)
 from aiperf_core.weights import init_weights, load_weights

@@ -188,7 +188,7 @@ def test_the_plan_accumulates_then_checkpoints_only_where_the_device_needs_it():
 
 def test_a_child_over_the_device_memory_is_skipped_as_a_cap_skips_one():
     from aiperf_core.morph import MemoryCheck
-    from aiperf_core.transformer_morph import transformer_size
+    from aiperf_core.morph.transformer import transformer_size
 
     seed = gpt(layers=2, hidden=64, heads=2, seq_len=64, vocab=256)
     morphs = workloads.get("lm").morphs

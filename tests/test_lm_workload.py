@@ -195,7 +195,7 @@ def test_an_lm_submission_needs_the_lm_certification_and_ranks_in_its_own_list(p
 
 def test_the_lm_policy_caps_bound_the_growth():
     from aiperf_core.builders import gpt
-    from aiperf_core.transformer_morph import TransformerCaps, transformer_size
+    from aiperf_core.morph.transformer import TransformerCaps, transformer_size
 
     seed = gpt(layers=2, hidden=32, heads=2, seq_len=16, vocab=64)
     assert transformer_size(seed) == {"layers": 2, "width": 32, "heads": 2, "experts": 0}

@@ -91,7 +91,7 @@ _DATA_PARALLEL_SCRIPT = """
 from aiperf_backends.mindspore import MindSporeBackend
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_conformance.levels import parallel
-from aiperf_core import transformer_morph
+from aiperf_core.morph import transformer as transformer_morph
 
 def upcycled():
     graph = parallel._gpt()

@@ -8,7 +8,7 @@ import pytest
 from aiperf_core.backend import Dataset, Schedule, TrainConfig
 from aiperf_core.builders import gpt
 from aiperf_core.ir import Graph, Node
-from aiperf_core.transformer_morph import upcycle_moe
+from aiperf_core.morph.transformer import upcycle_moe
 from aiperf_core.weights import init_weights
 
 import aiperf_numpy

@@ -6,11 +6,12 @@ import time
 import numpy as np
 import pytest
 
-from aiperf_core import morph as M
 from aiperf_core.builders import resnet50, resnet_small
 from aiperf_core.cli import main
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.ir import Graph, load_graph
+from aiperf_core.morph import CapExceeded, MorphCaps, signature_hash
+from aiperf_core.morph import cnn as M
 from aiperf_core.weights import init_weights, load_weights, validate_weights
 from aiperf_opcount import count
 
@@ -258,7 +259,7 @@ def test_chain_of_20_random_morphs_on_resnet_small(small):
 
 
 def test_chain_of_20_random_morphs_on_resnet50(big):
-    caps = M.MorphCaps(max_params=40_000_000)
+    caps = MorphCaps(max_params=40_000_000)
     links = _chain(big, 20, seed=5, caps=caps)
     assert {result.record["op"] for _, _, result in links} == set(M.OPERATORS)
     for parent, _, result in links:
@@ -313,7 +314,7 @@ def test_record_shape_and_deterministic_ids(small):
     r1 = M.deeper(small.graph, None, "conv2_block1_1_relu")
     r2 = M.deeper(r1.graph, None, "conv2_block1_1_relu")
     assert set(r1.record) == {"op", "args", "parent", "delta"}
-    assert r1.record["parent"] == M.signature_hash(small.graph)
+    assert r1.record["parent"] == signature_hash(small.graph)
     assert r1.record["args"] == {"after": "conv2_block1_1_relu", "kernel": 3, "prefix": "m1"}
     assert r2.record["args"]["prefix"] == "m2"
     assert {"m1_conv", "m1_bn", "m1_relu", "m2_conv", "m2_bn", "m2_relu"} <= {n.id for n in r2.graph}
@@ -332,34 +333,34 @@ def test_caps_raise_cap_exceeded_naming_the_cap(small):
     g = small.graph
     base = count(g).total
     cases = [
-        (M.MorphCaps(max_nodes=len(g) + 2), "max_nodes", len(g) + 3),
-        (M.MorphCaps(max_params=g.num_params()), "max_params", None),
-        (M.MorphCaps(max_ops_per_image=base), "max_ops_per_image", None),
+        (MorphCaps(max_nodes=len(g) + 2), "max_nodes", len(g) + 3),
+        (MorphCaps(max_params=g.num_params()), "max_params", None),
+        (MorphCaps(max_ops_per_image=base), "max_ops_per_image", None),
     ]
     for caps, name, value in cases:
-        with pytest.raises(M.CapExceeded) as info:
+        with pytest.raises(CapExceeded) as info:
             M.deeper(g, small.weights, "conv2_block1_1_relu", caps=caps)
         assert isinstance(info.value, GraphError)
         assert info.value.cap == name and name in str(info.value)
         assert info.value.value > info.value.limit
         if value is not None:
             assert info.value.value == value
-    loose = M.MorphCaps(max_nodes=len(g) + 3, max_params=10**9, max_ops_per_image=10 * base)
+    loose = MorphCaps(max_nodes=len(g) + 3, max_params=10**9, max_ops_per_image=10 * base)
     assert M.deeper(g, small.weights, "conv2_block1_1_relu", caps=loose).weights is not None
 
 
 def test_caps_validate_their_values():
     for bad in (0, -1, 1.5, True, "10"):
         with pytest.raises(AiperfError):
-            M.MorphCaps(max_nodes=bad)
+            MorphCaps(max_nodes=bad)
 
 
 def test_candidates_skip_children_over_the_caps(small):
-    caps = M.MorphCaps(max_params=small.graph.num_params() + 3000)
+    caps = MorphCaps(max_params=small.graph.num_params() + 3000)
     results = M.generate_candidates(small.graph, None, 8, seed=2, caps=caps)
     assert results
     assert all(r.graph.num_params() <= caps.max_params for r in results)
-    no_new_nodes = M.MorphCaps(max_nodes=len(small.graph))
+    no_new_nodes = MorphCaps(max_nodes=len(small.graph))
     assert M.generate_candidates(small.graph, None, 8, seed=2, caps=no_new_nodes, ops=("deeper", "skip")) == []
     widened = M.generate_candidates(small.graph, None, 8, seed=2, caps=no_new_nodes)
     assert widened and {r.record["op"] for r in widened} == {"wider"}

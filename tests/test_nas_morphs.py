@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from aiperf_core import transformer_morph
 from aiperf_core.builders import gpt
+from aiperf_core.morph import transformer as transformer_morph
 from aiperf_core.policy import TRANSFORMER_MORPHS, Policy, PolicyError
 from aiperf_core.workloads.lm import Morphs
 

@@ -39,15 +39,14 @@ from torch_transformers import GPT, Llama, export, forward_flops, init_weights
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from aiperf_conformance.cases import trained_looking_weights
-from aiperf_core import transformer_morph
 from aiperf_core.backend import Dataset, Schedule, TrainConfig
 from aiperf_core.builders import llama
 from aiperf_core.cli import main
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.ir import Graph, Node
+from aiperf_core.morph import transformer as transformer_morph
+from aiperf_core.onnx import export_onnx, import_onnx, rotary_base, rotary_tables
 from aiperf_core.registry import load_backend
-from aiperf_core.onnx import rotary_base, rotary_tables
-from aiperf_core.onnx import export_onnx, import_onnx
 from aiperf_numpy.executor import forward
 from aiperf_opcount import count
 

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from aiperf_core import morph
 from aiperf_core.builders import resnet_small
+from aiperf_core.morph import cnn as morph
 from aiperf_core.search.arch import ArchCode, _layer_cost, _skip_cost, distance_matrix, distances, encode
 
 
@@ -58,8 +58,8 @@ def test_morphs_move_the_architecture_by_what_they_change():
 
 
 def test_transformer_codes_see_every_morph_and_rank_them_by_what_they_change():
-    from aiperf_core import transformer_morph as T
     from aiperf_core.builders import gpt
+    from aiperf_core.morph import transformer as T
     from aiperf_core.search.arch import ATTENTION, DENSE, MOE
 
     graph = gpt(layers=2, hidden=32, heads=2, seq_len=8, vocab=16)

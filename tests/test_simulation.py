@@ -8,7 +8,7 @@ import time
 import pytest
 
 from aiperf_core.builders import resnet_small
-from aiperf_core.morph import random_morph
+from aiperf_core.morph.cnn import random_morph
 from aiperf_core.rundir import EventLog, RunDir, read_events
 from aiperf_core.scoring import score_run, verify_run
 from aiperf_core.search.history import SharedHistory

@@ -247,7 +247,7 @@ def test_fp16_loss_scaling_skips_an_overflowing_step_and_trains_like_fp32(monkey
 
 def test_xla_policy(monkeypatch):
     from aiperf_core.builders import gpt
-    from aiperf_core.transformer_morph import upcycle_moe
+    from aiperf_core.morph.transformer import upcycle_moe
 
     dense = gpt(layers=1, hidden=16, heads=2, seq_len=8, vocab=32)
     moe = upcycle_moe(dense, None, "h0_fc1", seed=5).graph

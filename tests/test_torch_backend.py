@@ -146,7 +146,7 @@ _AVX2_SCRIPT = textwrap.dedent("""
     from aiperf_backends.torch import TorchBackend
     from aiperf_core.builders import resnet_small
     from aiperf_conformance.cases import trained_looking_weights
-    from aiperf_core.morph import skip
+    from aiperf_core.morph.cnn import skip
     import aiperf_numpy
 
     graph = resnet_small((32, 32, 3), 10)
@@ -281,7 +281,7 @@ def test_resnet50_compiles_without_graph_breaks_or_recompiles(backend):
 
 
 def test_a_morphed_child_compiles_without_graph_breaks_or_recompiles(backend):
-    from aiperf_core import morph
+    from aiperf_core.morph import cnn as morph
 
     graph, weights, rng = resnet50((32, 32, 3), 10), None, np.random.default_rng(1)
     ops = set()

@@ -24,9 +24,9 @@ from aiperf_backends.torch.expert_parallel import ShardedExperts, ignored_parame
 from aiperf_backends.torch.training import Stepper, device_of  # noqa: E402
 from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
 from aiperf_conformance.levels.op import key_biases  # noqa: E402
-from aiperf_core import transformer_morph  # noqa: E402
 from aiperf_core.backend import Schedule, TrainConfig  # noqa: E402
 from aiperf_core.builders import gpt  # noqa: E402
+from aiperf_core.morph import transformer as transformer_morph  # noqa: E402
 
 from cpu_devices import run_on_cpu_devices  # noqa: E402
 from test_torch_distributed import one_device_steps  # noqa: E402

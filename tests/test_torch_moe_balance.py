@@ -18,9 +18,9 @@ import torch  # noqa: E402  (`make test` installs torch: missing it is a failure
 from aiperf_backends.torch import TorchBackend
 from aiperf_backends.torch.training import Stepper
 from aiperf_conformance.cases import trained_looking_weights
-from aiperf_core import transformer_morph
 from aiperf_core.backend import Dataset, Schedule, TrainConfig
 from aiperf_core.builders import gpt
+from aiperf_core.morph import transformer as transformer_morph
 from aiperf_numpy import executor
 
 from cpu_devices import run_on_cpu_devices

@@ -17,8 +17,8 @@ from aiperf_backends.torch import TorchBackend, lowering
 from aiperf_backends.torch.counter import CONVENTION, TorchFlopCounter, grouped_mm_flops
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_conformance.levels.count import BATCH, MOE_CASES, analytic_for_counter, moe_graph, moe_products
-from aiperf_core import transformer_morph
 from aiperf_core.builders import gpt
+from aiperf_core.morph import transformer as transformer_morph
 
 
 @pytest.fixture(scope="module")

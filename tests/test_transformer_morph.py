@@ -1,17 +1,17 @@
-"""Transformer morphs (aiperf_core.transformer_morph): function preserved on the NumPy reference, the count
+"""Transformer morphs (aiperf_core.morph.transformer): function preserved on the NumPy reference, the count
 change exact, replay, errors that name the node, candidates, and the symmetry a morph must not leave."""
 
 import numpy as np
 import pytest
 
-from aiperf_core import transformer_morph as T
 from aiperf_core.builders import gpt, resnet_small
 from aiperf_core.cli import main
-from aiperf_core.ir import load_graph
-from aiperf_core.weights import load_weights
 from aiperf_core.errors import AiperfError, GraphError
+from aiperf_core.ir import load_graph
 from aiperf_core.ir import Graph, Node
+from aiperf_core.morph import transformer as T
 from aiperf_core.morph import CapExceeded, MorphCaps
+from aiperf_core.weights import load_weights
 from aiperf_core.weights import init_weights, validate_weights
 from aiperf_opcount import count
 

@@ -1,7 +1,7 @@
 """aiperf morph MODEL: grow a model by function-preserving morphs and write the child's graph and weights.
 
-The graph says which morphs apply: a CNN's (aiperf_core.morph: deeper, wider, skip, kernel) or, for a
-graph of token sequences (a GPT's or a Llama's), a transformer's (aiperf_core.transformer_morph: deeper,
+The graph says which morphs apply: a CNN's (aiperf_core.morph.cnn: deeper, wider, skip, kernel) or, for a
+graph of token sequences (a GPT's or a Llama's), a transformer's (aiperf_core.morph.transformer: deeper,
 wider_mlp, more_heads, double_width, upcycle_moe)."""
 
 from __future__ import annotations
@@ -65,33 +65,32 @@ def _check_targets(args, transformer: bool) -> None:
 
 
 def _transformer_step(graph, weights, args, rng, caps):
-    from aiperf_core import transformer_morph
-    from aiperf_core.morph import signature_hash
+    from aiperf_core.morph import signature_hash, transformer
 
     if args.node is None:
-        ops = transformer_morph.OPERATORS if args.op == "random" else (args.op,)
-        return transformer_morph.random_morph(graph, weights, rng, ops, caps=caps)
+        ops = transformer.OPERATORS if args.op == "random" else (args.op,)
+        return transformer.random_morph(graph, weights, rng, ops, caps=caps)
     seed = int(rng.integers(2**31))
     record = {"op": args.op, "args": {TRANSFORMER_TARGETS[args.op]: args.node, "seed": seed},
               "parent": signature_hash(graph)}
-    return transformer_morph.replay(graph, weights, record, caps=caps)
+    return transformer.replay(graph, weights, record, caps=caps)
 
 
 def _step(graph, weights, args, rng, caps):
-    from aiperf_core import morph
+    from aiperf_core.morph import cnn
 
     if graph.takes_tokens:
         return _transformer_step(graph, weights, args, rng, caps)
     if args.node is None:
-        ops = morph.OPERATORS if args.op == "random" else (args.op,)
-        return morph.random_morph(graph, weights, rng, ops, caps=caps)
+        ops = cnn.OPERATORS if args.op == "random" else (args.op,)
+        return cnn.random_morph(graph, weights, rng, ops, caps=caps)
     if args.op == "deeper":
-        return morph.deeper(graph, weights, args.node, caps=caps)
+        return cnn.deeper(graph, weights, args.node, caps=caps)
     if args.op == "wider":
-        return morph.wider(graph, weights, args.node, rng=rng, caps=caps)
+        return cnn.wider(graph, weights, args.node, rng=rng, caps=caps)
     if args.op == "kernel":
-        return morph.kernel(graph, weights, args.node, caps=caps)
-    return morph.skip(graph, weights, args.src, args.node, caps=caps)
+        return cnn.kernel(graph, weights, args.node, caps=caps)
+    return cnn.skip(graph, weights, args.src, args.node, caps=caps)
 
 
 def run(args) -> int:

@@ -112,7 +112,7 @@ def write_graph_pool(graphs: Sequence[Graph], folder: Path) -> list[PoolGraph]:
 def resnet50_family(size: int, seed: int = 0) -> list[Graph]:
     """ResNet-50 and size - 1 descendants by random morph walks: the architectures of a run."""
     from aiperf_core.builders import resnet50
-    from aiperf_core.morph import random_morph
+    from aiperf_core.morph.cnn import random_morph
 
     rng = np.random.default_rng(seed)
     family = [resnet50((224, 224, 3), 1000)]
@@ -228,7 +228,7 @@ class NasCostModel:
         the candidates, nas.select with a cold distance cache, as on a replica's first round after
         a start) over histories drawn from `architectures`. Use many: the distances between
         distinct architectures are what selection spends its time on."""
-        from aiperf_core.morph import generate_candidates
+        from aiperf_core.morph.cnn import generate_candidates
         from aiperf_core.search import nas
         from aiperf_core.search.arch import encode
         from aiperf_core.search.history import SharedHistory, TrialRecord

@@ -1,4 +1,4 @@
-"""The CNN workload, the paper's: ResNet-50 grown by the CNN morphs (aiperf_core.morph) on
+"""The CNN workload, the paper's: ResNet-50 grown by the CNN morphs (aiperf_core.morph.cnn) on
 ImageNet, validation error as quality, at most 30% for a valid run."""
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ class Seed:
 
 class Morphs:
     def generate_candidates(self, graph: Graph, weights, n: int, seed: int, policy: Policy, memory=None) -> list:
-        from aiperf_core import morph
+        from aiperf_core.morph import MorphCaps, cnn
 
-        return morph.generate_candidates(graph, weights, n, seed, morph.MorphCaps(memory=memory))
+        return cnn.generate_candidates(graph, weights, n, seed, MorphCaps(memory=memory))
 
     def replay(self, graph: Graph, weights, record: Mapping):
-        from aiperf_core import morph
+        from aiperf_core.morph import cnn
 
-        return morph.replay(graph, weights, record)
+        return cnn.replay(graph, weights, record)
 
     def tune_morph(self, record: dict, proposal: Proposal) -> dict:
         """A chosen `deeper` adds a conv of the kernel size the tuner proposed."""

@@ -1,5 +1,5 @@
 """The language-model workload: a small decoder-only GPT grown by the transformer morphs
-(aiperf_core.transformer_morph) on byte-level text (enwik8, or the embedded corpus), validation
+(aiperf_core.morph.transformer) on byte-level text (enwik8, or the embedded corpus), validation
 bits per byte as quality.
 
 An epoch is `epoch_tokens` training tokens, whatever the sequence length or the corpus: the next
@@ -59,17 +59,17 @@ class Morphs:
     def generate_candidates(self, graph: Graph, weights, n: int, seed: int, policy: Policy, memory=None) -> list:
         """Children within the policy's caps (TransformerCaps) and the device's memory (`memory`, a
         morph.MemoryCheck, or None): a parent at a cap grows otherwise."""
-        from aiperf_core import transformer_morph
+        from aiperf_core.morph import transformer
 
-        caps = transformer_morph.TransformerCaps(max_layers=policy["max_layers"], max_width=policy["max_width"],
+        caps = transformer.TransformerCaps(max_layers=policy["max_layers"], max_width=policy["max_width"],
                                                  max_heads=policy["max_heads"], max_experts=policy["max_experts"],
                                                  memory=memory)
-        return transformer_morph.generate_candidates(graph, weights, n, seed, caps, ops=tuple(policy["nas_morphs"]))
+        return transformer.generate_candidates(graph, weights, n, seed, caps, ops=tuple(policy["nas_morphs"]))
 
     def replay(self, graph: Graph, weights, record: Mapping):
-        from aiperf_core import transformer_morph
+        from aiperf_core.morph import transformer
 
-        return transformer_morph.replay(graph, weights, record)
+        return transformer.replay(graph, weights, record)
 
     def tune_morph(self, record: dict, proposal: Proposal) -> dict:
         return record

@@ -10,10 +10,10 @@ from functools import partial
 
 import numpy as np
 
-from aiperf_core import transformer_morph
 from aiperf_core.builders import gpt, llama, resnet_small
 from aiperf_core.ir import SWIGLU_MOE
-from aiperf_core.morph import random_morph
+from aiperf_core.morph import transformer as transformer_morph
+from aiperf_core.morph.cnn import random_morph
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_conformance.kit import Check, Context, Outcome, compare, new_ops
 from aiperf_conformance.levels.count import (BATCH, EXACT_CATEGORIES, analytic_for_counter, moe_outcome,

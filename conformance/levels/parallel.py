@@ -126,7 +126,7 @@ def _gpt() -> Graph:
 
 def _gpt_moe() -> Graph:
     """_gpt with its MLP upcycled to 4 GELU experts, top-2: 2 experts a device on 2 devices."""
-    from aiperf_core.transformer_morph import upcycle_moe
+    from aiperf_core.morph.transformer import upcycle_moe
 
     return upcycle_moe(_gpt(), None, "h0_fc1", seed=5).graph
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from aiperf_core.backend import Dataset, Schedule, TrainConfig
 from aiperf_core.builders import gpt, llama, resnet_small
-from aiperf_core.transformer_morph import upcycle_moe
+from aiperf_core.morph.transformer import upcycle_moe
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_core.ir import is_trainable
 from aiperf_core.optim import HostOptimizer, grad_norm

@@ -1,11 +1,12 @@
 """Function-preserving morphs of a decoder-only transformer (builders.gpt, builders.llama): deeper, wider_mlp,
 more_heads, double_width and upcycle_moe.
 
-The contract is aiperf_core.morph's, whose plan machinery these operators share: the child computes
-what its parent computed (exactly in real arithmetic; no transformer op keeps batch statistics, so in
-training mode too), its history gains one JSON-plain record {"op", "args", "parent", "delta"}, `args`
-hold every choice (random ones as a seed), so `replay` rebuilds the same child from the same parent,
-and `delta` is the change in analytic ops per sequence, from the nodes the morph touches only.
+The contract is the CNN morphs' (aiperf_core.morph.cnn), whose plan machinery (aiperf_core.morph.plan)
+these operators share: the child computes what its parent computed (exactly in real arithmetic; no
+transformer op keeps batch statistics, so in training mode too), its history gains one JSON-plain record
+{"op", "args", "parent", "delta"}, `args` hold every choice (random ones as a seed), so `replay` rebuilds
+the same child from the same parent, and `delta` is the change in analytic ops per sequence, from the
+nodes the morph touches only.
 
 Two block families are known, told apart by the norm that feeds the attention: a GPT's (layer norm, biases,
 learned positions, a GELU MLP dense -> gelu -> dense) and a Llama's (RMS norm, no biases, rotary positions
@@ -67,8 +68,8 @@ from aiperf_core.builders import llama_ffn
 from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.gcpause import gc_paused
 from aiperf_core.ir import PARAMETRIC_OPS, Graph, Node, kv_heads
-from aiperf_core.morph import (CapExceeded, MorphCaps, MorphResult, _checked_record, _delta, _distinct_children, _dtype,
-                               _Index, _insert_after, _node, _params, _Plan, _prefix, _record, _rewired)
+from aiperf_core.morph.plan import (CapExceeded, MorphCaps, MorphResult, _checked_record, _delta, _distinct_children,
+                                    _dtype, _Index, _insert_after, _node, _params, _Plan, _prefix, _record, _rewired)
 from aiperf_core.weights import Weights, he_normal, init_node_weights
 
 OPERATORS = ("deeper", "wider_mlp", "more_heads", "double_width", "upcycle_moe")
