@@ -39,7 +39,7 @@ from aiperf_core.backend import (AUTO_PRECISION, PRECISIONS, Backend, Dataset, E
                                  TrainConfig)
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph
-from aiperf_core.monitor import DEFAULT_INTERVAL_S, Sampler
+from aiperf_core.monitoring.sampler import DEFAULT_INTERVAL_S, Sampler
 from aiperf_core.policy import Policy
 from aiperf_core.rundir import (EventLog, Lease, RunDir, replica_cadence, read_events, sha256_bytes, sha256_file,
                                 trial_id)

@@ -4,7 +4,7 @@ benchmarks/scale_simulation.py runs it, without the NAS and history charges, whi
 what the logs hold).
 
 Each replica also gets a 12-hour monitor.jsonl (a host record, then a sample of its 8 simulated
-accelerators and the host's RAPL counters every 30 s, 1,440 samples, as aiperf_core.monitor
+accelerators and the host's RAPL counters every 30 s, 1,440 samples, as aiperf_core.monitoring.sampler
 writes them), since the simulation writes none: about 2 MiB a replica, 8 GiB at 4096, so the
 run directories are on disk, not in /dev/shm. The run lies in the past (it ended an hour ago).
 

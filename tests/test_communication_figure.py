@@ -16,7 +16,7 @@ from aiperf_core.builders import gpt
 from aiperf_core.cli import main
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph
-from aiperf_core.monitoring.collector import RunCollector
+from aiperf_core.monitoring.exporter.collector import RunCollector
 from aiperf_core.morph.transformer import upcycle_moe
 from aiperf_core.replica import all_to_all_fields, run_replica, write_run_json
 from aiperf_core.report import write_report

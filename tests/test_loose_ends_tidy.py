@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from aiperf_core.monitor import Sampler, _CounterLocks
+from aiperf_core.monitoring.sampler import Sampler, _CounterLocks
 from test_monitor import fake_powercap, wait_for_samples
 
 ROOT = Path(__file__).resolve().parents[1]

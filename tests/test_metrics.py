@@ -24,8 +24,8 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families
 from prometheus_client.parser import text_string_to_metric_families as text_format_families
 
 from aiperf_core.cli import main
-from aiperf_core.monitoring.collector import SERIES, MonitorTail, RunCollector
-from aiperf_core.monitoring.server import serve
+from aiperf_core.monitoring.exporter.collector import SERIES, MonitorTail, RunCollector
+from aiperf_core.monitoring.exporter.server import serve
 from aiperf_core.scoring import score_run
 from test_metrics_prometheus import prometheus_binaries
 from test_score import GRAPH_1, RunBuilder, standard_run

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from aiperf_core.monitor import Sampler, read_monitor
+from aiperf_core.monitoring.sampler import Sampler, read_monitor
 from aiperf_core.rundir import RunDir
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from aiperf_core.monitoring.collector import RunCollector
+from aiperf_core.monitoring.exporter.collector import RunCollector
 from aiperf_core.rundir import RunDir
 from aiperf_core.scoring import progress
 from aiperf_core.scoring.progress import live_ledger, snapshot, write_checkpoint

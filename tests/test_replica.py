@@ -256,7 +256,7 @@ def test_the_deadline_ends_the_trial_after_its_epoch_and_keeps_its_weights(tmp_p
 
 
 def test_the_replica_samples_its_node_while_it_runs(tmp_path, small_digits):
-    from aiperf_core.monitor import read_monitor
+    from aiperf_core.monitoring.sampler import read_monitor
 
     write_run_json(tmp_path, backend="numpy", policy={**FAST, "warmup_epochs": [1, 1, 1], "max_epochs": 1},
                    stop_after_trials=1)

@@ -11,7 +11,7 @@ HELP = "serve a run directory's live figures to Prometheus (OpenMetrics on /metr
 
 
 def add_arguments(p) -> None:
-    from aiperf_core.monitoring.options import DEFAULT_HOST, port_number
+    from aiperf_core.monitoring.exporter.options import DEFAULT_HOST, port_number
 
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (going or ended)")
     p.add_argument("--port", type=port_number, required=True, metavar="PORT", help="TCP port to serve on")
@@ -20,8 +20,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from aiperf_core.monitoring.collector import RunCollector, open_run
-    from aiperf_core.monitoring.server import serve
+    from aiperf_core.monitoring.exporter.collector import RunCollector, open_run
+    from aiperf_core.monitoring.exporter.server import serve
 
     root = open_run(args.run_dir)
     server = serve(args.host, args.port, RunCollector(root), "--port", "--host")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from aiperf_core.commands.options import non_negative_int, positive_int
 from aiperf_core.errors import AiperfError
-from aiperf_core.monitoring.options import DEFAULT_HOST, port_number
+from aiperf_core.monitoring.exporter.options import DEFAULT_HOST, port_number
 
 FINAL_SCRAPE_S = 120.0  # the endpoint outlives the run until a scraper has read its end, at most this long
 HELP = "run the benchmark: start replicas (local processes or SLURM jobs), stop them at the time budget, score"
@@ -106,8 +106,8 @@ def _start_metrics(args, executor_kind: str):
         # the network: on the loopback default nothing outside that node could scrape it.
         raise AiperfError(f"--metrics-port: a SLURM run's primary on {DEFAULT_HOST} serves only its own node; "
                           "give --metrics-host (0.0.0.0 or this node's address, or 127.0.0.1 to keep it local)")
-    from aiperf_core.monitoring.collector import RunCollector
-    from aiperf_core.monitoring.server import serve
+    from aiperf_core.monitoring.exporter.collector import RunCollector
+    from aiperf_core.monitoring.exporter.server import serve
 
     return serve(args.metrics_host or DEFAULT_HOST, args.metrics_port, RunCollector(), "--metrics-port",
                  "--metrics-host")

@@ -16,7 +16,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from aiperf_core.monitoring.collector import open_run
+    from aiperf_core.monitoring.exporter.collector import open_run
     from aiperf_core.rundir import RunDir
     from aiperf_core.scoring.progress import forget, snapshot
     from aiperf_core.workflow.progress import LiveDisplay, live_figures, render

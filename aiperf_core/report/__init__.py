@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from aiperf_core.atomic import write_text_atomic
-from aiperf_core.monitor import read_monitor
+from aiperf_core.monitoring.sampler import read_monitor
 from aiperf_core.report.energy import Energy, EnergyTally
 from aiperf_core.report.page import render_page
 from aiperf_core.rundir import RunDir

@@ -1,4 +1,4 @@
-"""The energy of a run, from the counters in every replica's monitor.jsonl (aiperf_core.monitor).
+"""The energy of a run, from the counters in every replica's monitor.jsonl (aiperf_core.monitoring.sampler).
 
 Accelerators: NVML's energy counter (millijoules since the driver loaded) of each device.
 Host: RAPL's CPU-package and DRAM counters (microjoules, wrapping at `max_energy_range_uj`).

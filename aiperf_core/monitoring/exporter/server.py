@@ -13,7 +13,7 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from aiperf_core.errors import AiperfError
-from aiperf_core.monitoring.collector import RunCollector
+from aiperf_core.monitoring.exporter.collector import RunCollector
 
 OPENMETRICS = "application/openmetrics-text"
 CONTENT_TYPES = {True: f"{OPENMETRICS}; version=1.0.0; charset=utf-8",

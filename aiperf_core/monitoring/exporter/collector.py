@@ -109,7 +109,7 @@ class MonitorTail:
     It then follows the log from its last complete line: a 12-hour monitor log is never read whole."""
 
     PROBE_BYTES = 8192
-    HOST_LINE = b'{"kind": "host"'  # how monitor.Sampler writes a host record (json.dumps, "kind" first)
+    HOST_LINE = b'{"kind": "host"'  # how monitoring.sampler.Sampler writes a host record (json.dumps, "kind" first)
     TIME_FIELD = re.compile(rb'\{"kind": "[a-z]+", "time": (-?[0-9]+(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?)[,}]')
 
     def __init__(self, path: Path, name: str):
@@ -219,7 +219,7 @@ class MonitorTail:
 
     @classmethod
     def _line_time(cls, line: bytes) -> float | None:
-        """A record's "time", read from its head where monitor.Sampler writes it ({"kind": ...,
+        """A record's "time", read from its head where monitoring.sampler.Sampler writes it ({"kind": ...,
         "time": ...}): a sample of 8 accelerators takes 30 times longer to parse whole, and a first
         scrape at 4096 replicas makes about 45,000 of these probes. The whole line otherwise."""
         head = cls.TIME_FIELD.match(line)
