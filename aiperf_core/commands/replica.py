@@ -10,6 +10,8 @@ HELP = "internal: run one replica's trial loop in a run directory (the primary s
 def add_arguments(p) -> None:
     p.add_argument("--run-dir", required=True, metavar="DIR", help="the run directory (holds run.json)")
     p.add_argument("--replica-id", required=True, type=non_negative_int, metavar="I", help="this replica's number")
+    p.add_argument("--node-rank", type=non_negative_int, default=0, metavar="K",
+                   help="this node's place in a replica across nodes (0, the default: the node that leads)")
 
 
 def run(args) -> int:
@@ -26,6 +28,7 @@ def run(args) -> int:
         faulthandler.register(STACKS_SIGNAL, all_threads=True)
     except (RuntimeError, ValueError, OSError, AttributeError):  # stderr is no file (run in-process, captured)
         pass
-    reason = run_replica(args.run_dir, args.replica_id)
-    print(f"replica {args.replica_id}: stopped ({reason})", flush=True)
+    reason = run_replica(args.run_dir, args.replica_id, node_rank=args.node_rank)
+    node = f" node {args.node_rank}" if args.node_rank else ""
+    print(f"replica {args.replica_id}{node}: stopped ({reason})", flush=True)
     return 0

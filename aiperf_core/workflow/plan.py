@@ -45,6 +45,7 @@ DEFAULT_MAX_RESTARTS = 3
 DEFAULT_HEARTBEAT_TIMEOUT = "10m"
 DEFAULT_STALL_TIMEOUT = "10m"  # the floor of the stall timeout (aiperf_core.workflow.primary.stall_limit)
 DEFAULT_STOP_GRACE = "30s"
+POLICY_OPTIONS = ("nodes_per_replica",)
 SLURM_OPTIONS = ("partition", "account", "time_limit", "gpus_per_node", "cpus_per_task", "extra_args")
 
 
@@ -86,6 +87,12 @@ def merge_request(flags: Mapping[str, Any], config: Mapping[str, Any]) -> RunReq
         value = flags.get(name)
         setattr(request, name, value if value is not None else config.get(name))
     request.data_workers = flags.get("data_workers")
+    # Policy items that are also run options and top-level config keys: the flag over the key over
+    # the config's [policy] table.
+    for name in POLICY_OPTIONS:
+        value = flags.get(name) if flags.get(name) is not None else config.get(name)
+        if value is not None:
+            request.policy[name] = value
     request.stop_grace = flags.get("stop_grace")
     for name in SLURM_OPTIONS:
         if flags.get(f"slurm_{name}") is not None:
@@ -231,6 +238,7 @@ class BackendFacts:
     device: str | None = None  # run_device(devices); None when precisions were not probed
     precisions: tuple[str, ...] | None = None  # Backend.precisions(device)
     precision_probe: dict[str, Any] | None = None  # auto_precision.measure(): what `auto` gives, where asked
+    multi_node_why_not: str | None = None  # None: Backend.parallelism().multi_node; else why it is not
 
 
 # Run in a child process: initialising a framework's devices can take GPU memory for as long as
@@ -243,7 +251,9 @@ from aiperf_core.workflow.plan import run_device
 try:
     backend = load_backend(sys.argv[1])
     devices = list(backend.devices())
-    facts = {"devices": devices, "data_parallel": bool(backend.parallelism().data_parallel)}
+    declared = backend.parallelism()
+    facts = {"devices": devices, "data_parallel": bool(declared.data_parallel),
+             "multi_node_why_not": None if declared.multi_node else (declared.multi_node_why_not or "")}
     if sys.argv[2] == "precisions":
         device = run_device(devices)
         facts.update(device=device, precisions=list(backend.precisions(device)))
@@ -264,14 +274,19 @@ class BackendProbe:
     timed for `auto`; without, only devices and parallelism (a SLURM primary, whose node is not
     where replicas train). An unknown or unavailable backend is an AiperfError naming --backend."""
 
-    def __init__(self, name: str, precisions: bool = True, timeout_s: float = 600):
+    def __init__(self, name: str, precisions: bool = True, timeout_s: float = 600, container=None):
+        """`container`: the image replicas run in (workflow.container.ContainerSpec): the backend
+        is probed there, as its replicas will see it."""
         import subprocess
         import sys
 
+        from aiperf_core.workflow.container import launch_command
+
         self.name, self.timeout_s = name, timeout_s
-        self.process = subprocess.Popen([sys.executable, "-c", _PROBE, name, "precisions" if precisions else "devices"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True)
+        argv, env = launch_command(container, [sys.executable, "-c", _PROBE, name,
+                                               "precisions" if precisions else "devices"], os.environ)
+        self.process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, env=env)
 
     def __enter__(self) -> "BackendProbe":
         return self
@@ -299,7 +314,8 @@ class BackendProbe:
         precisions = result.get("precisions")
         return BackendFacts(devices=result["devices"], data_parallel=result["data_parallel"],
                             device=result.get("device"), precision_probe=result.get("precision_probe"),
-                            precisions=None if precisions is None else tuple(precisions))
+                            precisions=None if precisions is None else tuple(precisions),
+                            multi_node_why_not=result.get("multi_node_why_not"))
 
 
 def auto_request(policy: Mapping[str, Any], dataset: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -349,8 +365,14 @@ def check_recorded_precision(run: Mapping[str, Any], facts: BackendFacts) -> Non
                           f"(it declares {', '.join(facts.precisions)})")
 
 
-def check_parallelism(backend: str, facts: BackendFacts, devices_per_replica: int, option: str) -> None:
-    """A backend that declares no data parallelism gets one device per replica, never more."""
+def check_parallelism(backend: str, facts: BackendFacts, devices_per_replica: int, option: str,
+                      nodes_per_replica: int = 1) -> None:
+    """A backend that declares no data parallelism gets one device per replica, never more; one that
+    declares no multi-node training gets one node per replica."""
+    if nodes_per_replica > 1 and facts.multi_node_why_not is not None:
+        why = f": {facts.multi_node_why_not}" if facts.multi_node_why_not else ""
+        raise AiperfError(f"--nodes-per-replica {nodes_per_replica}: backend {backend} does not train a replica "
+                          f"across nodes{why}")
     if devices_per_replica > 1 and not facts.data_parallel:
         raise AiperfError(f"--backend {backend}: trains on one device only (it declares no data parallelism), "
                           f"but each replica would get {devices_per_replica} devices; give {option} 1")
@@ -439,11 +461,13 @@ def resumed_configuration(run: Mapping[str, Any], request: RunRequest, backend_g
 def run_record(*, backend: str, executor: str, replicas: int, devices_per_replica: int, seed: int,
                time_budget_s: float, policy: dict[str, Any], dataset: dict[str, Any],
                stop_after_trials: int | None, watch: WatchSettings, precision: str | None = None,
-               precision_probe: dict[str, Any] | None = None, now: float | None = None) -> dict[str, Any]:
+               precision_probe: dict[str, Any] | None = None, now: float | None = None,
+               container: dict[str, Any] | None = None) -> dict[str, Any]:
     """run.json's content (schema_version is added by RunDir.write_run). `precision` is the resolved
     one (resolve_precision); None only where each replica resolves `auto` on its node.
     `precision_probe`: the timings `auto` was resolved by (BackendFacts.precision_probe), kept out
-    of the fixed configuration: a measurement, not a setting."""
+    of the fixed configuration: a measurement, not a setting. `container`: {image, digest, runtime}
+    of the image the replicas run in (workflow.container), None on the host."""
     from aiperf_core.backend import AUTO_PRECISION, PRECISIONS
     from aiperf_core.policy import Policy
 
@@ -478,6 +502,7 @@ def run_record(*, backend: str, executor: str, replicas: int, devices_per_replic
         del run["stop_after_trials"]  # optional key: present only in a bounded (test) run
     if precision_probe is not None:
         run["precision_probe"] = precision_probe  # optional key: present where the primary timed `auto`
+    run["container"] = container
     run["config_sha256"] = config_sha256(run)
     return run
 

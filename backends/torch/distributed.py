@@ -45,6 +45,7 @@ import os
 import queue as queue_module
 import socket
 from dataclasses import asdict
+from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
@@ -155,7 +156,8 @@ def process_group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_process_group(rank: int, world: int, device: torch.device, master_addr: str, master_port: int) -> None:
+def init_process_group(rank: int, world: int, device: torch.device, master_addr: str, master_port: int,
+                       timeout_s: float | None = None) -> None:
     # torch.distributed.nn.functional binds group.WORLD as the default argument of its functions
     # when it is first imported, and DistributedDataParallel imports it (through torch._dynamo).
     # Imported after the group exists, it would hold the group for the life of the interpreter:
@@ -166,8 +168,12 @@ def init_process_group(rank: int, world: int, device: torch.device, master_addr:
     os.environ["MASTER_PORT"] = str(master_port)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # Across nodes, a bound on the rendezvous and on every collective: a node that dies, or whose
+    # link goes down, fails its peers' next collective within it instead of hanging them
+    # (docs/workflow.md, "A replica across nodes").
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     dist.init_process_group(process_group_backend(device), rank=rank, world_size=world,
-                            init_method=f"tcp://{master_addr}:{master_port}")
+                            init_method=f"tcp://{master_addr}:{master_port}", **timeout)
 
 
 def process_group_threads() -> list[str]:
@@ -275,16 +281,16 @@ def ddp_step(stepper, x_global: torch.Tensor, y_global: torch.Tensor, rank: int,
 # ---------------------------------------------------------------------------
 
 
-def _start_rank(rank: int, job: dict):
+def _start_rank(local_rank: int, job: dict):
     """Process group, lowered model (this rank's experts only under expert parallelism), synchronised BN
-    and DDP for this rank: (model, ddp, device, config)."""
+    and DDP for this node's rank `local_rank`: (model, ddp, device, config, rank), rank the global one."""
     from aiperf_backends.torch import expert_parallel
     from aiperf_backends.torch.lowering import lower_graph, torch_device
 
-    world = job["world"]
-    device = torch_device(job["devices"][rank])
-    set_worker_threads(world)
-    init_process_group(rank, world, device, job["master_addr"], job["master_port"])
+    world, rank = job["world"], job["first_rank"] + local_rank
+    device = torch_device(job["devices"][local_rank])
+    set_worker_threads(len(job["devices"]))  # the ranks that share this node's cores
+    init_process_group(rank, world, device, job["master_addr"], job["master_port"], job.get("timeout_s"))
     config: TrainConfig = job["config"]
     graph = Graph.from_dict(job["graph"])
     model = lower_graph(graph, job["weights"], config.precision, str(device))
@@ -292,16 +298,18 @@ def _start_rank(rank: int, job: dict):
         # The exchanges' own group (every rank creates it, in the same order): they never interleave
         # with DDP's asynchronous all-reduces on the default group.
         expert_parallel.shard_experts(model, rank, world, device, dist.new_group(backend=process_group_backend(device)))
-    return model, wrap(model, device), device, config
+    return model, wrap(model, device), device, config, rank
 
 
-def _train_rank(rank: int, job: dict) -> None:
+def _train_rank(local_rank: int, job: dict) -> None:
     """One rank of train_data_parallel: the whole epoch loop. Everything that holds the process
-    group (the DDP wrapper, the stepper) lives in this call's frame and goes when it returns."""
+    group (the DDP wrapper, the stepper) lives in this call's frame and goes when it returns.
+    Global rank 0, on the replica's first node, reports to its node's parent; nothing crosses
+    between nodes but through the process group."""
     from aiperf_backends.torch.expert_parallel import whole_weights
     from aiperf_backends.torch.training import Stepper, run_epochs
 
-    model, ddp, device, config = _start_rank(rank, job)
+    model, ddp, device, config, rank = _start_rank(local_rank, job)
     # Streamed data travels as the object itself (a StreamingDataset's paths and settings, a
     # TokenStream's corpus reopened from its path); each rank reads only its own shard of a batch.
     data = job["stream"] if "stream" in job else Dataset(*(t.numpy() for t in job["data"]), classes=job["classes"])
@@ -324,10 +332,10 @@ def _train_rank(rank: int, job: dict) -> None:
         reports_q.join_thread()  # the feeder thread has written everything before the rank ends
 
 
-def _rank_main(rank: int, job: dict) -> None:
+def _rank_main(local_rank: int, job: dict) -> None:
     outcome = None
     try:
-        _train_rank(rank, job)
+        _train_rank(local_rank, job)
     except BaseException as exc:
         outcome = exc
         raise
@@ -335,11 +343,11 @@ def _rank_main(rank: int, job: dict) -> None:
         end_rank(outcome)
 
 
-def _step_rank(rank: int, job: dict) -> None:
+def _step_rank(local_rank: int, job: dict) -> None:
     from aiperf_backends.torch.expert_parallel import whole_grads, whole_weights
     from aiperf_backends.torch.training import Stepper
 
-    model, ddp, device, config = _start_rank(rank, job)
+    model, ddp, device, config, rank = _start_rank(local_rank, job)
     stepper = Stepper(ddp, device, config)
     stepper.set_lr(config.schedule.rate(0, max(config.epochs, 1)))
     losses, grads = [], []
@@ -375,19 +383,27 @@ def run_rank_steps(rank: int, job: dict) -> None:
 
 
 def make_job(model, config: TrainConfig, devices: list[str], **extra) -> dict:
-    """What every rank needs to rebuild `model` (a LoweredModel) and train it with `config`."""
-    return {"world": len(devices), "devices": list(devices), "master_addr": MASTER_ADDR,
-            "master_port": free_port(), "graph": model.graph.to_dict(), "weights": model.export_canonical(),
+    """What every rank of this node needs to rebuild `model` (a LoweredModel) and train it with
+    `config`; `devices` are this node's. Across nodes (config.layout) the group is every device of
+    the replica, met at its coordinator; on one node it is these devices, met on loopback."""
+    layout = config.layout
+    if layout is not None and layout.multi_node:
+        meeting = {"world": layout.world, "first_rank": layout.global_rank(0), "master_addr": layout.coordinator_addr,
+                   "master_port": layout.coordinator_port, "timeout_s": layout.timeout_s}
+    else:
+        meeting = {"world": len(devices), "first_rank": 0, "master_addr": MASTER_ADDR, "master_port": free_port()}
+    return {**meeting, "devices": list(devices), "graph": model.graph.to_dict(), "weights": model.export_canonical(),
             "config": config, **extra}
 
 
 def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list[str],
                         on_epoch: Callable[[EpochReport], Any] | None = None) -> list[EpochReport]:
-    """Train `model` (a LoweredModel) with one spawned process per device; the trained weights are
-    loaded back into `model`. Returns the epoch reports."""
+    """Train `model` (a LoweredModel) with one spawned process per device of this node. Where this
+    node leads (always, but on a replica's follower nodes), the trained weights are loaded back into
+    `model` and the epoch reports returned; a follower returns none and keeps its starting weights."""
     import torch.multiprocessing as mp
 
-    world = len(devices)
+    leads = config.layout is None or config.layout.leads
     ctx = mp.get_context("spawn")
     reports_q, replies_q = ctx.Queue(), ctx.Queue()
     if is_streaming(data):
@@ -400,7 +416,8 @@ def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list
             shared.append(torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).share_memory_())
         job = make_job(model, config, devices, data=shared, classes=data.classes, reports=reports_q,
                        replies=replies_q)
-    processes = mp.start_processes(_rank_main, args=(job,), nprocs=world, join=False, start_method="spawn")
+    processes = mp.start_processes(_rank_main, args=(job,), nprocs=len(devices), join=False,
+                                   start_method="spawn")
     reports: list[EpochReport] = []
     weights = None
     try:
@@ -429,6 +446,8 @@ def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list
         for q in (reports_q, replies_q):
             q.close()
         replies_q.join_thread()
+    if not leads:
+        return reports
     if weights is None:
         raise BackendError("data-parallel training ended without returning the trained weights")
     model.load_canonical(weights)

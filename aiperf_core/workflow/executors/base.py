@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import abc
 import os
+import secrets
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -31,6 +32,23 @@ class ReplicaCommand:
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
+    nodes: int = 1  # the nodes the replica spans: the executor starts argv on each (node_argv)
+    # The same token on every node of this launch (replica_nodes.LAUNCH_ENV): the nodes of one
+    # launch meet in their own folder, never in a previous launch's.
+    launch: str = field(default_factory=lambda: secrets.token_hex(6))
+
+    def node_argv(self, node_rank: int) -> list[str]:
+        """What node `node_rank` of the replica runs: the leader the replica's command, the others
+        the same with --node-rank."""
+        return list(self.argv) if node_rank == 0 else [*self.argv, "--node-rank", str(node_rank)]
+
+    def node_env(self, replicas_per_node: int = 1) -> dict[str, str]:
+        """The variables every executor sets on a replica's node process: the launch token, and how
+        many replicas share the node (each CPU replica then counts its share of the node's RAM)."""
+        from aiperf_core.backend import REPLICAS_PER_NODE_ENV
+        from aiperf_core.replica_nodes import LAUNCH_ENV
+
+        return {**self.env, LAUNCH_ENV: self.launch, REPLICAS_PER_NODE_ENV: str(replicas_per_node)}
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,9 @@ class ReplicaHandle(abc.ABC):
 class Executor(abc.ABC):
     name: str = ""
     poll_interval_s: float = 1.0  # how often the primary asks poll()
+    # The image every replica's command runs in (workflow.container.ContainerSpec; launch() wraps the
+    # command with container.launch_command), None on the host. `aiperf run` sets it.
+    container = None
 
     @classmethod
     def preflight(cls) -> None:

@@ -23,6 +23,8 @@ from pathlib import Path
 
 from aiperf_core.backend import CPU_DEVICES_ENV
 from aiperf_core.errors import AiperfError
+from aiperf_core.replica_nodes import NODE_ADDR_ENV
+from aiperf_core.workflow.container import launch_command
 from aiperf_core.workflow.executors.base import (STACKS_SIGNAL, Executor, ProcessEnd, ReplicaCommand, ReplicaHandle,
                                                  describe_exit_code)
 
@@ -92,6 +94,29 @@ def replica_environment(devices: list[str], threads: int, parent: dict[str, str]
     return env
 
 
+def node_share(env: dict[str, str], node: int, nodes: int) -> dict[str, str]:
+    """One node's part of a replica's environment on this machine: its slice of the replica's
+    accelerators, and its share of the replica's threads."""
+    env = dict(env)
+    for variable in ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES"):
+        if variable in env:
+            ids = env[variable].split(",")
+            if len(ids) % nodes:
+                raise AiperfError(f"--nodes-per-replica {nodes}: a replica's {len(ids)} accelerators do not divide "
+                                  f"between its nodes")
+            per = len(ids) // nodes
+            env[variable] = ",".join(ids[node * per:(node + 1) * per])
+    for variable in THREAD_VARIABLES:
+        if variable in env:
+            env[variable] = str(max(1, int(env[variable]) // nodes))
+    return env
+
+
+def node_log_path(replica_log: Path, node: int) -> Path:
+    """Where node `node` (> 0) of a replica writes its output: beside the leader's replica.log."""
+    return Path(replica_log).with_name(f"node-{node}.log")
+
+
 def _die_with_parent(parent_pid: int) -> None:
     """preexec_fn: the kernel SIGKILLs the replica when the primary dies, however it dies (Linux;
     elsewhere a replica outlives a killed primary, and --resume ends it by its pid)."""
@@ -104,13 +129,23 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 class LocalHandle(ReplicaHandle):
-    def __init__(self, command: ReplicaCommand, process: subprocess.Popen):
+    """A replica's process, its leader's on a replica across nodes, whose other nodes' processes are
+    `followers`: they end with it."""
+
+    def __init__(self, command: ReplicaCommand, process: subprocess.Popen,
+                 followers: list[subprocess.Popen] | None = None):
         super().__init__(command, str(process.pid))
         self.process = process
+        self.followers = followers or []
 
     def poll(self) -> ProcessEnd | None:
         code = self.process.poll()
-        return None if code is None else describe_exit_code(code)
+        if code is None:
+            return None
+        for follower in self.followers:  # they leave on the leader's stop.json; a crashed leader wrote none
+            if follower.poll() is None:
+                _signal_group(follower.pid, signal.SIGTERM)
+        return describe_exit_code(code)
 
     def started(self) -> bool:
         return True
@@ -125,26 +160,41 @@ class LocalExecutor(Executor):
         self.environments = environments  # per replica, from replica_environment()
 
     def launch(self, command: ReplicaCommand) -> LocalHandle:
-        env = {**os.environ, **self.environments[command.replica], **command.env}
+        """The replica's process; on a replica across nodes, one process per node, each a node of
+        its own that meets the others only over TCP (on this machine's loopback) and through the run
+        directory, as nodes of a cluster do: no shared memory, pipe or queue between them."""
+        processes = [self._start(command, node) for node in range(command.nodes)]
+        return LocalHandle(command, processes[0], processes[1:])
+
+    def _start(self, command: ReplicaCommand, node: int) -> subprocess.Popen:
+        replica_env = dict(self.environments[command.replica])
+        if command.nodes > 1:
+            replica_env = node_share(replica_env, node, command.nodes)
+            replica_env[NODE_ADDR_ENV] = "127.0.0.1"
+        env = {**os.environ, **replica_env, **command.node_env(len(self.environments) * command.nodes)}
+        argv, env = launch_command(self.container, command.node_argv(node), env)
         log_path = command.log_path or os.devnull
+        if node > 0 and command.log_path is not None:
+            log_path = node_log_path(command.log_path, node)
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         parent = os.getpid()
         with open(log_path, "ab") as log:
-            process = subprocess.Popen(command.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                       env=env, start_new_session=True, preexec_fn=lambda: _die_with_parent(parent))
-        return LocalHandle(command, process)
+            return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=lambda: _die_with_parent(parent))
 
     def stop(self, handles: list[ReplicaHandle], grace_s: float) -> None:
-        running = [h for h in handles if isinstance(h, LocalHandle) and h.process.poll() is None]
-        for handle in running:
-            _signal_group(handle.process.pid, signal.SIGTERM)
+        running = [p for h in handles if isinstance(h, LocalHandle) for p in (h.process, *h.followers)
+                   if p.poll() is None]
+        for process in running:
+            _signal_group(process.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for handle in running:
+        for process in running:
             try:
-                handle.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(handle.process.pid, signal.SIGKILL)
-                handle.process.wait()
+                _signal_group(process.pid, signal.SIGKILL)
+                process.wait()
 
     def request_stacks(self, handle: ReplicaHandle) -> bool:
         if not isinstance(handle, LocalHandle) or handle.process.poll() is not None:
