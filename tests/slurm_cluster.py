@@ -50,10 +50,14 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def slurm_conf(folder: Path, host: str, ctld_port: int, slurmd_port: int, user: str) -> str:
+def slurm_conf(folder: Path, controller: str, ctld_port: int, slurmd_port: int, user: str,
+               nodes: dict[str, str | None]) -> str:
+    """slurm.conf for `nodes` (name: address, or None where the name resolves) in one partition,
+    controlled by `controller` (SlurmctldHost: `name` or `name(address)`). slurmd's spool, pid and
+    log files carry the node's name (%n), so that several slurmd can share the folder."""
     return "\n".join([
         "ClusterName=aiperf-test",
-        f"SlurmctldHost={host}",
+        f"SlurmctldHost={controller}",
         f"SlurmctldPort={ctld_port}",
         f"SlurmdPort={slurmd_port}",
         f"SlurmUser={user}",
@@ -74,13 +78,14 @@ def slurm_conf(folder: Path, host: str, ctld_port: int, slurmd_port: int, user: 
         "MinJobAge=600",
         "SchedulerParameters=sched_interval=2",
         f"StateSaveLocation={folder / 'state'}",
-        f"SlurmdSpoolDir={folder / 'spool'}",
+        f"SlurmdSpoolDir={folder / 'spool' / '%n'}",
         f"SlurmctldPidFile={folder / 'slurmctld.pid'}",
-        f"SlurmdPidFile={folder / 'slurmd.pid'}",
+        f"SlurmdPidFile={folder / 'slurmd-%n.pid'}",
         f"SlurmctldLogFile={folder / 'slurmctld.log'}",
-        f"SlurmdLogFile={folder / 'slurmd.log'}",
-        f"NodeName={host} CPUs={NODE_CPUS} RealMemory=4000 State=UNKNOWN",
-        f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
+        f"SlurmdLogFile={folder / 'slurmd-%n.log'}",
+        *(f"NodeName={name}" + (f" NodeAddr={address}" if address else "")
+          + f" CPUs={NODE_CPUS} RealMemory=4000 State=UNKNOWN" for name, address in nodes.items()),
+        f"PartitionName=debug Nodes={','.join(nodes)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
         "",
     ])
 
@@ -97,40 +102,46 @@ class SlurmCluster:
 
     def start(self, timeout_s: float = 60) -> "SlurmCluster":
         install_packages()
-        for sub in ("state", "spool"):
-            (self.folder / sub).mkdir(parents=True, exist_ok=True)
         host = socket.gethostname().split(".")[0]
-        user = subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
-        self.conf.write_text(slurm_conf(self.folder, host, *_free_ports(2), user))
-        for daemon in (["slurmctld", "-D", "-i"], ["slurmd", "-D"]):
-            log = open(self.folder / f"{daemon[0]}.out", "ab")
-            self.daemons.append(subprocess.Popen([*daemon, "-f", str(self.conf)], env=self.env, stdout=log,
-                                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
-            log.close()
-        self._wait_for_idle_node(timeout_s)
+        self.write_conf(host, {host: None})
+        self.start_daemon(["slurmctld", "-D", "-i", "-f", str(self.conf)], "slurmctld.out")
+        self.start_daemon(["slurmd", "-D", "-f", str(self.conf)], "slurmd.out")
+        self.wait_for_idle_nodes(timeout_s)
         return self
 
-    def _wait_for_idle_node(self, timeout_s: float) -> None:
+    def write_conf(self, controller: str, nodes: dict[str, str | None]) -> None:
+        (self.folder / "state").mkdir(parents=True, exist_ok=True)
+        for node in nodes:
+            (self.folder / "spool" / node).mkdir(parents=True, exist_ok=True)
+        user = subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
+        self.conf.write_text(slurm_conf(self.folder, controller, *_free_ports(2), user, nodes))
+
+    def start_daemon(self, argv: list[str], output: str, **popen_kwargs) -> None:
+        """Start a daemon in the foreground (-D), its output to `output` in the folder, and hold it to stop."""
+        with open(self.folder / output, "ab") as log:
+            self.daemons.append(subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                                 stdin=subprocess.DEVNULL, **popen_kwargs))
+
+    def wait_for_idle_nodes(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         state = ""
         while time.monotonic() < deadline:
             for daemon in self.daemons:
                 if daemon.poll() is not None:
-                    raise SlurmSetupError(f"{daemon.args[0]} exited with {daemon.returncode}: {self.logs()}")
-            answer = subprocess.run(["sinfo", "--noheader", "--format", "%t"], env=self.env, capture_output=True,
-                                    text=True)
+                    raise SlurmSetupError(f"{' '.join(daemon.args)} exited with {daemon.returncode}: {self.logs()}")
+            answer = subprocess.run(["sinfo", "--noheader", "--Node", "--format", "%t"], env=self.env,
+                                    capture_output=True, text=True)
             state = answer.stdout.strip()
-            if answer.returncode == 0 and state.startswith("idle"):
+            if answer.returncode == 0 and set(state.split()) == {"idle"}:
                 return
             time.sleep(0.5)
-        raise SlurmSetupError(f"the SLURM node is not idle after {timeout_s} s (state {state!r}): {self.logs()}")
+        raise SlurmSetupError(f"the SLURM nodes are not idle after {timeout_s} s (states {state!r}): {self.logs()}")
 
     def logs(self, chars: int = 1500) -> str:
         text = ""
-        for name in ("slurmctld.log", "slurmd.log"):
-            path = self.folder / name
+        for path in [self.folder / "slurmctld.log", *sorted(self.folder.glob("slurmd-*.log"))]:
             if path.exists():
-                text += f"\n--- {name}\n" + path.read_text(errors="replace")[-chars:]
+                text += f"\n--- {path.name}\n" + path.read_text(errors="replace")[-chars:]
         return text
 
     def stop(self) -> None:
