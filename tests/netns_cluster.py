@@ -207,7 +207,9 @@ class NetnsCluster(SlurmCluster):
     def _write_node_files(self) -> None:
         self.hosts.write_text("127.0.0.1 localhost\n" + f"{self.controller_address} {CONTROLLER}\n"
                               + "".join(f"{self.address(node)} {node}\n" for node in self.nodes))
-        # Like `ssh NODE COMMAND...`: the words after the node are joined by spaces and read by sh.
+        # Like `ssh NODE COMMAND...`: the words after the node are joined by spaces and read by
+        # bash (root's login shell, which ssh would run), which runs a simple command in its own
+        # place: a signal to the launcher reaches the command.
         # --propagation slave: mounts made later in the root namespace still show on the nodes
         # (one shared filesystem), and the node's own hosts mount stays on the node.
         self.enter.write_text(
@@ -217,7 +219,7 @@ class NetnsCluster(SlurmCluster):
             f"hosts={shlex.quote(str(self.hosts))}\n"
             f'exec nsenter --net=/run/netns/{NAMESPACE_PREFIX}{self.id}-"$node" '
             "unshare --uts --mount --propagation slave "
-            """sh -c 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec sh -c "$*"' """
+            """sh -c 'hostname "$1" && mount --bind "$2" /etc/hosts && shift 2 && exec bash -c "$*"' """
             'enter "$node" "$hosts" "$@"\n')
         self.enter.chmod(0o755)
 

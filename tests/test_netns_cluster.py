@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -67,6 +68,17 @@ def _read_line(process, timeout_s: float) -> str:
     line = process.stdout.readline()
     assert line, f"{process.args} ended with {process.wait()}"
     return line
+
+
+def _commands_in(namespace: str) -> list[str]:
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+    commands = []
+    for pid in pids:
+        try:
+            commands.append(Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:
+            pass
+    return commands
 
 
 def _leftovers(cluster: NetnsCluster, pids: list[int]) -> list[str]:
@@ -149,6 +161,19 @@ def test_launcher_template_runs_a_command_on_the_host_as_ssh_would(netns_cluster
         answer = subprocess.run(line, shell=True, capture_output=True, text=True, timeout=30)
         assert answer.returncode == 0, answer.stderr
         assert answer.stdout.split() == [node, "on", netns_cluster.address(node)]
+
+    # The hosts executor's way (a launcher's words, then the command's, quoted) and its way of
+    # stopping a node: a signal to the launcher ends the command on the node.
+    launcher = [part.replace("{host}", "node2") for part in shlex.split(netns_cluster.launcher_template())]
+    sleeper = subprocess.Popen([*launcher, *map(shlex.quote, ["sleep", "60"])])
+    namespace = netns_cluster.namespace("node2")
+    deadline = time.monotonic() + 10
+    while "sleep" not in _commands_in(namespace) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "sleep" in _commands_in(namespace)
+    sleeper.terminate()
+    assert sleeper.wait(timeout=10) == -signal.SIGTERM
+    assert "sleep" not in _commands_in(namespace)
 
 
 def test_gloo_all_reduce_across_the_nodes_crosses_their_links(netns_cluster, gloo_ranks):
