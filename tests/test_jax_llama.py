@@ -133,7 +133,7 @@ def _swiglu_moe_graph() -> Graph:
 
 def test_a_llama_step_at_fp32_asks_for_highest_on_every_product_grouped_query_attention_included():
     _backend()
-    from test_jax_lm_scale import step_products
+    from test_jax_step_memory import step_products
 
     fp32 = step_products(llama(layers=1, hidden=16, heads=4, kv_heads=2, seq_len=6, vocab=13, ffn=24), "fp32")
     # 8 dense layers (q, k, v, proj, gate, up, down, lm_head: forward, input and weight gradients; the
@@ -146,7 +146,7 @@ def test_a_llama_step_at_fp32_asks_for_highest_on_every_product_grouped_query_at
 
 def test_a_swiglu_mixture_step_at_fp32_asks_for_highest_on_every_product():
     _backend()
-    from test_jax_lm_scale import step_products
+    from test_jax_step_memory import step_products
 
     products = step_products(_swiglu_moe_graph(), "fp32")
     assert products and all("precision = [HIGHEST, HIGHEST]" in line for line in products), products
@@ -175,7 +175,7 @@ def test_a_llama_with_checkpointed_blocks_gives_the_plain_gradients():
     import jax.numpy as jnp
 
     from aiperf_backends.jax.lowering import lower_graph
-    from test_jax_lm_scale import assert_checkpointed_blocks_give_the_plain_gradients
+    from test_jax_step_memory import assert_checkpointed_blocks_give_the_plain_gradients
 
     graph = llama(layers=2, hidden=16, heads=4, kv_heads=2, seq_len=6, vocab=13, ffn=24)
     assert graph.blocks()

@@ -1,13 +1,16 @@
 """The utilisation sampler: it writes samples, power and energy counters (fake NVML, a fake
-powercap tree), and survives a node without NVML or RAPL."""
+powercap tree), survives a node without NVML or RAPL, and its energy lock files go with it."""
 
+import os
 import sys
+import tempfile
 import time
 import types
+from pathlib import Path
 
 import pytest
 
-from aiperf_core.monitoring.sampler import Sampler, read_monitor
+from aiperf_core.monitoring.sampler import Sampler, _CounterLocks, read_monitor
 from aiperf_core.rundir import RunDir
 
 
@@ -202,6 +205,56 @@ def test_one_sampler_per_node_reads_a_shared_counter(tmp_path, monkeypatch):
     with Sampler(tmp_path / "other-run", 0, interval_s=0.01, powercap_root=powercap) as other:
         wait_for_samples(other, 1)
     assert "host_energy_uj" in read_monitor(RunDir(tmp_path / "other-run").monitor_log(0))[1]
+
+
+def lock_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("aiperf-energy-"))
+
+
+def test_a_run_leaves_no_energy_lock_file_behind(tmp_path, monkeypatch):
+    """Two replicas of a run on one node share the host's counters: the first holds the lock, the
+    second takes over when the first stops; when both have stopped no lock file is left."""
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
+    powercap = fake_powercap(tmp_path / "powercap")
+    first = Sampler(tmp_path / "run", 0, interval_s=0.01, powercap_root=powercap).start()
+    wait_for_samples(first, 2)
+    assert len(lock_files(temporary)) == 1  # the host's energy counter, held by the first
+    second = Sampler(tmp_path / "run", 1, interval_s=0.01, powercap_root=powercap).start()
+    wait_for_samples(second, 2)
+    first.stop()
+    wait_for_samples(second, second.samples_written + 3)
+    assert len(lock_files(temporary)) == 1  # taken over by the second
+    second.stop()
+    assert lock_files(temporary) == []
+
+
+def test_a_lock_whose_file_was_removed_meanwhile_is_taken_on_the_new_file(tmp_path, monkeypatch):
+    """A sampler that opened the file just before its holder removed it must not count the lock
+    it then gets on the removed file: a third sampler would lock a new file, and two would read
+    the counter."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    holder, late, third = (_CounterLocks(tmp_path / "run") for _ in range(3))
+    assert holder.hold("host")
+    opened = []
+    real_open = os.open
+
+    def open_then_the_holder_stops(path, flags, mode=0o777):
+        fd = real_open(path, flags, mode)
+        opened.append(os.fstat(fd).st_ino)
+        if holder.held:
+            holder.release()  # removes the file `late` has just opened
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_the_holder_stops)
+    assert late.hold("host")
+    assert len(opened) == 2  # the removed file, then a new one (closed first: its inode may come back)
+    assert os.fstat(late.held["host"][0]).st_ino == os.stat(late.path("host")).st_ino == opened[1]
+    assert not third.hold("host")
+    late.release()
+    assert lock_files(tmp_path) == []
 
 
 def test_a_failing_sample_is_recorded_and_sampling_goes_on(tmp_path, monkeypatch):

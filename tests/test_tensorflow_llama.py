@@ -22,7 +22,7 @@ from aiperf_core.builders import llama  # noqa: E402
 from aiperf_core.weights import init_weights  # noqa: E402
 
 from llama_spec import relative_error  # noqa: E402
-from test_tensorflow_lm_scale import assert_checkpointing_leaves_gradients_as_they_were  # noqa: E402
+from test_tensorflow_step_memory import assert_checkpointing_leaves_gradients_as_they_were  # noqa: E402
 
 HIDDEN, HEADS, SEQ, VOCAB, FFN = 32, 4, 8, 64, 48
 HEAD_DIM = HIDDEN // HEADS

@@ -24,7 +24,7 @@ from aiperf_core.morph import transformer as transformer_morph
 from aiperf_numpy import executor
 
 from cpu_devices import run_on_cpu_devices
-from test_torch_lm_scale import normwise, worst
+from test_torch_step_memory import normwise, worst
 
 TOL = 1e-5
 SEQ, VOCAB, EXPERTS, TOP_K = 16, 64, 8, 2

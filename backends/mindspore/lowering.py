@@ -77,7 +77,7 @@ training, each block of ``Graph.blocks()`` runs through ``mindspore.recompute(..
 use_reentrant=False)``, MindSpore's PyNative recomputation: the autograd tape keeps the block's
 input instead of its activations and runs the block's forward pass again when the backward pass
 reaches it. Its dropout masks are tensors passed in, so the replay is the same computation, and
-the gradients are those of the plain pass (tests/test_mindspore_lm_scale.py). A Cell's own
+the gradients are those of the plain pass (tests/test_mindspore_step_memory.py). A Cell's own
 ``recompute()`` is a graph-mode setting; this backend runs PyNative.
 """
 
