@@ -453,15 +453,58 @@ time.sleep(600)
 """
 
 
+# A pool whose workers are still starting (their state takes a second to unpickle) when its process is
+# killed: the fork server starts them after the owner is gone.
+STARTING_SCRIPT = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from aiperf_core.data import stream
+import test_data
+stream.start_method = lambda: "forkserver"
+pool = stream.WorkerPool(test_data.SlowToStart(), 2)
+pool._executor.submit(time.sleep, 0), pool._executor.submit(time.sleep, 0)
+print(" ".join(str(p) for p in pool._executor._processes), flush=True)
+time.sleep(600)
+"""
+# How long the processes of a killed pool may take to leave: they look for their owner every
+# stream.ORPHAN_CHECK_S, so this only bounds a failure's wait on a loaded machine.
+WORKERS_LEAVE_BOUND_S = 120
+
+
+class SlowToStart:
+    """A worker pool's state that takes a second to unpickle, so that its workers are still starting a
+    second after the pool spawned them."""
+
+    def __reduce__(self):
+        return _slow_to_start, ()
+
+
+def _slow_to_start():
+    import time
+
+    time.sleep(1.0)
+    return SlowToStart()
+
+
 @pytest.mark.parametrize("framework_loaded", [False, True], ids=["fork", "forkserver"])
 def test_workers_leave_when_their_process_is_killed(trees, framework_loaded):
     """A replica killed with SIGKILL leaves no decoding processes behind."""
+    script = ("import torch\n" if framework_loaded else "") + ORPHAN_SCRIPT
+    _assert_workers_leave_when_killed([sys.executable, "-c", script, str(trees[0])])
+
+
+def test_workers_still_starting_leave_when_their_process_is_killed():
+    """Nor does one killed while its workers are still starting (before they know their owner)."""
+    _assert_workers_leave_when_killed([sys.executable, "-c", STARTING_SCRIPT, os.path.dirname(__file__)])
+
+
+def _assert_workers_leave_when_killed(command: list[str]) -> None:
+    """Runs `command`, which prints the pids of its two data workers, kills it with SIGKILL, and waits
+    for the workers to end."""
     import signal
     import subprocess
-    import time
 
-    script = ("import torch\n" if framework_loaded else "") + ORPHAN_SCRIPT
-    proc = subprocess.Popen([sys.executable, "-c", script, str(trees[0])], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2
@@ -469,13 +512,38 @@ def test_workers_leave_when_their_process_is_killed(trees, framework_loaded):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    deadline = time.time() + 20
-    alive = pids
-    while alive and time.time() < deadline:
-        time.sleep(0.2)
-        alive = [pid for pid in pids if _running(pid, started[pid])]
+    alive = _wait_until_gone(pids, started, WORKERS_LEAVE_BOUND_S)
     assert not alive, f"data workers {alive} outlived their process: " + "; ".join(
         f"{pid}: {Path(f'/proc/{pid}/cmdline').read_bytes()!r}" for pid in alive)
+
+
+def _wait_until_gone(pids: list[int], started: dict, bound_s: float) -> list[int]:
+    """Waits for the processes to end, each on its pidfd (readable once the process has exited), at most
+    bound_s in all; returns those still running."""
+    import select
+    import time
+
+    waiting = {}
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        if _running(pid, started[pid]):  # the pidfd is the worker's, not a later process's given its pid
+            waiting[fd] = pid
+        else:
+            os.close(fd)
+    deadline = time.monotonic() + bound_s
+    try:
+        while waiting and time.monotonic() < deadline:
+            ready, _, _ = select.select(list(waiting), [], [], max(0.0, deadline - time.monotonic()))
+            for fd in ready:
+                del waiting[fd]
+                os.close(fd)
+    finally:
+        for fd in waiting:
+            os.close(fd)
+    return [pid for pid in pids if _running(pid, started[pid])]
 
 
 def _stat_fields(pid: int) -> list[str] | None:

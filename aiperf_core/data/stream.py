@@ -153,14 +153,15 @@ def _process_identity(pid: int) -> str | None:
     return None if fields[0] in "ZX" else fields[19]
 
 
-def _init_worker(state: Any, owner: int) -> None:
+def _init_worker(state: Any, owner: int, identity: str | None) -> None:
     global _worker_state
     _worker_state = state
     # A replica killed with SIGKILL (a stalled one, restarted by the primary) cannot close its pool:
     # its workers notice that the process that made the pool is gone and leave, rather than
     # lingering for ever. (A fork server's children are not the owner's, and keep the fork server
-    # alive: the owner is watched itself, by its start time where /proc has it.)
-    identity = _process_identity(owner)
+    # alive: the owner is watched itself, by its start time where /proc has it.) The owner reads its
+    # start time itself: a worker still starting when the owner was killed would find none, fall back
+    # to its parent, and wait for ever on a fork server that it keeps alive itself (or on init).
     parent = os.getppid()
 
     def owner_gone() -> bool:
@@ -193,7 +194,7 @@ class WorkerPool:
             context.set_forkserver_preload(["__main__", __name__])
         self.workers = workers
         self._executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                             initargs=(state, os.getpid()))
+                                             initargs=(state, os.getpid(), _process_identity(os.getpid())))
 
     def map(self, fn: Callable[[Any, Any], Any], items: Iterable[Any],
             prefetch: int = DEFAULT_PREFETCH) -> Iterator[Any]:
