@@ -4,7 +4,7 @@ Top-level keys are the options of `aiperf run` (and `backend`, which every comma
 tables hold the rest:
 
     backend = "torch"
-    executor = "slurm"            # local | slurm
+    executor = "slurm"            # local | slurm | hosts
     replicas = 8
     devices_per_replica = 4
     time_budget = "12h"
@@ -84,7 +84,7 @@ def _string_list(value: Any) -> str | None:
 
 TOP_LEVEL: dict[str, Callable[[Any], str | None]] = {
     "backend": _non_empty_string,
-    "executor": _one_of("local", "slurm"),
+    "executor": _one_of("local", "slurm", "hosts"),
     "replicas": _integer(1),
     "devices_per_replica": _integer(1),
     "nodes_per_replica": _integer(1),

@@ -330,10 +330,13 @@ def follow(replica) -> str:
     from aiperf_core.rundir import sha256_bytes, sha256_file
     from aiperf_core.weights import load_weights
 
+    from aiperf_core.monitoring.sampler import Sampler
+
     backend = replica._backend or load_backend(replica.spec.backend)
     timeout_s = replica.policy["node_timeout_s"]
     roster = NodeRoster(replica.run_dir.replica_dir(replica.id), launch_token(), replica.node_rank,
                         replica.nodes).join()
+    sampler = Sampler(replica.run_dir, replica.id, replica.spec.monitor_interval_s, node=replica.node_rank).start()
     try:
         leader = roster.wait_for_peers([0], timeout_s, expected_hosts())[0]
         roster.start_backend(backend, leader, timeout_s)
@@ -381,4 +384,5 @@ def follow(replica) -> str:
             seq = info["seq"]
             last_seen = time.monotonic()
     finally:
+        sampler.stop()
         roster.leave()

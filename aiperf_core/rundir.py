@@ -109,8 +109,17 @@ class RunDir:
     def replica_lease(self, replica: int) -> Path:
         return self.replica_dir(replica) / "lease.json"
 
-    def monitor_log(self, replica: int) -> Path:
-        return self.replica_dir(replica) / "monitor.jsonl"
+    def monitor_log(self, replica: int, node: int = 0) -> Path:
+        """A replica's monitor.jsonl, written on its first node; node K > 0 of a replica across
+        nodes writes monitor-node<K>.jsonl beside it."""
+        return self.replica_dir(replica) / ("monitor.jsonl" if node == 0 else f"monitor-node{node}.jsonl")
+
+    def monitor_logs(self, replica: int) -> list[Path]:
+        """Every node's monitor log of a replica that exists, its first node's first."""
+        folder = self.replica_dir(replica)
+        nodes = sorted(folder.glob("monitor-node*.jsonl"), key=lambda p: int(p.stem[len("monitor-node"):] or 0)
+                       if p.stem[len("monitor-node"):].isdigit() else 0)
+        return [path for path in (self.monitor_log(replica), *nodes) if path.is_file()]
 
     def trial_dir(self, trial: str) -> Path:
         return self.root / "trials" / trial

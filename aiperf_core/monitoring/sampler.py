@@ -253,11 +253,11 @@ class Sampler:
     """
 
     def __init__(self, run_dir: str | os.PathLike | RunDir, replica: int, interval_s: float = DEFAULT_INTERVAL_S,
-                 powercap_root: str | os.PathLike = POWERCAP_ROOT):
+                 powercap_root: str | os.PathLike = POWERCAP_ROOT, node: int = 0):
         if not interval_s > 0:
             raise ValueError(f"interval_s must be positive, got {interval_s!r}")
         run = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
-        self.path: Path = run.monitor_log(replica)
+        self.path: Path = run.monitor_log(replica, node)  # every node of a replica samples itself
         self.interval_s = float(interval_s)
         self.powercap_root = Path(powercap_root)
         self._locks = _CounterLocks(run.root)

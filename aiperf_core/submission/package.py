@@ -9,7 +9,7 @@ Layout inside the package (flat, no leading folder):
     conformance/<k>.json          the kit reports, numbered in the order given
     run/run.json, run/score.json, run/summary.json, run/report.html
     run/primary/events.jsonl
-    run/replicas/<I>/events.jsonl, run/replicas/<I>/monitor.jsonl
+    run/replicas/<I>/events.jsonl, run/replicas/<I>/monitor.jsonl (and monitor-node<K>.jsonl of its other nodes)
     run/trials/<T>/graph.json, run/trials/<T>/trial.json
 
 Weights stay home: trial_end.files pins their hashes in the logs. Heartbeats, leases, crash tails
@@ -66,7 +66,7 @@ def run_members(run_dir: Path) -> list[tuple[str, Path]]:
     members = [(RUN_PREFIX + name, run.root / name) for name in RUN_FILES if (run.root / name).is_file()]
     members.append((RUN_PREFIX + "primary/events.jsonl", run.primary_log))
     for replica in run.replica_ids():
-        for path in (run.replica_log(replica), run.monitor_log(replica)):
+        for path in (run.replica_log(replica), *run.monitor_logs(replica)):
             if path.is_file():
                 members.append((f"{RUN_PREFIX}replicas/{replica}/{path.name}", path))
     trials = run.root / "trials"

@@ -145,6 +145,11 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES, since: int = 0) -> list[st
     return [line[:LOG_TAIL_CHARS] for line in text.splitlines()[-lines:]]
 
 
+def node_log_path(replica_log: Path, node: int) -> Path:
+    """Where node `node` (> 0) of a replica writes its output: beside its leader's replica.log."""
+    return Path(replica_log).with_name(f"node-{node}.log")
+
+
 def describe_exit_code(code: int) -> ProcessEnd:
     """A subprocess return code in words: negative codes are signals."""
     if code == 0:

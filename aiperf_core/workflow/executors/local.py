@@ -26,7 +26,7 @@ from aiperf_core.errors import AiperfError
 from aiperf_core.replica_nodes import NODE_ADDR_ENV
 from aiperf_core.workflow.container import launch_command
 from aiperf_core.workflow.executors.base import (STACKS_SIGNAL, Executor, ProcessEnd, ReplicaCommand, ReplicaHandle,
-                                                 describe_exit_code)
+                                                 describe_exit_code, node_log_path)
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -110,11 +110,6 @@ def node_share(env: dict[str, str], node: int, nodes: int) -> dict[str, str]:
         if variable in env:
             env[variable] = str(max(1, int(env[variable]) // nodes))
     return env
-
-
-def node_log_path(replica_log: Path, node: int) -> Path:
-    """Where node `node` (> 0) of a replica writes its output: beside the leader's replica.log."""
-    return Path(replica_log).with_name(f"node-{node}.log")
 
 
 def _die_with_parent(parent_pid: int) -> None:
