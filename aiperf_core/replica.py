@@ -46,6 +46,7 @@ from aiperf_core.rundir import (EventLog, Lease, RunDir, replica_cadence, read_e
 from aiperf_core.search import curve, hpo, nas
 from aiperf_core.search.history import SharedHistory, TrialRecord
 from aiperf_core.weights import Weights
+from aiperf_core.workflow.container import running_image
 
 LEASE_LOST_EXIT = 75  # the replica's exit status when another process took its replica id over
 MAX_CONSECUTIVE_FAILURES = 3  # failed trials in a row before the replica gives up (stop reason "failures")
@@ -259,7 +260,7 @@ class Replica:
             self._append("replica_start", pid=os.getpid(), host=socket.gethostname(), backend=self.spec.backend,
                          framework_version=backend.framework_version(), devices=list(backend.devices()),
                          precision=self.precision, attempt=1 + sum(e.get("event") == "replica_start" for e in past),
-                         dataset_digest=dataset_digest)
+                         dataset_digest=dataset_digest, container=running_image())
             beat.start()
             next_seq = sum(e.get("event") == "trial_start" for e in past)
             reason = self._loop(next_seq, planner)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from aiperf_core.commands.options import non_negative_int, positive_int
 from aiperf_core.errors import AiperfError
+from aiperf_core.workflow.container import RUNTIMES
 from aiperf_core.monitoring.exporter.options import DEFAULT_HOST, port_number
 
 FINAL_SCRAPE_S = 120.0  # the endpoint outlives the run until a scraper has read its end, at most this long
@@ -67,6 +68,12 @@ def add_arguments(p) -> None:
     slurm.add_argument("--slurm-cpus-per-task", type=positive_int, default=None, metavar="N")
     slurm.add_argument("--slurm-extra", default=None, metavar="ARGS",
                        help="more sbatch options, passed as given, e.g. \"--qos=high --constraint=a100\"")
+    container = p.add_argument_group("containers (docs/deploy.md)")
+    container.add_argument("--container", default=None, metavar="IMAGE",
+                           help="run every replica in this aiperf image (make image): a folder or SquashFS file "
+                           "for charliecloud, a SIF for apptainer, an image name for podman or pyxis")
+    container.add_argument("--container-runtime", choices=RUNTIMES, default=None,
+                           help="what starts the image (default: the first of ch-run, apptainer, podman on PATH)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,6 +123,7 @@ def _start_metrics(args, executor_kind: str):
 def _prepare_fresh(args, config, request):
     from aiperf_core.registry import resolve_backend_name
     from aiperf_core.workflow import plan
+    from aiperf_core.workflow.container import from_flags, running_image
     from aiperf_core.workflow.duration import parse_duration
 
     backend_name = resolve_backend_name(args.backend, config=config)
@@ -125,11 +133,13 @@ def _prepare_fresh(args, config, request):
     name, path = plan.data_choice(request)
     policy = plan.build_policy(request, name)
     watch = plan.watch_settings(request)
+    container = from_flags(args.container, args.container_runtime, backend_name, executor_kind,
+                           request.run_dir or "runs", path, watch.slurm.get("gpus_per_node"))
     # A SLURM primary does not run where replicas train: their precisions are not probed here.
     # `auto` is timed in the probe, before run_record() takes the run's start_time: its seconds are
     # not in the time budget (docs/scoring.md, "The precision of a run").
     local = executor_kind == "local"
-    with plan.BackendProbe(backend_name, precisions=local) as probe:
+    with plan.BackendProbe(backend_name, precisions=local, container=container) as probe:
         dataset = plan.describe_dataset(name, path, policy)
         facts = probe.facts(auto=plan.auto_request(policy, dataset) if local else None)
     replicas, devices_per_replica, environments = _layout(executor_kind, facts.devices, request.replicas,
@@ -141,9 +151,11 @@ def _prepare_fresh(args, config, request):
                              devices_per_replica=devices_per_replica, seed=request.seed or 0,
                              time_budget_s=time_budget_s, policy=policy, dataset=dataset,
                              stop_after_trials=request.stop_after_trials, watch=watch, precision=precision,
-                             precision_probe=facts.precision_probe)
+                             precision_probe=facts.precision_probe,
+                             container=container.record() if container else running_image())
     root = Path(request.run_dir or Path("runs") / record["run_id"]).expanduser().resolve()
     executor = _executor(executor_kind, root, record, watch, environments)
+    executor.container = container
     run_dir = plan.prepare_run_dir(root)
     run_dir.write_run(record, new=True)
     return run_dir, run_dir.read_run(), executor, watch, False
@@ -152,6 +164,7 @@ def _prepare_fresh(args, config, request):
 def _prepare_resume(args, config, request):
     from aiperf_core.rundir import RunDir
     from aiperf_core.workflow import plan
+    from aiperf_core.workflow.container import for_resume
 
     run_dir = RunDir(Path(args.resume).expanduser().resolve())
     if args.run_dir and Path(args.run_dir).expanduser().resolve() != run_dir.root:
@@ -163,15 +176,17 @@ def _prepare_resume(args, config, request):
         raise AiperfError(f"--resume {run_dir.root}: the run was made with a different fixed configuration "
                           f"({plan.first_difference(run, asked)})")
     watch = plan.watch_settings(request, run.get("watch"))
+    container = for_resume(run, run_dir.root, args.container, args.container_runtime, watch.slurm.get("gpus_per_node"))
     devices = []
     if run["executor"] == "local":
-        with plan.BackendProbe(run["backend"]) as probe:
+        with plan.BackendProbe(run["backend"], container=container) as probe:
             facts = probe.facts()
         plan.check_parallelism(run["backend"], facts, run["devices_per_replica"], "--devices-per-replica")
         plan.check_recorded_precision(run, facts)
         devices = facts.devices
     _, _, environments = _layout(run["executor"], devices, run["replicas"], run["devices_per_replica"], watch)
     executor = _executor(run["executor"], run_dir.root, run, watch, environments)
+    executor.container = container
     return run_dir, run, executor, watch, True
 
 

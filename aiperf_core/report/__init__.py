@@ -53,8 +53,8 @@ def write_report(run_dir: str | os.PathLike, as_of_run_end: bool = False) -> tup
 
 
 def node_descriptions(ledger: RunLedger, host_records: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per replica: host, devices and software from its latest replica_start, and the hardware its
-    monitor saw (CPU count, memory, accelerator names)."""
+    """Per replica: host, devices and software (the image it ran in: null on the host) from its
+    latest replica_start, and the hardware its monitor saw (CPU count, memory, accelerator names)."""
     nodes = []
     for replica, state in sorted(ledger.replicas.items()):
         start = state.starts[-1] if state.starts else {}
@@ -62,7 +62,8 @@ def node_descriptions(ledger: RunLedger, host_records: dict[int, dict[str, Any]]
         nodes.append({
             "replica": replica, "host": start.get("host", host_record.get("host")),
             "devices": start.get("devices"), "backend": start.get("backend"),
-            "framework_version": start.get("framework_version"), "attempts": len(state.starts),
+            "framework_version": start.get("framework_version"), "container": start.get("container"),
+            "attempts": len(state.starts),
             "cpus": host_record.get("cpus"), "memory_total": host_record.get("memory_total"),
             "accelerators": [a.get("name") for a in host_record.get("accelerators") or []],
             "nvml": host_record.get("nvml"), "rapl": host_record.get("rapl"),

@@ -295,6 +295,16 @@ def _fraction(value: float | None) -> str:
     return "not measured" if value is None else f"{100 * value:.1f}%"
 
 
+def _image_text(container: Any, full: bool = False) -> str:
+    """A replica_start's or run.json's `container`: 'none' on the host, else the runtime and the
+    digest (the image's name too, with `full`)."""
+    if not isinstance(container, dict):
+        return "none"
+    digest = str(container.get("digest"))
+    text = f"{container.get('runtime') or 'started by hand'} {digest if full else digest[:19]}"
+    return f"{container.get('image')} ({text})" if full else text
+
+
 def _machine(summary: dict[str, Any]) -> str:
     machine = summary.get("machine", {})
     accelerators = ", ".join(f"{n} x {escape(str(name))}" for name, n in machine.get("accelerators", {}).items())
@@ -302,15 +312,17 @@ def _machine(summary: dict[str, Any]) -> str:
                                              (" ..." if len(machine.get("hosts", [])) > 16 else "")))
             + _row("accelerators seen", accelerators or "none reported")
             + _row("executor", escape(str(machine.get("executor"))))
+            + _row("container", escape(_image_text(summary.get("configuration", {}).get("container"), full=True)))
             + _row("aiperf", escape(str(summary.get("software", {}).get("aiperf")))) + "</table>")
     nodes = machine.get("nodes", [])
     rows = "".join(
         f"<tr><td>{n['replica']}</td><td>{escape(str(n['host']))}</td><td>{escape(str(n['devices']))}</td>"
-        f"<td>{escape(str(n['backend']))} {escape(str(n['framework_version']))}</td><td>{n['attempts']}</td>"
+        f"<td>{escape(str(n['backend']))} {escape(str(n['framework_version']))}</td>"
+        f"<td>{escape(_image_text(n.get('container')))}</td><td>{n['attempts']}</td>"
         f"<td>{escape(str(n['cpus']))}</td><td>{_fraction(n.get('busy_fraction'))}</td></tr>"
         for n in nodes[:TABLE_ROWS])
-    table = ("<table><tr><th>replica</th><th>host</th><th>devices</th><th>framework</th><th>starts</th>"
-             f"<th>CPUs</th><th>in steps</th></tr>{rows}</table>")
+    table = ("<table><tr><th>replica</th><th>host</th><th>devices</th><th>framework</th><th>image</th>"
+             f"<th>starts</th><th>CPUs</th><th>in steps</th></tr>{rows}</table>")
     more = (f"<p>First {TABLE_ROWS} of {len(nodes)} replicas; all are in summary.json.</p>"
             if len(nodes) > TABLE_ROWS else "")
     return head + table + more

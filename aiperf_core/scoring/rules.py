@@ -11,7 +11,7 @@ run's configuration: a run cannot pass by loosening its own rules.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from aiperf_core import workloads
 from aiperf_core.policy import BY_NAME, Policy, PolicyError, items_of, precision_allowed
@@ -53,6 +53,19 @@ def _short(digest: Any) -> str:
     return f"{digest[:16]}..." if isinstance(digest, str) else repr(digest)
 
 
+def first_differing_starts(replicas: Mapping[int, Any], value: Callable[[dict], Any],
+                           expected: Any) -> list[tuple[int, dict, Any]]:
+    """(replica, its replica_start, value(start)) for each replica's first attempt whose value
+    differs from `expected`. `replicas` map replica ids to objects whose .starts are their
+    replica_start events."""
+    found = []
+    for replica, state in sorted(replicas.items()):
+        start = next((s for s in state.starts if value(s) != expected), None)
+        if start is not None:
+            found.append((replica, start, value(start)))
+    return found
+
+
 def dataset_digest_reasons(run: dict[str, Any], replicas: Mapping[int, Any]) -> list[str]:
     """One reason per replica that read other data than the run's: an attempt whose
     replica_start.dataset_digest (the digest of the copy that replica read) differs from run.json's
@@ -60,22 +73,17 @@ def dataset_digest_reasons(run: dict[str, Any], replicas: Mapping[int, Any]) -> 
     dataset = run.get("dataset")
     expected = dataset.get("digest") if isinstance(dataset, dict) else None
     reasons = []
-    for replica, state in sorted(replicas.items()):
-        for start in state.starts:
-            digest = start.get("dataset_digest")
-            if digest == expected:
-                continue
-            attempt = start.get("attempt")
-            if digest is None:
-                reasons.append(f"replica {replica} recorded no dataset digest (attempt {attempt}), not the run's "
-                               f"{_short(expected)}")
-            elif expected is None:
-                reasons.append(f"replica {replica} read dataset digest {_short(digest)} (attempt {attempt}), but "
-                               "run.json records none")
-            else:
-                reasons.append(f"replica {replica} read dataset digest {_short(digest)} (attempt {attempt}), not the "
-                               f"run's {_short(expected)}")
-            break
+    for replica, start, digest in first_differing_starts(replicas, lambda s: s.get("dataset_digest"), expected):
+        attempt = start.get("attempt")
+        if digest is None:
+            reasons.append(f"replica {replica} recorded no dataset digest (attempt {attempt}), not the run's "
+                           f"{_short(expected)}")
+        elif expected is None:
+            reasons.append(f"replica {replica} read dataset digest {_short(digest)} (attempt {attempt}), but "
+                           "run.json records none")
+        else:
+            reasons.append(f"replica {replica} read dataset digest {_short(digest)} (attempt {attempt}), not the "
+                           f"run's {_short(expected)}")
     return reasons
 
 

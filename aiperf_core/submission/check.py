@@ -7,7 +7,8 @@ In order, each step adding reasons (docs/submission.md lists them):
  4. the run: every hash chain and pinned file (`aiperf score --verify`, the weights and the published
     history withheld), then the score, the regulated score and every rule recomputed from the logs
     and graphs by the same code as `aiperf score`; a stored score.json or summary.json that differs
-    is reported, never used;
+    is reported, never used; one backend at one framework version, and every replica in the image
+    run.json records (replica_start.container; workflow.container.image_reasons);
  5. the description against the inventory the run recorded (replica_start, the monitor's host
     records): node count, accelerators per node, accelerator model, host CPU model;
  6. certification: a non-quick kit report, for the run's backend and framework version, on the
@@ -245,6 +246,7 @@ def _check_run(verdict: Verdict, run_root: Path) -> _Run:
     from aiperf_core.scoring import verify_run
     from aiperf_core.scoring.ledger import RunLedger
     from aiperf_core.scoring.score import score_ledger
+    from aiperf_core.workflow.container import image_reasons
 
     problems = verify_run(run_root, withheld=WITHHELD)
     verdict.rejections += [f"verify: {RUN_PREFIX}{problem}" for problem in problems[:10]]
@@ -272,6 +274,8 @@ def _check_run(verdict: Verdict, run_root: Path) -> _Run:
     if versions:
         verdict.backend, found = next(iter(versions.items()))
         verdict.framework_version = found[0]
+    verdict.rejections += [f"image: {reason}: the replicas of one run must run one software stack"
+                           for reason in image_reasons(ledger.info.run, ledger.replicas)]
     return _Run(ledger, result, read_monitors(run_dir, ledger, result))
 
 

@@ -380,21 +380,21 @@ def image_reasons(run: Mapping[str, Any], replicas: Mapping[int, Any]) -> list[s
     """One reason per replica that ran another image than run.json records (or ran in one where the
     run records none, or outside one where it records one): the first such replica_start of each.
     `replicas` map replica ids to objects whose .starts are their replica_start events."""
+    from aiperf_core.scoring.rules import first_differing_starts
+
     recorded = run.get("container")
-    expected = recorded.get("digest") if isinstance(recorded, dict) else None
+    wanted = f"image {_short(recorded.get('digest'))}" if isinstance(recorded, dict) else "no image"
     reasons = []
-    for replica, state in sorted(replicas.items()):
-        for start in state.starts:
-            container = start.get("container")
-            digest = container.get("digest") if isinstance(container, dict) else None
-            if digest == expected:
-                continue
-            attempt = start.get("attempt")
-            ran = f"image {_short(digest)}" if container is not None else "outside any image"
-            wanted = f"image {_short(expected)}" if recorded is not None else "no image"
-            reasons.append(f"replica {replica} ran {ran} (attempt {attempt}), but run.json records {wanted}")
-            break
+    for replica, start, digest in first_differing_starts(replicas, _digest_of, _digest_of(run)):
+        ran = f"image {_short(digest)}" if isinstance(start.get("container"), dict) else "outside any image"
+        reasons.append(f"replica {replica} ran {ran} (attempt {start.get('attempt')}), but run.json records {wanted}")
     return reasons
+
+
+def _digest_of(record: Mapping[str, Any]) -> str | None:
+    """The image digest a run.json or a replica_start records (None: no image)."""
+    container = record.get("container")
+    return container.get("digest") if isinstance(container, dict) else None
 
 
 # -- the image's digest, written into the image by its build ------------------------------------------
@@ -402,6 +402,8 @@ def tree_digest(root: Path, trees: Sequence[str] = DIGEST_TREES) -> str:
     """'sha256:<hex>' over the trees under `root`: every entry's path and kind in sorted order, a
     file's mode and content, a link's target. Times and owners are left out, so a copy of the image
     in any form (a folder, a SquashFS, a SIF) has the same digest."""
+    from aiperf_core.rundir import sha256_file
+
     total = hashlib.sha256()
     for tree in trees:
         top = root / tree
@@ -419,19 +421,11 @@ def tree_digest(root: Path, trees: Sequence[str] = DIGEST_TREES) -> str:
                 if stat.S_ISLNK(info.st_mode):
                     entry = f"l {relative} {os.readlink(path)}\n"
                 elif stat.S_ISREG(info.st_mode):
-                    entry = f"f {relative} {stat.S_IMODE(info.st_mode):o} {_file_sha256(path)}\n"
+                    entry = f"f {relative} {stat.S_IMODE(info.st_mode):o} {sha256_file(path)}\n"
                 else:
                     entry = f"o {relative} {stat.S_IFMT(info.st_mode):o}\n"
                 total.update(entry.encode("utf-8", "surrogateescape"))
     return f"sha256:{total.hexdigest()}"
-
-
-def _file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_stamp(name: str, extras: str, root: Path = Path("/")) -> dict[str, Any]:

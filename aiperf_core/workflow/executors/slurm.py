@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from aiperf_core.errors import AiperfError
+from aiperf_core.workflow.container import launch_command
 from aiperf_core.workflow.executors.base import Executor, ProcessEnd, ReplicaCommand, ReplicaHandle, log_tail
 
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING",
@@ -158,8 +159,9 @@ class SlurmExecutor(Executor):
     def launch(self, command: ReplicaCommand) -> SlurmHandle:
         executor = self._executor()
         executor.update_parameters(job_name=self.job_name(command.replica))
+        argv, env = launch_command(self.container, command.argv, command.env)
         try:
-            job = executor.submit(run_replica_process, command.argv, dict(command.env), str(command.log_path))
+            job = executor.submit(run_replica_process, argv, env, str(command.log_path))
         except Exception as exc:  # sbatch's refusal reaches the user as one line
             message = str(exc).strip().splitlines()
             raise AiperfError(f"--executor slurm: sbatch refused replica {command.replica}: "
