@@ -9,7 +9,7 @@ PLUGINS := plugins/aiperf-numpy
 comma  := ,
 STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: run test test-gpu bench install clean
+.PHONY: run test test-gpu test-container image bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,24 @@ test: $(STAMP)
 # install: the CUDA machines cannot download) and fails when no accelerator is visible.
 test-gpu:
 	$(PYTHON) tests/gpu_tier.py
+
+# The aiperf image (Containerfile), built without network from wheels this venv's pip gathers
+# (tools/build_image.sh, docs/deploy.md): IMAGE_EXTRAS are aiperf's extras (add torch, jax, ... for a
+# backend; the NumPy one is always in), IMAGE_MOUNTS the mount points a centre's filesystems need.
+IMAGE_EXTRAS ?= search
+IMAGE_NAME   ?= aiperf
+IMAGE_OUT    ?= build/image
+IMAGE_MOUNTS ?=
+image: $(BIN)/python
+	EXTRAS="$(IMAGE_EXTRAS)" IMAGE_NAME="$(IMAGE_NAME)" OUT="$(IMAGE_OUT)" MOUNTS="$(IMAGE_MOUNTS)" \
+	  PYTHON=$(BIN)/python tools/build_image.sh
+
+# Builds the NumPy image (make image: about 2 minutes, 45 s where build/image/base.tar was made before)
+# and runs replicas in it, locally and on the test SLURM cluster (about 3.5 minutes in all): too slow for
+# `make test`, which checks the wrapping and the refusals without an image (tests/test_container.py).
+# As root it apt-installs Charliecloud, python3-lark and mmdebstrap.
+test-container: $(STAMP)
+	$(BIN)/python -m pytest -q -m container tests/test_container_image.py
 
 # Every script in benchmarks/ (about 50 min on 2 cores: 35 before the LM scripts, lm_memory.py 12 of the rest), or BENCH="name ...", then one table.
 bench: $(STAMP)
