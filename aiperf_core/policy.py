@@ -263,8 +263,9 @@ ITEMS: tuple[PolicyItem, ...] = (
     PolicyItem("nodes_per_replica", 1, False, "the nodes each replica spans: its devices are this many times one "
                "node's, and its gradients (and experts) cross the network every step (docs/workflow.md, \"A replica "
                "across nodes\")", _int_range(1)),
-    PolicyItem("node_timeout_s", 120.0, False, "how long a node of a replica across nodes waits on its peers (joining, "
-               "a collective) before it calls them lost", _number_range(1.0, 3600.0)),
+    PolicyItem("node_timeout_s", 60.0, False, "how long a node of a replica across nodes waits on its peers (joining, "
+               "a collective) before it calls them lost; a lost node fails its trial within about twice this "
+               "(the collective's timeout, then the process group's)", _number_range(1.0, 3600.0)),
     PolicyItem("nas_candidates", 8, False, "morph candidates generated and scored per round", _int_range(1)),
     PolicyItem("nas_acquisition", "ucb", False, "acquisition function of the architecture GP",
                _choice("ucb", "ei")),

@@ -186,13 +186,20 @@ class Replica:
     names; tests pass their own."""
 
     def __init__(self, run_dir: str | os.PathLike, replica_id: int, *, backend: Backend | None = None,
-                 dataset: Dataset | None = None):
+                 dataset: Dataset | None = None, node_rank: int = 0):
         if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
             raise ReplicaError(f"replica id must be a non-negative integer, got {replica_id!r}")
         self.run_dir = RunDir(run_dir)
         self.id = replica_id
         self.spec = RunSpec.from_run(self.run_dir.read_run())
         self.policy = self.spec.policy
+        self.nodes = self.policy.get("nodes_per_replica", 1)
+        if not 0 <= node_rank < self.nodes:
+            raise ReplicaError(f"--node-rank {node_rank}: the run's replicas have {self.nodes} node(s) "
+                               f"(policy nodes_per_replica)")
+        self.node_rank = node_rank
+        self._roster = None  # replica_nodes.NodeRoster of a replica across nodes
+        self._lost_nodes: list[dict] = []
         self.workload = workloads.get(self.policy["workload"])
         self._backend = backend
         self._dataset = dataset
@@ -212,7 +219,12 @@ class Replica:
         process holds it, this one refuses with a ReplicaError naming it, so two processes never
         append to one event log. A lease left by a process of another host is waited for until it
         is stale (rundir.Lease). Steps report their progress (StepClock) to a node-local file that
-        the heartbeat carries to the primary."""
+        the heartbeat carries to the primary. On a node other than a replica's first, it follows
+        the leader's trials instead (replica_nodes) and returns 'followed'."""
+        if self.node_rank > 0:
+            from aiperf_core.replica_nodes import follow
+
+            return follow(self)
         self._cadence = replica_cadence(self.spec.replicas)
         self._lease = Lease(self.run_dir.replica_lease(self.id), f"replica {self.id}",
                             stale_s=self._cadence.lease_stale_s)
@@ -249,6 +261,7 @@ class Replica:
             self._dataset = self.workload.data.open(self.spec.dataset, self.policy)
         dataset_digest = self.workload.data.digest(self._dataset, self.spec.dataset)  # this node's copy
         past = read_events(self.run_dir.replica_log(self.id))
+        nodes = self._join_nodes() if self.nodes > 1 else None
         self._log = EventLog(self.run_dir.replica_log(self.id), lease=self._lease).open()
         stopping = threading.Event()
         beat = threading.Thread(target=self._heartbeat, args=(stopping,), name=f"heartbeat-{self.id}", daemon=True)
@@ -260,19 +273,33 @@ class Replica:
             self._append("replica_start", pid=os.getpid(), host=socket.gethostname(), backend=self.spec.backend,
                          framework_version=backend.framework_version(), devices=list(backend.devices()),
                          precision=self.precision, attempt=1 + sum(e.get("event") == "replica_start" for e in past),
-                         dataset_digest=dataset_digest, container=running_image())
+                         dataset_digest=dataset_digest, container=running_image(),
+                         **({"nodes": nodes} if nodes else {}))
             beat.start()
             next_seq = sum(e.get("event") == "trial_start" for e in past)
             reason = self._loop(next_seq, planner)
             self._append("replica_stop", reason=reason)
             return reason
         finally:
+            if self._roster is not None:
+                from aiperf_core.replica_nodes import end_followers
+
+                end_followers(self._roster)
             stopping.set()
             sampler.stop()
             planner.shutdown(wait=True, cancel_futures=True)
             if beat.is_alive():
                 beat.join()
             self._log.close()
+
+    def _join_nodes(self) -> list[dict]:
+        """Node 0 of a replica across nodes: join its launch's roster and wait for every other node
+        (NodeError naming the first missing one after the policy's node_timeout_s); their records
+        for replica_start, by node rank."""
+        from aiperf_core.replica_nodes import join_as_leader
+
+        self._roster, records = join_as_leader(self)
+        return [{key: record.get(key) for key in ("node_rank", "host", "addr", "devices", "pid")} for record in records]
 
     def _training_precision(self, past: list[dict]) -> str:
         """run.json's resolved precision. Where the primary could not probe the devices (SLURM) it
@@ -313,6 +340,9 @@ class Replica:
                     pending = planner.submit(self._plan, round_number + 1, False)
 
             status = self._trial(seq, plan, on_start=plan_next)
+            if self._lost_nodes:
+                lost = ", ".join(f"node {n.get('node_rank')} ({n.get('host')})" for n in self._lost_nodes)
+                raise ReplicaError(f"lost {lost}: the replica cannot go on without it")
             failures = failures + 1 if status == "failed" else 0
             if failures >= MAX_CONSECUTIVE_FAILURES:
                 return "failures"
@@ -400,7 +430,12 @@ class Replica:
     # -- memory (opcount.memory; the lm policy's micro_batch and activation_checkpointing) ---------
     def _device_shard(self, batch_size: int) -> int:
         """The samples of a global batch one device takes: data parallelism splits it evenly."""
-        return -(-batch_size // len(self.backend.devices()))
+        return -(-batch_size // self.world)
+
+    @property
+    def world(self) -> int:
+        """Every device of this replica, on every node."""
+        return len(self.backend.devices()) * self.nodes
 
     def memory_plan(self, graph: Graph, batch_size: int):
         """How each device runs its shard of a global batch (micro-batches, checkpointing), chosen by
@@ -423,7 +458,7 @@ class Replica:
 
     def _expert_devices(self, graph: Graph) -> int:
         """The devices a trial of `graph` shards its experts over (1: every expert on every device)."""
-        return len(self.backend.devices()) if expert_parallel(self.policy, self.backend, graph) else 1
+        return self.world if expert_parallel(self.policy, self.backend, graph, self.world) else 1
 
     def _memory_check(self, batch_size: int, over_memory: list):
         """The candidate filter's memory test (workloads' Morphs.generate_candidates): the estimate of
@@ -507,7 +542,7 @@ class Replica:
         config = train_config(policy, hyper, trial_seed)
         if memory is not None:
             config = replace(config, micro_batch=memory.micro_batch, checkpoint_blocks=memory.checkpoint_blocks)
-        config = replace(config, expert_parallel=expert_parallel(policy, self.backend, plan.graph))
+        config = replace(config, expert_parallel=expert_parallel(policy, self.backend, plan.graph, self.world))
         if config.expert_parallel:
             from aiperf_opcount.communication import bytes_per_sample
             watch.all_to_all_per_sample = (bytes_per_sample(plan.graph, config.precision, True),
@@ -517,6 +552,11 @@ class Replica:
             if memory_error is not None:
                 raise memory_error
             data = self.workload.data.trial_data(self._dataset, policy, trial_seed)
+            if self._roster is not None:
+                from aiperf_core.replica_nodes import lead_trial
+
+                config = lead_trial(self, seq, trial, folder / "graph.json", files["graph.json"], plan.weights,
+                                    config, trial_seed)
             model = self.backend.lower(plan.graph, plan.weights, hyper["precision"])
             plan.weights = None  # the backend holds them now; free the copy during training
             watch.started = time.time()
@@ -528,6 +568,11 @@ class Replica:
             reason = watch.stop_reason
         except Exception as exc:  # a failed trial is recorded and the loop goes on
             status, reason = "failed", _one_line(exc)
+            if self._roster is not None:
+                self._lost_nodes = self._roster.lost(list(range(1, self.nodes)))
+                if self._lost_nodes:
+                    lost = self._lost_nodes[0]
+                    reason = f"lost node {lost.get('node_rank')} ({lost.get('host')}): {reason}"
             print(f"replica {self.id}: trial {trial} failed: {reason}", file=sys.stderr, flush=True)
         self._state.update(state="recording", epoch=None)
         accuracies = watch.accuracies
@@ -626,13 +671,14 @@ def train_config(policy: Policy, hyper: Mapping[str, Any], seed: int) -> TrainCo
                        moe_aux_loss=policy.get("moe_aux_loss", 0.0), **adamw)
 
 
-def expert_parallel(policy: Policy, backend: Backend, graph: Graph) -> bool:
+def expert_parallel(policy: Policy, backend: Backend, graph: Graph, devices: int | None = None) -> bool:
     """The policy item `expert_parallel` for one trial: 'auto' is on where the backend implements it,
-    the replica trains on several devices and they divide every moe node's experts (else the trial
-    runs data-parallel with every expert on every device, as 'none' does)."""
+    the replica trains on several devices (`devices`, on every node; default this node's) and they
+    divide every moe node's experts (else the trial runs data-parallel with every expert on every
+    device, as 'none' does)."""
     if policy.get("expert_parallel", "none") != "auto" or not backend.parallelism().expert_parallel:
         return False
-    devices = len(backend.devices())
+    devices = len(backend.devices()) if devices is None else devices
     moe = [node.attrs["experts"] for node in graph.nodes if node.op == "moe"]
     return devices > 1 and bool(moe) and all(experts % devices == 0 for experts in moe)
 
@@ -754,10 +800,10 @@ class _EpochWatch:
 
 
 def run_replica(run_dir: str | os.PathLike, replica_id: int, *, backend: Backend | None = None,
-                dataset: Dataset | None = None) -> str:
+                dataset: Dataset | None = None, node_rank: int = 0) -> str:
     """Run replica replica_id of the run in run_dir until it stops; return the stop reason
-    (deadline, stopped, max_trials or failures)."""
-    return Replica(run_dir, replica_id, backend=backend, dataset=dataset).run()
+    (deadline, stopped, max_trials or failures; 'followed' on a node other than its first)."""
+    return Replica(run_dir, replica_id, backend=backend, dataset=dataset, node_rank=node_rank).run()
 
 
 def write_run_json(run_dir: str | os.PathLike, *, backend: str = "numpy", dataset: Mapping[str, Any] | None = None,

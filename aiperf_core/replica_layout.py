@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from aiperf_core.errors import AiperfError
 
-NODE_TIMEOUT_S = 120.0
+NODE_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ then scores the run and writes its report. It never trains (docs/workflow.md).""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -19,12 +20,16 @@ HELP = "run the benchmark: start replicas (local processes or SLURM jobs), stop 
 def add_arguments(p) -> None:
     p.add_argument("--backend", default=None, metavar="NAME", help="backend (default: $AIPERF_BACKEND, the config "
                    "file, else tensorflow)")
-    p.add_argument("--executor", choices=("local", "slurm"), default=None,
-                   help="where replicas run: processes on this machine (default) or SLURM jobs")
+    p.add_argument("--executor", choices=("local", "slurm", "hosts"), default=None,
+                   help="where replicas run: processes on this machine (default), SLURM jobs, or the hosts of a "
+                   "--hostfile started by a --launcher")
     p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                    help="number of replicas (local default: one, with every accelerator)")
     p.add_argument("--devices-per-replica", type=positive_int, default=None, metavar="K",
                    help="accelerators per replica (local default: all of them divided by --replicas)")
+    p.add_argument("--nodes-per-replica", type=positive_int, default=None, metavar="N",
+                   help="nodes each replica spans, its devices N times one node's (policy item nodes_per_replica; "
+                   "default 1; docs/workflow.md, \"A replica across nodes\")")
     p.add_argument("--time-budget", default=None, metavar="DURATION", help="the run's length, e.g. 90m, 12h "
                    "(default 1h)")
     p.add_argument("--workload", choices=("cnn", "lm"), default=None,
@@ -68,6 +73,11 @@ def add_arguments(p) -> None:
     slurm.add_argument("--slurm-cpus-per-task", type=positive_int, default=None, metavar="N")
     slurm.add_argument("--slurm-extra", default=None, metavar="ARGS",
                        help="more sbatch options, passed as given, e.g. \"--qos=high --constraint=a100\"")
+    hosts = p.add_argument_group("hosts executor (clusters without SLURM; docs/workflow.md)")
+    hosts.add_argument("--hostfile", default=None, metavar="FILE",
+                       help="the hosts, one a line with its devices: 'node7 slots=8' (DeepSpeed's format)")
+    hosts.add_argument("--launcher", default=None, metavar="TEMPLATE",
+                       help="what starts a node's command on {host} (default: 'ssh -o BatchMode=yes {host}')")
     container = p.add_argument_group("containers (docs/deploy.md)")
     container.add_argument("--container", default=None, metavar="IMAGE",
                            help="run every replica in this aiperf image (make image): a folder or SquashFS file "
@@ -142,10 +152,11 @@ def _prepare_fresh(args, config, request):
     with plan.BackendProbe(backend_name, precisions=local, container=container) as probe:
         dataset = plan.describe_dataset(name, path, policy)
         facts = probe.facts(auto=plan.auto_request(policy, dataset) if local else None)
+    nodes = policy["nodes_per_replica"]
     replicas, devices_per_replica, environments = _layout(executor_kind, facts.devices, request.replicas,
-                                                          request.devices_per_replica, watch)
+                                                          request.devices_per_replica, watch, nodes)
     plan.check_parallelism(backend_name, facts, devices_per_replica,
-                           "--devices-per-replica" if executor_kind == "local" else "--slurm-gpus-per-node")
+                           "--devices-per-replica" if executor_kind == "local" else "--slurm-gpus-per-node", nodes)
     precision = plan.resolve_precision(policy["precision"], facts, backend_name)
     record = plan.run_record(backend=backend_name, executor=executor_kind, replicas=replicas,
                              devices_per_replica=devices_per_replica, seed=request.seed or 0,
@@ -177,37 +188,73 @@ def _prepare_resume(args, config, request):
                           f"({plan.first_difference(run, asked)})")
     watch = plan.watch_settings(request, run.get("watch"))
     container = for_resume(run, run_dir.root, args.container, args.container_runtime, watch.slurm.get("gpus_per_node"))
+    nodes = run["policy"].get("nodes_per_replica", 1)
     devices = []
     if run["executor"] == "local":
         with plan.BackendProbe(run["backend"], container=container) as probe:
             facts = probe.facts()
-        plan.check_parallelism(run["backend"], facts, run["devices_per_replica"], "--devices-per-replica")
+        plan.check_parallelism(run["backend"], facts, run["devices_per_replica"], "--devices-per-replica", nodes)
         plan.check_recorded_precision(run, facts)
         devices = facts.devices
-    _, _, environments = _layout(run["executor"], devices, run["replicas"], run["devices_per_replica"], watch)
+    _, _, environments = _layout(run["executor"], devices, run["replicas"], run["devices_per_replica"], watch, nodes)
     executor = _executor(run["executor"], run_dir.root, run, watch, environments)
     executor.container = container
     return run_dir, run, executor, watch, True
 
 
-def _layout(kind, devices, replicas, devices_per_replica, watch):
-    """(replicas, devices per replica, per-replica environment) for the executor."""
-    if kind == "slurm":  # each replica is one job on one node, with that node's GPUs
+def _layout(kind, devices, replicas, devices_per_replica, watch, nodes: int = 1):
+    """(replicas, devices per replica on all its nodes, per-replica environment) for the executor."""
+    if devices_per_replica is not None and devices_per_replica % nodes:
+        raise AiperfError(f"--devices-per-replica {devices_per_replica}: does not divide between the replica's "
+                          f"{nodes} nodes (--nodes-per-replica)")
+    if kind == "hosts":  # each replica on `nodes` hosts of the hostfile, with their slots
+        placement = _host_placement(watch, replicas, nodes)
+        per_replica = placement[0][0].slots * nodes
+        if devices_per_replica not in (None, per_replica):
+            raise AiperfError(f"--devices-per-replica: a replica gets its hosts' slots ({per_replica} on {nodes} "
+                              f"host(s)); set them in the hostfile instead")
+        return len(placement), per_replica, None
+    if kind == "slurm":  # each replica is one job of `nodes` nodes, each with that node's GPUs
         gpus = watch.slurm.get("gpus_per_node") or 0
-        if devices_per_replica not in (None, gpus or 1):
-            raise AiperfError(f"--devices-per-replica: a SLURM replica gets --slurm-gpus-per-node devices "
-                              f"({gpus}); set that instead")
-        return replicas or 1, gpus or 1, None
+        if devices_per_replica not in (None, (gpus or 1) * nodes):
+            raise AiperfError(f"--devices-per-replica: a SLURM replica gets --slurm-gpus-per-node devices on each "
+                              f"of its nodes ({gpus or 1} x {nodes}); set that instead")
+        return replicas or 1, (gpus or 1) * nodes, None
     from aiperf_core.workflow.executors.local import plan_layout, replica_environment
 
     accelerators = [d for d in devices if not d.startswith("cpu")]
     cpu_devices = max(1, len([d for d in devices if d.startswith("cpu:")]))
-    layout = plan_layout(accelerators, replicas, devices_per_replica, cpu_devices=cpu_devices)
+    if accelerators:  # the replica's accelerators, split between its nodes' processes
+        layout = plan_layout(accelerators, replicas, devices_per_replica, cpu_devices=cpu_devices)
+        if layout.devices_per_replica % nodes:
+            raise AiperfError(f"--nodes-per-replica {nodes}: a replica's {layout.devices_per_replica} accelerators "
+                              f"do not divide between its nodes")
+        per_replica = layout.devices_per_replica
+    else:  # each node's process trains on the CPU's devices
+        layout = plan_layout([], replicas, None if devices_per_replica is None else devices_per_replica // nodes,
+                             cpu_devices=cpu_devices)
+        cores = os.cpu_count() or 1
+        if layout.replicas * nodes > cores:
+            raise AiperfError(f"--nodes-per-replica {nodes}: {layout.replicas} replica(s) of {nodes} node processes "
+                              f"on {cores} cores would oversubscribe the CPU")
+        per_replica = layout.devices_per_replica * nodes
     environments = [replica_environment(devices, layout.threads_per_replica) for devices in layout.devices]
-    return layout.replicas, layout.devices_per_replica, environments
+    return layout.replicas, per_replica, environments
+
+
+def _host_placement(watch, replicas, nodes):
+    from aiperf_core.workflow.executors.hosts import place_replicas, read_hostfile
+
+    if not watch.hosts.get("hostfile"):
+        raise AiperfError("--executor hosts: give --hostfile FILE (one host a line: 'HOST slots=K')")
+    return place_replicas(read_hostfile(watch.hosts["hostfile"]), replicas, nodes)
 
 
 def _executor_class(kind):
+    if kind == "hosts":
+        from aiperf_core.workflow.executors.hosts import HostsExecutor
+
+        return HostsExecutor
     if kind == "local":
         from aiperf_core.workflow.executors.local import LocalExecutor
 
@@ -221,6 +268,11 @@ def _executor(kind, root, run, watch, environments):
     executor_class = _executor_class(kind)
     if kind == "local":
         return executor_class(root, environments)
+    if kind == "hosts":
+        from aiperf_core.workflow.executors.hosts import DEFAULT_LAUNCHER
+
+        return executor_class(root, _host_placement(watch, run["replicas"], run["policy"]["nodes_per_replica"]),
+                              watch.hosts.get("launcher") or DEFAULT_LAUNCHER)
     slurm = watch.slurm
     return executor_class(root, run["run_id"], run["time_budget_s"], partition=slurm.get("partition"),
                           account=slurm.get("account"), time_limit_s=slurm.get("time_limit_s"),

@@ -61,6 +61,9 @@ def node_descriptions(ledger: RunLedger, host_records: dict[int, dict[str, Any]]
         host_record = host_records.get(replica, {})
         nodes.append({
             "replica": replica, "host": start.get("host", host_record.get("host")),
+            # every node of a replica across nodes: [{node_rank, host, devices}]; null on one node
+            "nodes": [{k: n.get(k) for k in ("node_rank", "host", "devices")} for n in start["nodes"]]
+            if isinstance(start.get("nodes"), list) else None,
             "devices": start.get("devices"), "backend": start.get("backend"),
             "framework_version": start.get("framework_version"), "container": start.get("container"),
             "attempts": len(state.starts),
@@ -92,7 +95,8 @@ def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, 
         "machine": {
             "replicas": len(nodes), "replicas_configured": run.get("replicas"),
             "devices_per_replica": run.get("devices_per_replica"), "executor": run.get("executor"),
-            "hosts": sorted({str(n["host"]) for n in nodes if n["host"] is not None}),
+            "hosts": sorted({str(host) for n in nodes for host in [n["host"], *(m["host"] for m in n["nodes"] or [])]
+                             if host is not None}),
             "accelerators": accelerators, "busy_fraction": busy_fraction(ledger), "nodes": nodes,
         },
         "software": {
@@ -210,12 +214,12 @@ def read_monitors(run: RunDir, ledger: RunLedger, result: ScoreResult) -> Monito
             cell[1] += 1
 
     host_records: dict[int, dict[str, Any]] = {}
-    for replica in ledger.replicas:
-        energy.new_file()
-        for record in read_monitor(run.monitor_log(replica)):
+    for replica, path in ((r, p) for r in ledger.replicas for p in run.monitor_logs(r)):
+        energy.new_file()  # each node of a replica across nodes samples itself: their energies add up
+        for record in read_monitor(path):
             energy.add(record)
             if record.get("kind") == "host":
-                host_records.setdefault(replica, record)
+                host_records.setdefault(replica, record)  # the replica's first node's
             if record.get("kind") != "sample" or not isinstance(record.get("time"), (int, float)):
                 continue
             offset = record["time"] - start

@@ -305,6 +305,19 @@ def _image_text(container: Any, full: bool = False) -> str:
     return f"{container.get('image')} ({text})" if full else text
 
 
+def _hosts_text(node: dict[str, Any]) -> str:
+    """A replica's host, or every host of a replica across nodes, its first node's first."""
+    nodes = node.get("nodes") or [{"host": node["host"]}]
+    return ", ".join(str(n.get("host")) for n in nodes)
+
+
+def _devices_text(node: dict[str, Any]) -> str:
+    nodes = node.get("nodes")
+    if not nodes:
+        return str(node["devices"])
+    return "; ".join(f"{n.get('host')}: {', '.join(map(str, n.get('devices') or []))}" for n in nodes)
+
+
 def _machine(summary: dict[str, Any]) -> str:
     machine = summary.get("machine", {})
     accelerators = ", ".join(f"{n} x {escape(str(name))}" for name, n in machine.get("accelerators", {}).items())
@@ -316,7 +329,7 @@ def _machine(summary: dict[str, Any]) -> str:
             + _row("aiperf", escape(str(summary.get("software", {}).get("aiperf")))) + "</table>")
     nodes = machine.get("nodes", [])
     rows = "".join(
-        f"<tr><td>{n['replica']}</td><td>{escape(str(n['host']))}</td><td>{escape(str(n['devices']))}</td>"
+        f"<tr><td>{n['replica']}</td><td>{escape(_hosts_text(n))}</td><td>{escape(_devices_text(n))}</td>"
         f"<td>{escape(str(n['backend']))} {escape(str(n['framework_version']))}</td>"
         f"<td>{escape(_image_text(n.get('container')))}</td><td>{n['attempts']}</td>"
         f"<td>{escape(str(n['cpus']))}</td><td>{_fraction(n.get('busy_fraction'))}</td></tr>"

@@ -76,6 +76,7 @@ class RunRequest:
     stop_after_trials: int | None = None
     policy: dict[str, Any] = field(default_factory=dict)
     slurm: dict[str, Any] = field(default_factory=dict)
+    hosts: dict[str, Any] = field(default_factory=dict)  # hostfile, launcher
 
 
 def merge_request(flags: Mapping[str, Any], config: Mapping[str, Any]) -> RunRequest:
@@ -97,6 +98,9 @@ def merge_request(flags: Mapping[str, Any], config: Mapping[str, Any]) -> RunReq
     for name in SLURM_OPTIONS:
         if flags.get(f"slurm_{name}") is not None:
             request.slurm[name] = flags[f"slurm_{name}"]
+    for name in ("hostfile", "launcher"):
+        if flags.get(name) is not None:
+            request.hosts[name] = flags[name]
     return request
 
 
@@ -109,10 +113,12 @@ class WatchSettings:
     stop_grace_s: float
     slurm: dict[str, Any]
     stall_timeout_s: float = 600.0  # the floor; see aiperf_core.workflow.primary.stall_limit
+    hosts: dict[str, Any] = field(default_factory=dict)  # the hosts executor's hostfile and launcher
 
     def to_json(self) -> dict[str, Any]:
         return {"max_restarts": self.max_restarts, "heartbeat_timeout_s": self.heartbeat_timeout_s,
-                "stall_timeout_s": self.stall_timeout_s, "stop_grace_s": self.stop_grace_s, "slurm": self.slurm}
+                "stall_timeout_s": self.stall_timeout_s, "stop_grace_s": self.stop_grace_s, "slurm": self.slurm,
+                **({"hosts": self.hosts} if self.hosts else {})}
 
 
 def watch_settings(request: RunRequest, recorded: Mapping[str, Any] | None = None) -> WatchSettings:
@@ -131,7 +137,10 @@ def watch_settings(request: RunRequest, recorded: Mapping[str, Any] | None = Non
     slurm = {**recorded.get("slurm", {}), **request.slurm}
     if slurm.get("time_limit") is not None:
         slurm["time_limit_s"] = parse_duration(slurm.pop("time_limit"), "--slurm-time-limit")
-    return WatchSettings(max_restarts, float(timeout), float(grace), slurm, stall_timeout_s=float(stall))
+    hosts = {**recorded.get("hosts", {}), **request.hosts}
+    if "hostfile" in hosts:
+        hosts["hostfile"] = str(Path(hosts["hostfile"]).expanduser().resolve())
+    return WatchSettings(max_restarts, float(timeout), float(grace), slurm, stall_timeout_s=float(stall), hosts=hosts)
 
 
 def workload_of(request: RunRequest) -> str:

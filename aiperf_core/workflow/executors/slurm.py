@@ -25,7 +25,9 @@ from typing import Any, Mapping
 
 from aiperf_core.errors import AiperfError
 from aiperf_core.workflow.container import launch_command
-from aiperf_core.workflow.executors.base import Executor, ProcessEnd, ReplicaCommand, ReplicaHandle, log_tail
+from aiperf_core.replica_nodes import NODE_ADDR_ENV
+from aiperf_core.workflow.executors.base import (Executor, ProcessEnd, ReplicaCommand, ReplicaHandle, log_tail,
+                                                 node_log_path)
 
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING",
                  "STAGE_OUT", "SIGNALING", "RESV_DEL_HOLD", "REQUEUE_FED", "REQUEUE_HOLD"}
@@ -38,17 +40,44 @@ class ReplicaProcessFailed(RuntimeError):
     """Raised inside the job so that SLURM records it as FAILED."""
 
 
-def run_replica_process(argv: list[str], env: Mapping[str, str], log_path: str) -> int:
-    """The job function submitit runs on the compute node: the replica, output to replica.log."""
+def run_replica_process(argv: list[str], env: Mapping[str, str], log_path: str, nodes: int = 1) -> int:
+    """The job function submitit runs on each node of the replica's job (one task per node): the
+    replica, output to replica.log on its first node, to node-<K>.log beside it on node K, which
+    runs the replica's command with --node-rank K (ReplicaCommand.node_argv)."""
     full_env = {**os.environ, **env}
     if "OMP_NUM_THREADS" not in full_env and full_env.get("SLURM_CPUS_PER_TASK"):
         full_env["OMP_NUM_THREADS"] = full_env["SLURM_CPUS_PER_TASK"]
+    if nodes > 1:
+        node = int(full_env.get("SLURM_NODEID", "0"))
+        if node:
+            argv = [*argv, "--node-rank", str(node)]
+            log_path = str(node_log_path(Path(log_path), node))
+        full_env.setdefault(NODE_ADDR_ENV, node_addr_of(full_env.get("SLURMD_NODENAME", "")) or "")
+        if not full_env[NODE_ADDR_ENV]:
+            del full_env[NODE_ADDR_ENV]  # the host name's own address, then (replica_nodes.node_address)
     Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         code = subprocess.call(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=full_env)
     if code != 0:
         raise ReplicaProcessFailed(f"replica exited with code {code}")
     return code
+
+
+def node_addr_of(node_name: str) -> str | None:
+    """The address SLURM reaches a node at (its NodeAddr), which the replica's other nodes reach it
+    at too; None where scontrol does not say."""
+    if not node_name:
+        return None
+    try:
+        answer = subprocess.run(["scontrol", "show", "node", "--oneliner", node_name], capture_output=True, text=True,
+                                timeout=COMMAND_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for field_ in answer.stdout.split():
+        key, _, value = field_.partition("=")
+        if key == "NodeAddr" and value:
+            return value
+    return None
 
 
 def parse_extra_args(extra: str | list[str] | None) -> dict[str, Any]:
@@ -159,9 +188,12 @@ class SlurmExecutor(Executor):
     def launch(self, command: ReplicaCommand) -> SlurmHandle:
         executor = self._executor()
         executor.update_parameters(job_name=self.job_name(command.replica))
-        argv, env = launch_command(self.container, command.argv, command.env)
+        # One job of the replica's nodes, one task each (slurm's "nodes" and "ntasks_per_node").
+        executor.update_parameters(nodes=command.nodes)
+        # Each node is its replica's alone: a job's nodes are allocated to it.
+        argv, env = launch_command(self.container, command.argv, command.node_env(replicas_per_node=1))
         try:
-            job = executor.submit(run_replica_process, argv, env, str(command.log_path))
+            job = executor.submit(run_replica_process, argv, env, str(command.log_path), command.nodes)
         except Exception as exc:  # sbatch's refusal reaches the user as one line
             message = str(exc).strip().splitlines()
             raise AiperfError(f"--executor slurm: sbatch refused replica {command.replica}: "
@@ -210,10 +242,15 @@ class SlurmExecutor(Executor):
         self.refresh(handles)
 
     def job_log_tail(self, handle: ReplicaHandle) -> list[str]:
-        """The job's own stderr (submitit's `<job>_0_log.err` in executor/): where slurmstepd says
-        that it killed the job (out of memory, time limit, cancelled) and submitit why the job
-        function failed; the replica's own output is in replica.log."""
-        return log_tail(self.folder / f"{handle.job}_0_log.err")
+        """The job's own stderr, every task's (submitit's `<job>_<task>_log.err` in executor/, one
+        task per node): where slurmstepd says that it killed the job (out of memory, time limit,
+        cancelled, a node failed) and submitit why the job function failed; the replica's own output
+        is in replica.log and, on its other nodes, node-<K>.log."""
+        tails = []
+        for task in range(handle.command.nodes):
+            lines = log_tail(self.folder / f"{handle.job}_{task}_log.err")
+            tails += [f"task {task}: {line}" for line in lines] if handle.command.nodes > 1 else lines
+        return tails
 
     def job_name(self, replica: int) -> str:
         """Names a replica's jobs by run and replica, so that a resume finds even a job whose
