@@ -123,7 +123,7 @@ def render_ops() -> str:
 
 
 def render_checks() -> str:
-    from aiperf_conformance.levels.parallel import DATA_PARALLEL_CHECKS, SINGLE_DEVICE_CHECKS
+    from aiperf_conformance.levels.parallel import applies_to
 
     rows = ["| check id (at fp32) | at precisions | native counter | applies to | workload "
             "| needs (beyond the CNN ops) |", "| --- | --- | --- | --- | --- | --- |"]
@@ -131,11 +131,7 @@ def render_checks() -> str:
     per_precision = {(c.level, c.name) for c in catalogue(LEVELS, ("bf16",)) if c.precision == "bf16"}
     for check in catalogue(LEVELS, ("fp32",)):
         precisions = "every declared" if (check.level, check.name) in per_precision else "fp32"
-        applies = "every backend"
-        if check.name in DATA_PARALLEL_CHECKS and check.level == "parallel":
-            applies = "data-parallel backends"
-        elif check.name in SINGLE_DEVICE_CHECKS and check.level == "parallel":
-            applies = "single-device backends"
+        applies = applies_to(check.name) if check.level == "parallel" else "every backend"
         needs = ", ".join(f"`{op}`" for op in sorted(check.ops)) or "-"
         rows.append(f"| `{check.id}` | {precisions} | {'needed' if check.needs_counter else '-'} | {applies} | "
                     f"{check.workload} | {needs} |")

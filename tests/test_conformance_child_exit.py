@@ -19,7 +19,7 @@ from aiperf_numpy.backend import NumpyBackend
 from aiperf_conformance.expectations import Expectations
 from aiperf_conformance.kit import (STDERR_TAIL_LINES, ChildProcessFailed, Context, child_account, collect,
                                     exit_description, fault_stacks, run_check, run_child)
-from aiperf_conformance.levels.parallel import DATA_PARALLEL_CHECKS, EXPERT_PARALLEL_REFUSED
+from aiperf_conformance.levels.parallel import DATA_PARALLEL_CHECKS, EXPERT_PARALLEL_REFUSED, MULTI_NODE_REFUSED
 
 # A rank that prints 50 numbered lines, then aborts inside a named function.
 _ABORTING_RANK = textwrap.dedent("""
@@ -42,7 +42,7 @@ class _ChildOnlyTwoDevices(NumpyBackend):
 
     def parallelism(self):
         return Parallelism(data_parallel=True, synchronized_batch_norm=True, notes="emulated",
-                           expert_parallel_why_not="emulated without it")
+                           expert_parallel_why_not="emulated without it", multi_node_why_not="emulated on one host")
 
 
 class RankAborts(_ChildOnlyTwoDevices):
@@ -81,9 +81,11 @@ def parallel_results(backend):
 def test_a_rank_that_aborts_is_reported_with_its_signal_stderr_and_stack(monkeypatch):
     monkeypatch.delenv(CPU_DEVICES_ENV, raising=False)
     results = parallel_results(RankAborts())
-    assert set(results) == set(DATA_PARALLEL_CHECKS) | {EXPERT_PARALLEL_REFUSED}
-    # Refusing expert parallelism starts no rank (the contract refuses it before training).
+    assert set(results) == set(DATA_PARALLEL_CHECKS) | {EXPERT_PARALLEL_REFUSED, MULTI_NODE_REFUSED}
+    # Refusing expert parallelism, or a replica across nodes, starts no rank (the contract refuses
+    # them before training).
     assert results.pop(EXPERT_PARALLEL_REFUSED).status == "pass"
+    assert results.pop(MULTI_NODE_REFUSED).status == "pass"
     for name, result in results.items():
         assert result.status == "error", (name, result.message)
         head, *rest = result.message.splitlines()

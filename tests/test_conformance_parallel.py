@@ -16,11 +16,11 @@ from aiperf_numpy.backend import NumpyBackend
 from aiperf_numpy.executor import loss_and_grads
 from aiperf_conformance.expectations import Expectations
 from aiperf_conformance.kit import Context, collect, run_check
-from aiperf_conformance.levels.parallel import (DATA_PARALLEL_CHECKS, EXPERT_PARALLEL_REFUSED,
+from aiperf_conformance.levels.parallel import (DATA_PARALLEL_CHECKS, EXPERT_PARALLEL_REFUSED, MULTI_NODE_REFUSED,
                                                 SINGLE_DEVICE_CHECKS)
 
 DATA_PARALLEL = Parallelism(data_parallel=True, synchronized_batch_norm=True, notes="emulated",
-                            expert_parallel_why_not="emulated without it")
+                            expert_parallel_why_not="emulated without it", multi_node_why_not="emulated on one host")
 
 
 class TwoDevices(NumpyBackend):
@@ -132,7 +132,7 @@ def parallel_results(backend, quick=True):
 
 def test_correct_data_parallel_backend_passes_in_process():
     results = parallel_results(TwoDevices())
-    assert set(results) == set(DATA_PARALLEL_CHECKS) | {EXPERT_PARALLEL_REFUSED}
+    assert set(results) == set(DATA_PARALLEL_CHECKS) | {EXPERT_PARALLEL_REFUSED, MULTI_NODE_REFUSED}
     for name, result in results.items():
         assert result.status == "pass", (name, result.message)
     assert "2 devices (cpu:0, cpu:1) vs 1 (cpu:0)" in results["matches_one_device"].message
@@ -146,7 +146,7 @@ def test_a_kit_run_of_one_workload_trains_only_that_workloads_scenarios():
     lm = set(run_scenarios(TwoDevices(), 0, True, 1e-4, workloads=["lm"]))
     assert lm == {"gpt_matches_one_device", EXPERT_PARALLEL_REFUSED} and lm <= set(LM_CHECKS)
     assert set(run_scenarios(TwoDevices(), 0, True, 1e-4, workloads=["cnn"])) == \
-        set(DATA_PARALLEL_CHECKS) - set(LM_CHECKS)
+        set(DATA_PARALLEL_CHECKS) - set(LM_CHECKS) | {MULTI_NODE_REFUSED}
 
 
 def test_per_device_batch_norm_fails_and_says_so():
@@ -176,6 +176,7 @@ def test_child_process_with_cpu_devices(monkeypatch):
 def test_backend_that_ignores_cpu_devices_fails_clearly(monkeypatch):
     monkeypatch.delenv(CPU_DEVICES_ENV, raising=False)
     results = parallel_results(IgnoresCpuDevices())
+    assert results.pop(MULTI_NODE_REFUSED).status == "pass"  # one device is all a refusal needs
     for result in results.values():
         assert result.status == "fail"
         assert f"exposes 1 device(s) (cpu) with {CPU_DEVICES_ENV}=2 set" in result.message
@@ -183,7 +184,7 @@ def test_backend_that_ignores_cpu_devices_fails_clearly(monkeypatch):
 
 def test_single_device_backend_is_certified_as_such():
     results = parallel_results(NumpyBackend(), quick=False)
-    assert set(results) == set(SINGLE_DEVICE_CHECKS)
+    assert set(results) == set(SINGLE_DEVICE_CHECKS) | {MULTI_NODE_REFUSED}
     assert all(r.status == "pass" for r in results.values()), results
     assert "35 training images counted exactly" in results["one_device_matches_default"].message
     assert "two devices refused" in results["refuses_two_devices"].message

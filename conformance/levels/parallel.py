@@ -54,6 +54,31 @@ A backend that declares no data parallelism is certified as single-device:
   parallel/refuses_two_devices         asking for two devices is refused with a BackendError
                                        before anything trains, and the declaration is consistent
                                        (synchronised batch norm needs data parallelism).
+
+For a backend whose parallelism() declares multi_node (a replica across nodes, TrainConfig.layout),
+each check trains one scenario on 2 nodes of 1 device each, through the path a run takes: two OS
+processes of this Python that share nothing but TCP on 127.0.0.1, each calling Backend.start_node
+and then train() with its place in the layout (aiperf_conformance.multi_node). Node 0's epoch
+reports and exported weights are compared with 1 device on the combined batch, as above; a node
+that has not exited within multi_node.NODE_EXIT_BOUND_S is stopped and the check fails:
+
+  parallel/multi_node_matches_one_device
+                                    the CNN step (batch norm synchronised across the nodes), 2 epochs
+                                    with an uneven last batch;
+  parallel/gpt_multi_node_matches_one_device
+                                    gpt_matches_one_device's GPT and LM step across the nodes;
+  parallel/multi_node_expert_parallel_matches_one_device
+                                    (with expert_parallel declared too) the upcycled GPT of
+                                    gpt_moe_expert_parallel_matches_one_device, 2 experts on each
+                                    node: node 0 must hold the whole model (the follower's experts
+                                    included), and the losses, expert load and measured all-to-all
+                                    time must be as that check requires.
+
+A backend that does not declare it is certified to refuse it instead:
+
+  parallel/multi_node_refused       a layout of 2 nodes is refused with a one-line BackendError
+                                    before anything trains, quoting Parallelism.multi_node_why_not
+                                    (a backend that gives no reason fails: it must say why).
 """
 
 from __future__ import annotations
@@ -72,6 +97,7 @@ from aiperf_core.backend import CPU_DEVICES_ENV, BackendError, Dataset, Schedule
 from aiperf_core.builders import gpt, resnet_one_block
 from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph, Node
+from aiperf_core.replica_layout import ReplicaLayout
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_conformance.kit import (Check, ChildProcessFailed, Context, Outcome, child_account, new_ops,
                                     output_size, read_text, relative_error, run_child)
@@ -81,13 +107,18 @@ DATA_PARALLEL_CHECKS = ("matches_one_device", "synchronized_batch_norm", "uneven
                         "gpt_matches_one_device")
 EXPERT_PARALLEL_CHECK = "gpt_moe_expert_parallel_matches_one_device"
 EXPERT_PARALLEL_REFUSED = "gpt_moe_expert_parallel_refused"
-LM_CHECKS = ("gpt_matches_one_device", EXPERT_PARALLEL_CHECK, EXPERT_PARALLEL_REFUSED)
+MULTI_NODE_CHECKS = ("multi_node_matches_one_device", "gpt_multi_node_matches_one_device")
+MULTI_NODE_EXPERT_CHECK = "multi_node_expert_parallel_matches_one_device"
+MULTI_NODE_REFUSED = "multi_node_refused"
+MOE_CHECKS = (EXPERT_PARALLEL_CHECK, EXPERT_PARALLEL_REFUSED, MULTI_NODE_EXPERT_CHECK)  # on the upcycled GPT
+LM_CHECKS = ("gpt_matches_one_device", "gpt_multi_node_matches_one_device") + MOE_CHECKS
 SINGLE_DEVICE_CHECKS = ("one_device_matches_default", "refuses_two_devices")
 CHILD_DEVICES = 2
 CHILD_TIMEOUT = 1800  # seconds for the whole level in the child (MindSpore on 2 busy cores is slow)
 BATCH = 16
 LR = 0.05
 MOE_AUX_LOSS = 0.01  # the lm policy's default
+REFUSAL_TIMEOUT_S = 60.0  # the refused layout's bound on meeting its peers, which never come
 
 
 @dataclass(frozen=True)
@@ -139,11 +170,21 @@ SCENARIOS = {
     "uneven_last_batch": Scenario(_resnet, 2 * BATCH + 3, 7, 1),
     "empty_shard": Scenario(_resnet, BATCH + 1, 1, 1),
     "one_device_matches_default": Scenario(_resnet, 2 * BATCH + 3, 7, 1),
+    "multi_node_matches_one_device": Scenario(_resnet, 2 * BATCH + 3, 7, 2),
 }
+# Across nodes, the same training as on 2 devices of one node.
+SCENARIOS["gpt_multi_node_matches_one_device"] = SCENARIOS["gpt_matches_one_device"]
+SCENARIOS[MULTI_NODE_EXPERT_CHECK] = SCENARIOS[EXPERT_PARALLEL_CHECK]
 QUICK_SCENARIOS = {  # --quick: fewer steps, the same edge cases
     "matches_one_device": Scenario(_resnet, 2 * BATCH, 4, 1),
     "one_device_matches_default": Scenario(_resnet, BATCH + 3, 3, 1),
+    "multi_node_matches_one_device": Scenario(_resnet, BATCH + 3, 3, 1),
 }
+
+
+def scenario_of(name: str, quick: bool) -> Scenario | None:
+    """The scenario check `name` trains (None for a check that trains none of its own)."""
+    return (QUICK_SCENARIOS if quick else {}).get(name) or SCENARIOS.get(name)
 
 
 def _data(scenario: Scenario, seed: int, classes: int, shape) -> Dataset:
@@ -168,20 +209,23 @@ def _data(scenario: Scenario, seed: int, classes: int, shape) -> Dataset:
     return Dataset(x[:scenario.train], y[:scenario.train], x[scenario.train:], y[scenario.train:], classes)
 
 
-def _train(backend, scenario: Scenario, seed: int, devices) -> tuple[list, dict]:
+def train_scenario(backend, scenario: Scenario, seed: int, devices, layout: ReplicaLayout | None = None,
+                   on_epoch=None) -> tuple[list, dict]:
+    """(epoch reports, exported weights) of `scenario` trained on `devices`: on this node's devices
+    of a replica across nodes where `layout` is given (every node calls this alike)."""
     graph = scenario.graph()
     weights = trained_looking_weights(graph, seed)
     data = _data(scenario, seed, graph.output_shape[-1], graph.input_shape)
     model = backend.lower(graph, weights)
     config = TrainConfig(epochs=scenario.epochs, batch_size=BATCH, schedule=Schedule(initial=LR), seed=seed,
-                         devices=devices)
+                         devices=devices, layout=layout)
     if scenario.lm:  # a clip at 0.05 engages on every step of these random labels (norms above 1)
         config = TrainConfig(epochs=scenario.epochs, batch_size=BATCH, seed=seed, devices=devices,
                              schedule=Schedule(initial=0.01, final_fraction=0.1, warmup_epochs=1, shape="cosine"),
                              optimizer="adamw", weight_decay=0.1, grad_clip=0.05,
                              moe_aux_loss=MOE_AUX_LOSS if scenario.expert_parallel else 0.0,
-                             expert_parallel=scenario.expert_parallel)
-    reports = backend.train(model, data, config)
+                             expert_parallel=scenario.expert_parallel, layout=layout)
+    reports = backend.train(model, data, config, on_epoch)
     return reports, backend.export_weights(model)
 
 
@@ -242,8 +286,8 @@ def _data_parallel(backend, name: str, scenario: Scenario, seed: int, tol: float
     if len(devices) < 2:
         return _too_few_devices(backend, devices)
     pair = tuple(devices[:2])
-    one = _train(backend, scenario, seed, (devices[0],))
-    two = _train(backend, scenario, seed, pair)
+    one = train_scenario(backend, scenario, seed, (devices[0],))
+    two = train_scenario(backend, scenario, seed, pair)
     on = f"2 devices ({', '.join(pair)}) vs 1 ({devices[0]})"
     for reports, what in ((one[0], "1 device"), (two[0], "2 devices")):
         bad = _counts(reports, scenario, what)
@@ -258,9 +302,17 @@ def _data_parallel(backend, name: str, scenario: Scenario, seed: int, tol: float
         if not outcome.passed:
             outcome.message += ": batch-norm statistics are per device, not those of the global batch"
             return outcome
-    outcome = _agree(one, two, tol, on, skip=key_biases(scenario.graph()) if scenario.lm else frozenset())
+    return _compared(scenario, one, two, on, tol, "2 devices")
+
+
+def _compared(scenario: Scenario, one: tuple[list, dict], many: tuple[list, dict], on: str, tol: float,
+              what: str) -> Outcome:
+    """Training on `what` (2 devices, 2 nodes) against one device, both with correct image counts:
+    weights and losses (the attention key biases left out, as the level's docstring says), and
+    under expert parallelism the records each epoch must carry."""
+    outcome = _agree(one, many, tol, on, skip=key_biases(scenario.graph()) if scenario.lm else frozenset())
     if outcome.passed and scenario.expert_parallel:
-        outcome = _expert_parallel_records(one[0], two[0], on, outcome)
+        outcome = _expert_parallel_records(one[0], many[0], on, outcome, what)
     if outcome.passed and scenario.train % BATCH:
         last = scenario.train % BATCH
         shards = [len(s) for s in np.array_split(np.arange(last), 2)]
@@ -268,13 +320,13 @@ def _data_parallel(backend, name: str, scenario: Scenario, seed: int, tol: float
     return outcome
 
 
-def _expert_parallel_records(one: list, two: list, on: str, agreed: Outcome) -> Outcome:
-    """Each epoch's expert load on 2 devices equals 1 device's (the counts are the global batch's,
-    not a device's), and every epoch on 2 devices measured its all-to-all seconds."""
+def _expert_parallel_records(one: list, two: list, on: str, agreed: Outcome, what: str = "2 devices") -> Outcome:
+    """Each epoch's expert load on `what` equals 1 device's (the counts are the global batch's,
+    not a device's), and every epoch there measured its all-to-all seconds."""
     for a, b in zip(one, two):
         if a.expert_load is None or dict(b.expert_load or {}) != dict(a.expert_load):
             return Outcome(False, b.expert_load, a.expert_load, 0,
-                           f"{on}, epoch {a.epoch}: expert load {b.expert_load} on 2 devices, {a.expert_load} on 1")
+                           f"{on}, epoch {a.epoch}: expert load {b.expert_load} on {what}, {a.expert_load} on 1")
         seconds = b.all_to_all_seconds
         if seconds is None or not np.isfinite(seconds) or seconds <= 0:
             return Outcome(False, seconds, "> 0", None,
@@ -305,8 +357,9 @@ def _expert_parallel_refused(backend, seed: int) -> Outcome:
 
 
 def _refused(backend, graph: Graph, scenario: Scenario, seed: int, config: TrainConfig, what: str, passed: str,
-             trained: str) -> Outcome:
-    """Training `graph` with `config` must raise a BackendError before any weight changes."""
+             trained: str, quoting: tuple[str, str] | None = None) -> Outcome:
+    """Training `graph` with `config` must raise a BackendError before any weight changes; with
+    `quoting` (a declaration's name, its text), one of a single line that quotes that text."""
     weights = trained_looking_weights(graph, seed)
     model = backend.lower(graph, weights)
     data = _data(scenario, seed, graph.output_shape[-1], graph.input_shape)
@@ -318,28 +371,105 @@ def _refused(backend, graph: Graph, scenario: Scenario, seed: int, config: Train
         if changed:
             return Outcome(False, changed[:3], [], None, f"refused {what} ({exc}) but trained first: node "
                                                          f"'{changed[0]}' changed")
+        text = str(exc).strip()
+        if quoting is not None and ("\n" in text or quoting[1] not in text):
+            return Outcome(False, text, quoting[1], None, f"refused {what}, but not in one line that quotes "
+                                                          f"{quoting[0]}: {text!r}")
         return Outcome(True, "refused", "refused", None, f"{passed}: {exc}")
     return Outcome(False, "trained", "BackendError", None, trained)
+
+
+# -- a replica across nodes -----------------------------------------------------------------------
+
+
+def _multi_node(backend, name: str, scenario: Scenario, seed: int, tol: float, quick: bool) -> Outcome:
+    """`scenario` on 2 nodes of 1 device each (aiperf_conformance.multi_node) against 1 device."""
+    from aiperf_conformance.multi_node import NODES, NodesFailed, run_nodes
+
+    declared = backend.parallelism()
+    if not declared.data_parallel:
+        return Outcome(False, False, True, None, f"backend '{backend.name}' declares multi_node without data "
+                                                 f"parallelism: the devices of a replica's nodes train as one "
+                                                 f"data-parallel group")
+    device = backend.devices()[0]
+    one = train_scenario(backend, scenario, seed, (device,))
+    bad = _counts(one[0], scenario, "1 device")
+    if bad:
+        return bad
+    try:
+        nodes = run_nodes(_class_path(backend), name, seed, quick)
+    except NodesFailed as exc:
+        return Outcome(False, None, None, None, str(exc))
+    where = ", ".join(f"node {rank}: {d}" for rank, d in enumerate(nodes.devices))
+    on = f"{NODES} nodes x 1 device ({where}) vs 1 device ({device})"
+    bad = _counts(nodes.reports, scenario, f"node 0 of {NODES}")
+    if bad:
+        return bad
+    if nodes.on_epoch_calls != len(nodes.reports):
+        return Outcome(False, nodes.on_epoch_calls, len(nodes.reports), 0,
+                       f"{on}: node 0's on_epoch was called {nodes.on_epoch_calls} time(s) for {len(nodes.reports)} "
+                       f"epochs: the node that leads a replica reports every epoch to it")
+    missing = _not_held(one[1], nodes.weights)
+    if missing:
+        return Outcome(False, missing, "every weight", None,
+                       f"{on}: node 0 does not hold the whole model after training: {missing}; the weights a "
+                       f"follower trained (its experts) must be gathered to node 0")
+    outcome = _compared(scenario, one, (nodes.reports, nodes.weights), on, tol, f"{NODES} nodes")
+    outcome.message += f"; the nodes exited after {' and '.join(f'{t:.1f}' for t in nodes.seconds)} s"
+    return outcome
+
+
+def _not_held(whole: dict, held: dict) -> str:
+    """The first weight of `whole` that `held` lacks or holds in another shape ('' if none)."""
+    for node_id, params in whole.items():
+        for param, value in params.items():
+            got = held.get(node_id, {}).get(param)
+            if got is None:
+                return f"node '{node_id}' weight '{param}' is missing"
+            if np.shape(got) != np.shape(value):
+                return f"node '{node_id}' weight '{param}' has shape {list(np.shape(got))}, not {list(np.shape(value))}"
+    return ""
+
+
+def _multi_node_refused(backend, seed: int) -> Outcome:
+    """A backend without multi-node support refuses a layout of 2 nodes in one line, before training,
+    quoting its declared reason."""
+    from aiperf_conformance.multi_node import ADDR, NODES
+    from aiperf_core.replica_nodes import free_port
+
+    why = backend.parallelism().multi_node_why_not.strip()
+    if not why:
+        return Outcome(False, "", "a reason", None, f"backend '{backend.name}' declares no multi-node support and "
+                                                    f"gives no reason in Parallelism.multi_node_why_not")
+    device = backend.devices()[0]
+    # Nothing listens at the coordinator: a backend that tried to meet its peers would wait there.
+    layout = ReplicaLayout(nodes=NODES, devices_per_node=1, local_devices=(device,), coordinator_addr=ADDR,
+                           coordinator_port=free_port(ADDR), timeout_s=REFUSAL_TIMEOUT_S)
+    return _refused(backend, _resnet(), SCENARIOS["uneven_last_batch"], seed,
+                    TrainConfig(epochs=1, batch_size=BATCH, devices=(device,), layout=layout),
+                    f"a replica of {NODES} nodes", f"a replica of {NODES} nodes refused",
+                    f"backend '{backend.name}' declares no multi-node support but trained with a layout of {NODES} "
+                    f"nodes", quoting=("Parallelism.multi_node_why_not", why))
 
 
 def _single_device(backend, name: str, scenario: Scenario | None, seed: int, tol: float) -> Outcome:
     devices = list(backend.devices())
     declared = backend.parallelism()
     if name == "one_device_matches_default":
-        explicit = _train(backend, scenario, seed, (devices[0],))
+        explicit = train_scenario(backend, scenario, seed, (devices[0],))
         bad = _counts(explicit[0], scenario, f"devices=({devices[0]},)")
         if bad:
             return bad
         if len(devices) > 1:  # devices=None would mean all of them, which the contract refuses
             try:
-                _train(backend, scenario, seed, None)
+                train_scenario(backend, scenario, seed, None)
             except BackendError as exc:
                 return Outcome(True, "refused", "refused", None,
                                f"{scenario.train} training images counted exactly on {devices[0]}; "
                                f"devices=None with {len(devices)} visible refused: {exc}")
             return Outcome(False, "trained", "BackendError", None, f"devices=None trained on {len(devices)} "
                                                                    f"devices without data parallelism")
-        default = _train(backend, scenario, seed, None)
+        default = train_scenario(backend, scenario, seed, None)
         bad = _counts(default[0], scenario, "devices=None")
         if bad:
             return bad
@@ -366,7 +496,6 @@ def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str 
     spawned."""
     data_parallel = backend.parallelism().data_parallel
     names = [name for name in _names(backend.parallelism()) if workloads is None or _workload(name) in workloads]
-    scenarios = {**SCENARIOS, **(QUICK_SCENARIOS if quick else {})}
     out: dict[str, dict] = {}
     for name in names:
         sys.stderr.flush()
@@ -374,9 +503,13 @@ def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str 
         try:
             if name == EXPERT_PARALLEL_REFUSED:
                 outcome = _expert_parallel_refused(backend, seed)
+            elif name == MULTI_NODE_REFUSED:
+                outcome = _multi_node_refused(backend, seed)
+            elif name in MULTI_NODE_CHECKS or name == MULTI_NODE_EXPERT_CHECK:
+                outcome = _multi_node(backend, name, scenario_of(name, quick), seed, tol, quick)
             else:
                 run = _data_parallel if data_parallel else _single_device
-                outcome = run(backend, name, scenarios.get(name), seed, tol)
+                outcome = run(backend, name, scenario_of(name, quick), seed, tol)
             out[name] = {"passed": bool(outcome.passed), "measured": _plain(outcome.measured),
                          "expected": _plain(outcome.expected), "tolerance": outcome.tolerance,
                          "message": outcome.message}
@@ -394,9 +527,32 @@ def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str 
 
 def _names(declared) -> tuple[str, ...]:
     """The checks of a backend that declares `declared` (a Parallelism)."""
+    if declared.multi_node:
+        nodes = MULTI_NODE_CHECKS + ((MULTI_NODE_EXPERT_CHECK,) if declared.expert_parallel else ())
+    else:
+        nodes = (MULTI_NODE_REFUSED,)
     if not declared.data_parallel:
-        return SINGLE_DEVICE_CHECKS
-    return DATA_PARALLEL_CHECKS + ((EXPERT_PARALLEL_CHECK,) if declared.expert_parallel else (EXPERT_PARALLEL_REFUSED,))
+        return SINGLE_DEVICE_CHECKS + nodes
+    experts = EXPERT_PARALLEL_CHECK if declared.expert_parallel else EXPERT_PARALLEL_REFUSED
+    return DATA_PARALLEL_CHECKS + (experts,) + nodes
+
+
+ALL_CHECKS = (DATA_PARALLEL_CHECKS + (EXPERT_PARALLEL_CHECK, EXPERT_PARALLEL_REFUSED) + SINGLE_DEVICE_CHECKS
+              + MULTI_NODE_CHECKS + (MULTI_NODE_EXPERT_CHECK, MULTI_NODE_REFUSED))
+_APPLIES_TO = {
+    **dict.fromkeys(DATA_PARALLEL_CHECKS, "data-parallel backends"),
+    EXPERT_PARALLEL_CHECK: "expert-parallel backends",
+    EXPERT_PARALLEL_REFUSED: "data-parallel backends without expert parallelism",
+    **dict.fromkeys(SINGLE_DEVICE_CHECKS, "single-device backends"),
+    **dict.fromkeys(MULTI_NODE_CHECKS, "multi-node backends"),
+    MULTI_NODE_EXPERT_CHECK: "multi-node expert-parallel backends",
+    MULTI_NODE_REFUSED: "backends without multi-node support",
+}
+
+
+def applies_to(name: str) -> str:
+    """Which backends check `name` certifies (the vendor guide's check table)."""
+    return _APPLIES_TO[name]
 
 
 def _workload(name: str) -> str:
@@ -460,15 +616,11 @@ def _in_child(ctx: Context) -> dict:
         return found
 
 
-def child_main(argv: list[str]) -> int:
-    """The child process: load the backend class, run every scenario, write the outcomes."""
+def backend_from_spec(spec: dict):
+    """An instance of the backend class a child's spec names (`_class_path`), found on the parent's
+    sys.path (`sys_path`)."""
     import importlib
 
-    from aiperf_core.atomic import write_text_atomic
-
-    spec_path, out_path = argv
-    with open(spec_path) as f:
-        spec = json.load(f)
     for entry in spec["sys_path"]:
         if entry not in sys.path:
             sys.path.append(entry)
@@ -476,7 +628,17 @@ def child_main(argv: list[str]) -> int:
     cls = importlib.import_module(module)
     for part in qualname.split("."):
         cls = getattr(cls, part)
-    backend = cls()
+    return cls()
+
+
+def child_main(argv: list[str]) -> int:
+    """The child process: load the backend class, run every scenario, write the outcomes."""
+    from aiperf_core.atomic import write_text_atomic
+
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    backend = backend_from_spec(spec)
     devices = list(backend.devices())
     outcomes = run_scenarios(backend, spec["seed"], spec["quick"], spec["tolerance"], spec.get("stderr"),
                              spec.get("workloads"))
@@ -507,9 +669,7 @@ def _outcomes(ctx: Context) -> dict:
 def _check(ctx: Context, name: str) -> Outcome:
     outcomes, where = _outcomes(ctx)
     if name not in outcomes:
-        kind = {EXPERT_PARALLEL_CHECK: "an expert-parallel", EXPERT_PARALLEL_REFUSED: "a data-parallel"}.get(
-            name, "a data-parallel" if name in DATA_PARALLEL_CHECKS else "a single-device")
-        raise ParallelLevelError(f"not {kind} backend: no outcome for '{name}'")
+        raise ParallelLevelError(f"the check applies to {applies_to(name)}: no outcome for '{name}'")
     found = outcomes[name]
     if "error" in found and "account" in found:
         raise ChildProcessFailed(f"on {where}: {found['error']}\n{found['account']}")
@@ -520,11 +680,8 @@ def _check(ctx: Context, name: str) -> Outcome:
 
 
 def checks(ctx: Context):
-    if ctx.backend is None:  # --list without a backend: every check
-        names = DATA_PARALLEL_CHECKS + (EXPERT_PARALLEL_CHECK, EXPERT_PARALLEL_REFUSED) + SINGLE_DEVICE_CHECKS
-    else:
-        names = _names(ctx.backend.parallelism())
+    names = ALL_CHECKS if ctx.backend is None else _names(ctx.backend.parallelism())  # None: --list, every check
     for name in names:
-        graph = _gpt_moe() if name in (EXPERT_PARALLEL_CHECK, EXPERT_PARALLEL_REFUSED) else _gpt()
+        graph = _gpt_moe() if name in MOE_CHECKS else _gpt()
         lm = dict(workload="lm", ops=new_ops(graph)) if _workload(name) == "lm" else {}
         yield Check("parallel", name, partial(_check, name=name), **lm)

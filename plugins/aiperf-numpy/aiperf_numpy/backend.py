@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, StepClock, TrainConfig,
-                                 accuracy, cross_entropy, micro_batches)
+from aiperf_core.backend import (Availability, Backend, Dataset, EpochCallback, EpochReport, Parallelism, StepClock,
+                                 TrainConfig, accuracy, cross_entropy, micro_batches)
 from aiperf_core.ir import ALL_OPS, Graph, is_trainable
 from aiperf_core.optim import HostOptimizer
 from aiperf_core.weights import Weights, validate_weights
@@ -46,6 +46,11 @@ class NumpyBackend(Backend):
 
     def devices(self) -> list[str]:
         return [f"cpu ({platform.machine() or 'unknown'})"]
+
+    def parallelism(self) -> Parallelism:
+        # Single-device: no data parallelism, so nothing to spread over nodes either; the kit's
+        # parallel/multi_node_refused wants the reason said.
+        return Parallelism(multi_node_why_not="the reference executor trains on one CPU device, in one process")
 
     def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
         from aiperf_numpy.peak import matmul_seconds

@@ -1,0 +1,227 @@
+"""Two nodes of one replica on this machine, for the parallel level's multi-node checks.
+
+Each node is its own OS process of this Python, as `aiperf replica --node-rank K` is on a cluster.
+It loads the backend class, calls Backend.start_node with the launch's coordinator (127.0.0.1 and a
+port kept for the launch), then trains the check's scenario (levels.parallel.train_scenario) with
+its place in a ReplicaLayout of NODES nodes of 1 device, meeting its peer at a second port, the
+trial's. Nothing passes between the nodes but what the backend sends over TCP: no pipe, queue or
+shared memory. Every node is given the same spec (its rank aside) and builds the same graph,
+weights and data; only node 0 passes on_epoch, and after training it writes its epoch reports
+(JSON) and its exported weights (.npz, read back with allow_pickle=False) for the kit.
+
+Each node runs in a session of its own (so that stopping it stops the ranks it spawned), on its
+share of this machine's cores, with faulthandler on and its output in a log file. A node that
+fails ends the launch: the others get GRACE_S to exit. A node still running NODE_EXIT_BOUND_S
+after the launch is stopped (SIGABRT first, so that faulthandler writes its Python stacks, then
+SIGKILL) and the check fails naming it, with its log's tail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiperf_core.backend import CPU_DEVICES_ENV, EpochReport
+from aiperf_core.replica_layout import ReplicaLayout
+from aiperf_conformance.kit import FAULTHANDLER_ENV, child_account, exit_description, read_text
+
+NODES = 2
+ADDR = "127.0.0.1"
+# A node's bound on meeting its peers and on each collective (ReplicaLayout.timeout_s): a peer
+# that died fails the other's training within it.
+NODE_TIMEOUT_S = 120.0
+# From the launch to the last node's exit: well above what the checks' scenarios take (seconds to
+# tens of seconds on two busy cores) plus NODE_TIMEOUT_S, so that only a node that hangs reaches it.
+NODE_EXIT_BOUND_S = 300.0
+GRACE_S = 10.0  # after one node failed, how long the others may take to exit before they are stopped
+STOP_WAIT_S = 5.0  # between SIGABRT (faulthandler's stacks) and SIGKILL
+POLL_S = 0.1
+WEIGHTS_FILE = "node-0-weights.npz"
+
+
+def _result_file(folder: str, rank: int) -> Path:
+    """What node `rank` writes after training: the device it trained on, its reports (node 0's)."""
+    return Path(folder, f"node-{rank}-result.json")
+
+
+class NodesFailed(Exception):
+    """A node of the launch failed or did not exit: the first line says which and how, the next
+    ones give each such node's log tail and the Python stacks faulthandler wrote."""
+
+
+@dataclass
+class NodesRun:
+    reports: list[EpochReport]  # node 0's
+    weights: dict  # node 0's exported weights after training
+    on_epoch_calls: int  # how often node 0's on_epoch was called
+    devices: list[str]  # the device each node trained on, by node rank
+    seconds: list[float]  # each node's wall seconds from the launch to its exit, by node rank
+
+
+def _ports() -> tuple[int, int]:
+    """Two distinct free ports on ADDR: the launch's (start_node) and the trial's (train)."""
+    from aiperf_core.replica_nodes import free_port
+
+    launch = free_port(ADDR)
+    trial = free_port(ADDR)
+    while trial == launch:
+        trial = free_port(ADDR)
+    return launch, trial
+
+
+def run_nodes(backend_class: str, check: str, seed: int, quick: bool) -> NodesRun:
+    """Train check `check`'s scenario on NODES node processes of `backend_class` (module:qualname);
+    node 0's results, or NodesFailed."""
+    launch_port, trial_port = _ports()
+    env = dict(os.environ, **{FAULTHANDLER_ENV: "1", CPU_DEVICES_ENV: "1"})  # a node of one CPU device
+    with tempfile.TemporaryDirectory(prefix="aiperf-nodes-") as tmp:
+        logs = [os.path.join(tmp, f"node-{rank}.log") for rank in range(NODES)]
+        code = "import sys; from aiperf_conformance.multi_node import node_main; sys.exit(node_main(sys.argv[1]))"
+        processes = []
+        start = time.monotonic()
+        try:
+            for rank in range(NODES):
+                spec = {"backend_class": backend_class, "sys_path": [p for p in sys.path if p], "check": check,
+                        "seed": seed, "quick": quick, "node_rank": rank, "launch_port": launch_port,
+                        "trial_port": trial_port, "out": tmp}
+                spec_path = os.path.join(tmp, f"node-{rank}-spec.json")
+                Path(spec_path).write_text(json.dumps(spec))
+                with open(logs[rank], "wb") as log:
+                    processes.append(subprocess.Popen([sys.executable, "-c", code, spec_path], env=env,
+                                                      stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                                      start_new_session=True))
+            seconds = _watch(processes, start)
+        finally:
+            for process in processes:  # whatever is left of a node's session: the ranks it spawned
+                _signal_session(process, signal.SIGKILL)
+                process.wait()
+        _account(processes, seconds, logs)
+        return _results(tmp, seconds, logs)
+
+
+def _watch(processes: list[subprocess.Popen], start: float) -> list[float | None]:
+    """Wait for every node to exit; stop those still running at NODE_EXIT_BOUND_S after `start`,
+    or GRACE_S after another node failed. Each node's seconds to its exit (None: stopped)."""
+    seconds: list[float | None] = [None] * len(processes)
+    deadline = start + NODE_EXIT_BOUND_S
+    while True:
+        now = time.monotonic()
+        for rank, process in enumerate(processes):
+            if seconds[rank] is None and process.poll() is not None:
+                seconds[rank] = now - start
+                if process.returncode != 0:
+                    deadline = min(deadline, now + GRACE_S)
+        if all(s is not None for s in seconds) or now >= deadline:
+            break
+        time.sleep(POLL_S)
+    running = [p for p, s in zip(processes, seconds) if s is None]
+    for process in running:
+        _signal_session(process, signal.SIGABRT)
+    stop = time.monotonic() + STOP_WAIT_S
+    for process in running:
+        try:
+            process.wait(max(stop - time.monotonic(), 0.0))
+        except subprocess.TimeoutExpired:
+            pass
+    return seconds
+
+
+def _signal_session(process: subprocess.Popen, signum: int) -> None:
+    try:
+        os.killpg(process.pid, signum)  # start_new_session: the node leads its own process group
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _account(processes: list[subprocess.Popen], seconds: list[float | None], logs: list[str]) -> None:
+    """NodesFailed for a launch where a node did not exit, or exited other than 0."""
+    hung = [rank for rank, s in enumerate(seconds) if s is None]
+    failed = [rank for rank, (p, s) in enumerate(zip(processes, seconds)) if s is not None and p.returncode != 0]
+    if not hung and not failed:
+        return
+    ended = [f"node {rank} exited 0 after {s:.1f} s" for rank, (p, s) in enumerate(zip(processes, seconds))
+             if s is not None and p.returncode == 0]
+    if failed:
+        first = min(failed, key=lambda rank: seconds[rank])
+        head = f"node {first} failed ({exit_description(processes[first].returncode)} after {seconds[first]:.1f} s)"
+        if hung:
+            head += (f"; node(s) {', '.join(map(str, hung))} still running {GRACE_S:g} s later were stopped "
+                     f"(SIGABRT, then SIGKILL)")
+    else:
+        head = (f"node(s) {', '.join(map(str, hung))} did not exit within {NODE_EXIT_BOUND_S:g} s of the launch "
+                f"and were stopped (SIGABRT, then SIGKILL): every node of a replica must end when its training does")
+    if ended:
+        head += f" ({'; '.join(ended)})"
+    parts = [head]
+    for rank in sorted(set(hung) | set(failed)):
+        parts.append(f"node {rank}'s log:\n" + child_account(read_text(logs[rank])))
+    raise NodesFailed("\n".join(parts))
+
+
+def _results(folder: str, seconds: list[float], logs: list[str]) -> NodesRun:
+    from aiperf_core.weights import load_weights
+
+    for rank in range(NODES):
+        if not _result_file(folder, rank).exists() or (rank == 0 and not Path(folder, WEIGHTS_FILE).exists()):
+            raise NodesFailed(f"node {rank} exited 0 without writing what it trained (kit's node_main)\nnode {rank}'s "
+                              f"log:\n" + child_account(read_text(logs[rank])))
+    written = [json.loads(_result_file(folder, rank).read_text()) for rank in range(NODES)]
+    reports = [EpochReport(**{**r, "expert_load": None if r["expert_load"] is None else
+                              {node: tuple(counts) for node, counts in r["expert_load"].items()}})
+               for r in written[0]["reports"]]
+    return NodesRun(reports, load_weights(Path(folder, WEIGHTS_FILE)), written[0]["on_epoch_calls"],
+                    [w["device"] for w in written], [float(s) for s in seconds])
+
+
+# -- a node ---------------------------------------------------------------------------------------
+
+
+def _take_cores(rank: int) -> None:
+    """This node's share of the machine's cores (rank-th of every NODES), as a node has its own."""
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return
+    if len(cores) >= NODES:
+        os.sched_setaffinity(0, cores[rank::NODES])
+
+
+def node_main(spec_path: str) -> int:
+    """One node: start the backend's node, train the check's scenario with this node's place in the
+    layout, then write what it trained on (and node 0 its reports and weights) to the spec's folder."""
+    from dataclasses import asdict
+
+    from aiperf_core.atomic import write_text_atomic
+    from aiperf_core.weights import save_weights
+    from aiperf_conformance.levels.parallel import backend_from_spec, scenario_of, train_scenario
+
+    spec = json.loads(Path(spec_path).read_text())
+    rank = spec["node_rank"]
+    _take_cores(rank)
+    backend = backend_from_spec(spec)
+    # Before anything touches a device, as a run's nodes do (aiperf_core.replica_nodes): the launch's
+    # coordinator; devices_per_node is the trial's business.
+    backend.start_node(ReplicaLayout(nodes=NODES, node_rank=rank, coordinator_addr=ADDR,
+                                     coordinator_port=spec["launch_port"], timeout_s=NODE_TIMEOUT_S))
+    devices = list(backend.devices())
+    # A node that sees a device per node (several accelerators on one host) takes its own.
+    device = devices[rank] if len(devices) >= NODES else devices[0]
+    scenario = scenario_of(spec["check"], spec["quick"])
+    layout = ReplicaLayout(nodes=NODES, devices_per_node=1, node_rank=rank, local_devices=(device,),
+                           coordinator_addr=ADDR, coordinator_port=spec["trial_port"],
+                           expert_parallel=scenario.expert_parallel, timeout_s=NODE_TIMEOUT_S)
+    calls: list[EpochReport] = []
+    reports, weights = train_scenario(backend, scenario, spec["seed"], (device,), layout,
+                                      calls.append if layout.leads else None)
+    if layout.leads:  # the weights first: the result file says this node is done
+        save_weights(weights, Path(spec["out"], WEIGHTS_FILE))
+    written = {"device": device, "reports": [asdict(r) for r in reports], "on_epoch_calls": len(calls)}
+    write_text_atomic(_result_file(spec["out"], rank), json.dumps(written))
+    return 0
