@@ -108,6 +108,20 @@ def test_the_local_executor_starts_the_wrapped_command(tmp_path, monkeypatch):
     assert (tmp_path / "env").read_text().split() == ["charliecloud", "2"]
 
 
+def test_the_hosts_executor_starts_each_node_in_the_image(tmp_path, monkeypatch):
+    from aiperf_core.workflow.executors.base import ReplicaCommand
+    from aiperf_core.workflow.executors.hosts import Host, HostsExecutor
+
+    monkeypatch.setenv("USER", "alice")
+    executor = HostsExecutor(tmp_path, [[Host("n1", 1), Host("n2", 1)]])
+    executor.container = ContainerSpec("apptainer", "/img/aiperf.sif", binds=BINDS)
+    argv = executor.node_command(ReplicaCommand(0, 1, REPLICA, nodes=2), 1)
+    assert argv[:4] == ["ssh", "-o", "BatchMode=yes", "n2"]
+    assert f"{IMAGE_ENV}=/img/aiperf.sif" in argv and f"{RUNTIME_ENV}=apptainer" in argv
+    tail = wrap_argv(REPLICA + ["--node-rank", "1"], executor.container)
+    assert argv[-len(tail):] == tail
+
+
 # -- mount points for ch-run -----------------------------------------------------------------------
 def test_charliecloud_binds_the_deepest_folder_the_image_has():
     folders = {"/srv/runs/r1": "/srv", "/home/u/data": "/home", "/tmp/pytest/run": "/tmp"}

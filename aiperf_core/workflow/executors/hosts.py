@@ -28,6 +28,7 @@ from pathlib import Path
 
 from aiperf_core.errors import AiperfError
 from aiperf_core.replica_nodes import HOSTS_ENV
+from aiperf_core.workflow.container import launch_command
 from aiperf_core.workflow.executors.base import (Executor, ProcessEnd, ReplicaCommand, ReplicaHandle,
                                                  describe_exit_code, node_log_path)
 
@@ -124,7 +125,8 @@ class HostsExecutor(Executor):
         variables every node needs set by `env` on the far side (ssh does not carry them)."""
         hosts = self.placement[command.replica]
         env = {**command.node_env(replicas_per_node=1), HOSTS_ENV: ",".join(h.name for h in hosts)}
-        remote = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *command.node_argv(node)]
+        argv, env = launch_command(self.container, command.node_argv(node), env)
+        remote = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv]
         launcher = [part.replace("{host}", hosts[node].name) for part in shlex.split(self.launcher)]
         # A launcher joins the words after it into one shell line on the host, as ssh does: each
         # word is quoted so that it arrives as given.
