@@ -108,6 +108,23 @@ ZOO_CASES: tuple[OpCase, ...] = (
                                           Node("op", "channel_shuffle", ("c",), {"groups": 3})), workload="ir"),
 )
 
+def _grouped_after_conv(name, filters, groups, strides, padding, bias=False):
+    """A grouped convolution (3x3) of a (6, 5) input after a 1x1 convolution to 6 channels, so that its
+    input gradient is computed too, not only its weight gradient."""
+    return OpCase(name, (6, 5, 4), (
+        Node("pre", "conv2d", ("x",), {"filters": 6, "kernel": [1, 1], "use_bias": True}),
+        Node("op", "conv2d", ("pre",), {"filters": filters, "kernel": [3, 3], "strides": list(strides),
+                                         "padding": list(padding), "use_bias": bias, "groups": groups})),
+                  workload="ir")
+
+
+# The grouped convolutions the native counters count (count level): torch 2.13's FlopCounterMode counted a
+# grouped convolution's weight gradient `groups` times, and a depthwise one is each framework's own kernel.
+COUNT_CONV_CASES: tuple[OpCase, ...] = (
+    _grouped_after_conv("conv_grouped_strided", 9, 3, (2, 1), (1, 0, 1, 1), bias=True),
+    _grouped_after_conv("conv_depthwise_multiplier2", 12, 6, (2, 2), (1, 1, 0, 1)),
+)
+
 # The transformer ops (the LM workload): a real-valued (S, D) input, or token ids for the embedding.
 SEQUENCE_CASES: tuple[OpCase, ...] = (
     OpCase("embedding", (6,), (Node("op", "embedding", ("x",), {"vocab": 11, "units": 4}),), workload="lm",

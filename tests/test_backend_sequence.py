@@ -4,9 +4,10 @@ does not check, written once for torch, TensorFlow, JAX and MindSpore (issue 42)
 The kit (tests/test_conformance.py runs it on every backend) already checks, at every precision a
 backend declares: each op's forward and its parameters' gradients through a head against the NumPy
 reference (op level, conformance/cases.py), a GPT's logits, parameters and output shape (graph/gpt),
-its gradients, training step and optimizers (train/gpt_*), its native count per category (count/gpt)
-and its data-parallel training on token ids, an uneven last batch included (parallel/gpt_*). None of
-that is repeated here. What is:
+its gradients, training step and optimizers (train/gpt_*), its native count per category (count/gpt),
+the native count of a grouped and a depthwise convolution (count/conv_*) and its data-parallel
+training on token ids, an uneven last batch included (parallel/gpt_*). None of that is repeated
+here. What is:
 
 * The op's own backward where the kit cannot see it. A kit case puts the op right after the input,
   so an op without parameters (lrn, avg_pool, gelu, the constants, softmax, ...) has no gradient the
@@ -21,8 +22,7 @@ that is repeated here. What is:
 * Dropout in training: every backend draws the reference's masks, so its loss and gradients equal
   the reference's.
 * Training on token ids: the validation loss and accuracy are means over every position.
-* Each native counter's declared convention, and grouped and depthwise convolutions counted (the
-  count level's graphs have none).
+* Each native counter's declared convention.
 * Per backend, its own behaviour: torch's compiled step and conv probe, JAX's product precision in
   its jitted step, TensorFlow's token ids of either width, MindSpore's fp16 lowering on a CPU.
 
@@ -47,7 +47,6 @@ from aiperf_conformance.cases import trained_looking_weights
 from aiperf_conformance.expectations import load_expectations
 from aiperf_conformance.kit import normwise_error, relative_error
 from aiperf_numpy.executor import forward, loss_and_grads
-import aiperf_opcount as opcount
 
 # `make test` installs all four: a backend that cannot load is a failure here, never a skip.
 BACKENDS = ("torch", "tensorflow", "jax", "mindspore")
@@ -351,29 +350,6 @@ def test_the_native_counter_declares_its_convention(backend):
     # so the kit's count level checks each; "moe" where the counter books routed experts apart (issue 40)
     assert {"conv", "dense", "attention"} <= set(convention.covers) <= {"conv", "dense", "attention", "moe"}
     assert convention.mac_ops == 2 and not convention.includes_update
-
-
-# torch 2.13's FlopCounterMode counts a grouped convolution's weight gradient as if it were not grouped
-# (torch.utils.flop_counter.conv_backward_flop: batch C_in, not C_in / groups), and the torch counter does
-# not correct it yet: its backward count of a grouped conv is (groups - 1) weight gradients too many.
-TORCH_GROUPED_BACKWARD = pytest.mark.xfail(strict=True, reason="torch's counter counts a grouped conv's weight "
-                                           "gradient `groups` times (FlopCounterMode's convolution_backward rule)")
-
-
-@pytest.mark.parametrize("name", [pytest.param("torch", marks=TORCH_GROUPED_BACKWARD), "tensorflow", "jax",
-                                  "mindspore"])
-@pytest.mark.parametrize("case", ["conv_grouped_strided", "conv_depthwise_multiplier2"])
-def test_the_native_counter_counts_grouped_and_depthwise_convolutions(name, case):
-    # MindSpore's flops_collection counts a Conv2D with group=G as G times its work: its counter counts
-    # one group's convolution G times (backends/mindspore/counter.py)
-    backend = _backend(name)
-    graph = _with_head(_op_graph(case))
-    model = backend.lower(graph, _weights(graph, 1))
-    counter = backend.native_counter()
-    counted = opcount.count(graph, counter.convention.convention_for("conv"))
-    for backward in (False, True):
-        want = 2 * sum(n.fp + (n.grad if backward else 0) for n in counted.nodes if n.category == "conv")
-        assert counter.count(model, 2, backward)["conv"] == want, backward
 
 
 # -- torch ---------------------------------------------------------------------------------------------

@@ -162,7 +162,8 @@ def test_a_report_without_a_passing_check_is_never_ok():
     only_xfail = Report("x", "1", ["count"], [CheckResult("count", "a/forward", "xfail")])
     assert not only_xfail.ok and "no check passed" in only_xfail.verdict()
     report = run_conformance(NumpyBackend(), ["count"])  # numpy: every count check is an expected failure
-    assert not report.ok and report.counts()["xfail"] == len(catalogue(["count"], ("fp32",))) == 14
+    # 6 on routed experts, 2 on each of the 4 networks and each of the 2 grouped convolutions
+    assert not report.ok and report.counts()["xfail"] == len(catalogue(["count"], ("fp32",))) == 18
     assert main(["conformance", "--backend", "numpy", "--level", "count"]) == 1
 
 
@@ -357,14 +358,15 @@ def test_list_prints_every_check_with_level_precision_and_counter(capsys):
     assert rows["op/relu/forward@bf16"] == ["op", "bf16", "cnn", "-"]
     assert rows["op/attention_causal/backward@bf16"] == ["op", "bf16", "lm", "-"]
     assert rows["count/gpt/forward_backward"] == ["count", "fp32", "lm", "needed"]
+    assert rows["count/conv_grouped_strided/forward_backward"] == ["count", "fp32", "ir", "needed"]
     assert rows["graph/onnx_zoo/shufflenet@fp16"] == ["graph", "fp16", "ir", "-"]
     assert main(["conformance", "--list", "--json", "--backend", "numpy"]) == 0
     listed = json.loads(capsys.readouterr().out)
     assert {r["precision"] for r in listed} == {"fp32"}
     assert "parallel/refuses_two_devices" in {r["id"] for r in listed}
     assert "parallel/matches_one_device" not in {r["id"] for r in listed}
-    # count: 4 graphs x 2 and 3 moe cases x 2; morph: 4 CNN, 5 GPT, 5 Llama
-    assert sum(r["needs_native_counter"] for r in listed) == 28
+    # count: 4 graphs x 2, 2 grouped convolutions x 2 and 3 moe cases x 2; morph: 4 CNN, 5 GPT, 5 Llama
+    assert sum(r["needs_native_counter"] for r in listed) == 32
     assert rows["op/attention_grouped_query/backward@bf16"] == ["op", "bf16", "lm", "-"]
     assert {"rms_norm", "rotary", "silu", "mul", "grouped_query_attention"} <= set(
         by_id_ops(listed, "train/llama_gradients_match_reference"))
@@ -372,6 +374,7 @@ def test_list_prints_every_check_with_level_precision_and_counter(capsys):
     assert by_id["train/gpt_gradients_match_reference"]["workload"] == "lm"
     assert {"attention", "embedding", "gelu", "layer_norm"} <= set(by_id["train/gpt_gradients_match_reference"]["ops"])
     assert by_id["op/conv_grouped/forward"]["ops"] == ["grouped_conv2d"]
+    assert by_id["count/conv_depthwise_multiplier2/forward"]["ops"] == ["grouped_conv2d"]
     assert by_id["train/digits_accuracy"]["ops"] == []
     # 5 data-parallel (one of them the GPT's), the expert-parallel check or its refusal, 2 single-device,
     # and across nodes: the CNN's and the GPT's, the expert-parallel one, or the refusal

@@ -6,7 +6,10 @@ convention). It does not count bias additions, normalisation, activations, pooli
 only 'conv', 'dense', 'attention' and 'moe' are covered:
 
 * conv:  aten.convolution (and its variants) forward, aten.convolution_backward backward (the input
-  gradient only where one is needed, the weight gradient always);
+  gradient only where one is needed, the weight gradient always). torch 2.13's backward rule counts a
+  grouped convolution's weight gradient as if it were not grouped (each of its MACs `groups` times:
+  its formula reads the input's C, not C / groups), so the rule here counts each gradient as its
+  forward: 2 FLOPs per (position the kernel slides over, kernel weight) pair;
 * dense: aten.mm / addmm (a dense layer's forward is an addmm, over N*S rows of a sequence; its
   backward two mm);
 * attention: the fused scaled-dot-product-attention kernels, forward and backward, and bmm /
@@ -46,7 +49,8 @@ CONVENTION = CounterConvention(
     includes_update=False,
     notes=("torch.utils.flop_counter.FlopCounterMode: 2 FLOPs per MAC of convolutions and matrix products, "
            "padded taps and the causal mask's S x S scores included (attention's backward without the fused "
-           "kernels' recomputation of the scores); a moe node's router and routed experts' products under "
+           "kernels' recomputation of the scores; a grouped convolution's weight gradient once, not groups "
+           "times); a moe node's router and routed experts' products under "
            "'moe'; bias, normalisation, activation, pooling and softmax are not counted; the backward count "
            "has no weight update"),
 )
@@ -99,11 +103,25 @@ def grouped_mm_flops(a, b, *args, out_shape=None, **kwargs) -> int:
     return 2 * math.prod(out_shape) * a[-1]
 
 
+def convolution_backward_flops(grad_out, x, weight, bias, stride, padding, dilation, transposed, output_padding,
+                               groups, output_mask, out_shape=None, **kwargs) -> int:
+    """aten.convolution_backward's FLOPs from its operands' shapes: each gradient asked for
+    (output_mask: input, weight) is a convolution of its forward's size, 2 per MAC of every kernel
+    weight (the weight's shape is already per group: (C_out, C_in / groups, kh, kw)) at every position
+    it slides over (the output's, or a transposed convolution's input's), for each sample."""
+    positions = math.prod((x if transposed else grad_out)[2:])
+    forward = 2 * x[0] * positions * math.prod(weight)
+    return forward * (bool(output_mask[0]) + bool(output_mask[1]))
+
+
 def flop_rules() -> dict:
-    """FlopCounterMode's custom_mapping: attention_rules and torch._grouped_mm's rule."""
+    """FlopCounterMode's custom_mapping: attention_rules, torch._grouped_mm's rule and the convolution's
+    backward rule."""
     import torch
 
-    return {**attention_rules(), torch.ops.aten._grouped_mm: grouped_mm_flops}
+    aten = torch.ops.aten
+    return {**attention_rules(), aten._grouped_mm: grouped_mm_flops,
+            aten.convolution_backward: convolution_backward_flops}
 
 
 class TorchFlopCounter(NativeCounter):

@@ -1,6 +1,6 @@
 """Level 'count': the backend's native op counter against the analytic count under the counter's
 declared convention, per category it covers, forward and forward+backward, on two ResNets, a 2-layer
-GPT and a 2-layer Llama.
+GPT, a 2-layer Llama, and a grouped and a depthwise convolution.
 
 The matrix products (conv, dense, and attention's two products) must agree exactly under every
 convention; attention's count depends on it (paper: the full S x S scores; valid: the S(S+1)/2 pairs
@@ -9,6 +9,11 @@ a causal mask keeps), and a counter declares it apart from its padding (CounterC
 A native count of zero or below for a category that has operations is a failure with its own
 message, never a match: a counter that cannot see some kernels (XLA reports -1 for a cuDNN custom
 call) must not pass because the analytic side happens to be small.
+
+The grouped and depthwise convolutions (`count/conv_grouped_strided`, `count/conv_depthwise_multiplier2`,
+the model-zoo CNNs' ops) each follow a 1x1 convolution, so that both their gradients are counted: a
+counter that counts a grouped weight gradient as if it were not grouped (torch 2.13's FlopCounterMode
+did: `groups` times) fails them.
 
 A mixture of experts is counted apart (`count/moe_*`): its category `moe` holds the router and only the
 k experts each token chose, so a native count above 1.05 times it means the backend runs experts on
@@ -23,12 +28,14 @@ import aiperf_opcount as opcount
 from aiperf_core.backend import NativeCounter
 from aiperf_core.ir import Graph, Node, moe_mlp
 from aiperf_opcount.rules import MAC
-from aiperf_conformance.cases import OpCase, trained_looking_weights
+from aiperf_conformance.cases import COUNT_CONV_CASES, OpCase, trained_looking_weights
 from aiperf_conformance.kit import Check, Context, Outcome, new_ops
 from aiperf_conformance.levels.graph import GRAPHS, checks_tags
 
 BATCH = 2
 EXACT_CATEGORIES = ("conv", "dense", "attention")  # MAC-based: every convention agrees on these exactly
+# The graphs counted whole: the graph level's networks, and the grouped convolutions with a head.
+COUNT_GRAPHS = {**GRAPHS, **{case.name: case.with_head for case in COUNT_CONV_CASES}}
 
 
 def analytic_by_category(graph, convention, backward: bool, includes_update: bool) -> dict[str, int]:
@@ -84,7 +91,7 @@ def native_vs_analytic(ctx: Context, name: str, backward: bool) -> Outcome:
     if counter is None:
         return no_counter(ctx)
     conv = counter.convention
-    graph = GRAPHS[name]()
+    graph = COUNT_GRAPHS[name]()
     model = ctx.backend.lower(graph, trained_looking_weights(graph, ctx.seed))
     native = counter.count(model, BATCH, backward)
     analytic = analytic_for_counter(graph, conv, backward)
@@ -176,8 +183,10 @@ def checks(ctx: Context):
             yield Check("count", f"moe_{name}/{'forward_backward' if backward else 'forward'}",
                         partial(routed_moe, name=name, backward=backward), needs_counter=True, workload="lm",
                         ops=new_ops(moe_graph(name)))
-    for name in GRAPHS:
+    workloads = {case.name: case.workload for case in COUNT_CONV_CASES}
+    for name, graph in COUNT_GRAPHS.items():
+        tags = checks_tags(name) if name in GRAPHS else dict(workload=workloads[name], ops=new_ops(graph()))
         yield Check("count", f"{name}/forward", partial(native_vs_analytic, name=name, backward=False),
-                    needs_counter=True, **checks_tags(name))
+                    needs_counter=True, **tags)
         yield Check("count", f"{name}/forward_backward", partial(native_vs_analytic, name=name, backward=True),
-                    needs_counter=True, **checks_tags(name))
+                    needs_counter=True, **tags)
