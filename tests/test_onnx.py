@@ -597,3 +597,17 @@ def test_inputs_and_opsets_outside_the_supported_range_are_rejected():
     model.opset_import[0].version = 8
     with pytest.raises(GraphError, match="opset 8"):
         import_onnx(model)
+
+
+def test_each_onnx_op_has_one_handler_in_the_module_of_its_family():
+    """The table in aiperf_core/onnx/ops/__init__.py says where a newcomer finds (and adds) an op's handler."""
+    import re
+
+    from aiperf_core.onnx import ops
+    from aiperf_core.onnx.ops import HANDLERS
+
+    listed = {}
+    for module, op_types in re.findall(r"^    (\w+)\.py +(.+)$", ops.__doc__, re.M):
+        for op_type in re.sub(r"\(.*\)", "", op_types).replace(",", " ").split():
+            listed[op_type] = f"aiperf_core.onnx.ops.{module}"
+    assert listed == {op_type: handler.__module__ for op_type, handler in HANDLERS.items()}
