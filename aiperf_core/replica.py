@@ -470,16 +470,15 @@ class Replica:
         budget = self.backend.device_memory(self.backend.devices()[0])
         if budget is None:
             return None
-        from aiperf_opcount.memory import MEMORY_HEADROOM, estimate
+        from aiperf_opcount.memory import MEMORY_HEADROOM, smallest_step
 
-        smallest = 1 if self.policy["micro_batch"] == "auto" else min(self.policy["micro_batch"],
-                                                                       self._device_shard(batch_size))
-        checkpoint = self.policy["activation_checkpointing"] != "never"
+        shard = self._device_shard(batch_size)
 
         def needs(graph: Graph) -> int | None:
             """The bytes over the budget this child's smallest step needs; None when it fits."""
-            total = estimate(graph, smallest, self.precision, self.policy["optimizer"], checkpoint,
-                             expert_devices=self._expert_devices(graph)).total
+            total = smallest_step(graph, shard, self.precision, self.policy["optimizer"], self.policy["micro_batch"],
+                                  self.policy["activation_checkpointing"],
+                                  expert_devices=self._expert_devices(graph)).total
             if total <= budget * MEMORY_HEADROOM:
                 return None
             over_memory.append({"estimate_bytes": total, "budget_bytes": budget, "params": graph.num_params()})

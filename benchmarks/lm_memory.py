@@ -8,8 +8,9 @@ the LM track does: the backend's training.Stepper with the policy's AdamW (betas
 gradient clip, on random token ids. On a CPU: batch 1 (--batch=N), fp32. On a CUDA device: the
 official global batch (32) at the backend's fastest precision (bf16 where declared).
 
-What the estimate counts is tensor memory: parameters, gradients, optimizer state and the
-activations a backward pass reads, at the step's peak. So each case runs in a fresh process and
+What the estimate counts is tensor memory: parameters, gradients, optimizer state, the optimizer
+update's temporaries and the activations a backward pass reads, at the step's peak (the larger of
+the passes' and the update's). So each case runs in a fresh process and
 measures what the framework's allocator holds at that peak, over two whole steps (the first creates
 the gradients and AdamW's moments, the second runs with them present):
 
@@ -267,7 +268,8 @@ def main() -> int:
               f"{'on' if found['checkpoint_blocks'] else 'off'} ({found['seconds']:.0f} s)", flush=True)
         terms = guess.to_dict()
         print("  estimate: " + ", ".join(f"{k} {terms[k] / MIB:.1f} MiB" for k in
-                                         ("parameters", "gradients", "optimizer_state", "activations", "total")))
+                                         ("parameters", "gradients", "optimizer_state", "activations",
+                                          "update_temporaries", "passes", "update", "total")))
         if not cuda:
             print(f"  measured: parameters {found['parameters'] / MIB:.1f} MiB, allocated after them at the peak "
                   f"{found['allocated_peak'] / MIB:.1f} MiB (forward and backward passes "

@@ -66,9 +66,11 @@ def run(args) -> int:
 def render_memory(memory) -> str:
     gib = 2.0 ** 30
     return (f"memory of one device's step, {memory.batch} at once, {memory.precision}, {memory.optimizer}"
-            f"{', blocks checkpointed' if memory.checkpoint_blocks else ''}: {memory.total / gib:.3f} GiB "
-            f"(parameters {memory.parameters / gib:.3f}, gradients {memory.gradients / gib:.3f}, optimizer state "
-            f"{memory.optimizer_state / gib:.3f}, activations {memory.activations / gib:.3f})")
+            f"{', blocks checkpointed' if memory.checkpoint_blocks else ''}: {memory.total / gib:.3f} GiB, the larger "
+            f"of the passes' {memory.passes / gib:.3f} and the update's {memory.update / gib:.3f} (parameters "
+            f"{memory.parameters / gib:.3f}, gradients {memory.gradients / gib:.3f}, optimizer state "
+            f"{memory.optimizer_state / gib:.3f}, activations {memory.activations / gib:.3f}, the update's "
+            f"temporaries {memory.update_temporaries / gib:.3f})")
 
 
 def sci(x: float) -> str:
