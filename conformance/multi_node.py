@@ -43,6 +43,11 @@ NODE_EXIT_BOUND_S = 300.0
 GRACE_S = 10.0  # after one node failed, how long the others may take to exit before they are stopped
 STOP_WAIT_S = 5.0  # between SIGABRT (faulthandler's stacks) and SIGKILL
 POLL_S = 0.1
+# The environment as this process found it when it imported this module (the parallel level does,
+# before the backend's framework starts): a node starts from it, as a node's process starts afresh
+# on its own host, not from what a framework set here when it initialised (jax puts AIPERF_CPU_DEVICES
+# into XLA_FLAGS).
+_STARTING_ENV = dict(os.environ)
 WEIGHTS_FILE = "node-0-weights.npz"
 
 
@@ -80,7 +85,7 @@ def run_nodes(backend_class: str, check: str, seed: int, quick: bool) -> NodesRu
     """Train check `check`'s scenario on NODES node processes of `backend_class` (module:qualname);
     node 0's results, or NodesFailed."""
     launch_port, trial_port = _ports()
-    env = dict(os.environ, **{FAULTHANDLER_ENV: "1", CPU_DEVICES_ENV: "1"})  # a node of one CPU device
+    env = dict(_STARTING_ENV, **{FAULTHANDLER_ENV: "1", CPU_DEVICES_ENV: "1"})  # a node of one CPU device
     with tempfile.TemporaryDirectory(prefix="aiperf-nodes-") as tmp:
         logs = [os.path.join(tmp, f"node-{rank}.log") for rank in range(NODES)]
         code = "import sys; from aiperf_conformance.multi_node import node_main; sys.exit(node_main(sys.argv[1]))"

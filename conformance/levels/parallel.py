@@ -102,6 +102,7 @@ from aiperf_conformance.cases import trained_looking_weights
 from aiperf_conformance.kit import (Check, ChildProcessFailed, Context, Outcome, child_account, new_ops,
                                     output_size, read_text, relative_error, run_child)
 from aiperf_conformance.levels.op import key_biases
+from aiperf_conformance.multi_node import ADDR, NODES, NodesFailed, run_nodes
 
 DATA_PARALLEL_CHECKS = ("matches_one_device", "synchronized_batch_norm", "uneven_last_batch", "empty_shard",
                         "gpt_matches_one_device")
@@ -384,8 +385,6 @@ def _refused(backend, graph: Graph, scenario: Scenario, seed: int, config: Train
 
 def _multi_node(backend, name: str, scenario: Scenario, seed: int, tol: float, quick: bool) -> Outcome:
     """`scenario` on 2 nodes of 1 device each (aiperf_conformance.multi_node) against 1 device."""
-    from aiperf_conformance.multi_node import NODES, NodesFailed, run_nodes
-
     declared = backend.parallelism()
     if not declared.data_parallel:
         return Outcome(False, False, True, None, f"backend '{backend.name}' declares multi_node without data "
@@ -434,7 +433,6 @@ def _not_held(whole: dict, held: dict) -> str:
 def _multi_node_refused(backend, seed: int) -> Outcome:
     """A backend without multi-node support refuses a layout of 2 nodes in one line, before training,
     quoting its declared reason."""
-    from aiperf_conformance.multi_node import ADDR, NODES
     from aiperf_core.replica_nodes import free_port
 
     why = backend.parallelism().multi_node_why_not.strip()
