@@ -4,11 +4,13 @@ A replica across nodes, emulated: every node process meets its peer over TCP at 
 coordinator, then trains the whole global batch (what the nodes' group computes together). It
 passes the three multi-node checks. Each planted fault fails with its own message: node 0 without
 the follower's experts, node 0 reporting other losses, a follower that never exits (stopped at the
-bound), a follower that fails. A backend without multi-node support passes the refusal check only
-when it refuses in one line that quotes its declared reason, before training."""
+bound), a follower that fails (and the checks after it are not run). A backend without multi-node
+support passes the refusal check only when it refuses in one line that quotes its declared reason,
+before training."""
 
 from __future__ import annotations
 
+import atexit
 import socket
 import time
 from dataclasses import replace
@@ -19,7 +21,7 @@ from aiperf_conformance.expectations import Expectations
 from aiperf_conformance.kit import Context, catalogue, collect, run_check
 from aiperf_conformance.levels.parallel import (DATA_PARALLEL_CHECKS, EXPERT_PARALLEL_CHECK, MULTI_NODE_CHECKS,
                                                 MULTI_NODE_EXPERT_CHECK, MULTI_NODE_REFUSED, _multi_node,
-                                                run_scenarios, scenario_of)
+                                                run_scenarios)
 from test_conformance_expert_parallel import first_half_of_experts
 from test_conformance_parallel import TwoDevices
 
@@ -103,15 +105,14 @@ class OtherLosses(TwoNodes):
 
 
 class FollowerNeverExits(TwoNodes):
-    """The follower trains, then waits for ever in what would be its teardown."""
+    """The follower trains every trial, then waits for ever as its process exits."""
 
     name = "followerneverexits"
 
-    def train_checked(self, model, data, config, on_epoch):
-        reports = super().train_checked(model, data, config, on_epoch)
-        if config.layout is not None and config.layout.node_rank == 1:
-            waits_on_a_peer_that_left()
-        return reports
+    def start_node(self, layout):
+        super().start_node(layout)
+        if layout.node_rank == 1:
+            atexit.register(waits_on_a_peer_that_left)
 
 
 def waits_on_a_peer_that_left():
@@ -159,8 +160,12 @@ class RefusesWithoutQuoting(WithoutMultiNode):
         raise BackendError("no\nmulti-node here")
 
 
+def multi_node_results(backend, *names):
+    return _multi_node(backend, list(names), 0, 1e-4, True)
+
+
 def multi_node_result(backend, name):
-    return _multi_node(backend, name, scenario_of(name, True), 0, 1e-4, True)
+    return multi_node_results(backend, name)[name]
 
 
 def refusal_result(backend):
@@ -175,7 +180,7 @@ def test_emulated_nodes_pass_every_multi_node_check():
     for name, result in results.items():
         assert result.status == "pass", (name, result.message)
         assert "2 nodes x 1 device (node 0: cpu:0, node 1: cpu:1) vs 1 device (cpu:0)" in result.message
-        assert "the nodes exited after" in result.message
+        assert "the nodes trained it in" in result.message
     assert "19 training images counted exactly" in results["multi_node_matches_one_device"].message
     assert "35 training images counted exactly" in results["gpt_multi_node_matches_one_device"].message
     experts = results[MULTI_NODE_EXPERT_CHECK].message
@@ -198,21 +203,25 @@ def test_other_losses_on_node_0_fail():
 
 def test_a_node_that_never_exits_is_stopped_at_the_bound(monkeypatch):
     monkeypatch.setattr(multi_node, "NODE_EXIT_BOUND_S", 20.0)
-    outcome = multi_node_result(FollowerNeverExits(), "multi_node_matches_one_device")
-    assert not outcome.passed
-    head, *account = outcome.message.splitlines()
-    assert head.startswith("node(s) 1 did not exit within 20 s of the launch and were stopped (SIGABRT, then "
-                           "SIGKILL): every node of a replica must end when its training does (node 0 exited 0 after")
+    first, last = multi_node_results(FollowerNeverExits(), *MULTI_NODE_CHECKS).values()
+    assert first.passed, first.message  # both nodes trained it; the follower hangs only as it exits
+    assert not last.passed
+    head, *account = last.message.splitlines()
+    assert head.startswith("after training every check, node(s) 1 did not exit within 20 s of the launch and "
+                           "were stopped (SIGABRT, then SIGKILL): every node of a replica must end when its "
+                           "training does (node 0 exited 0 after")
     # faulthandler's stack of the stopped node says where it hung.
     assert "node 1's log:" in account[0] and "in waits_on_a_peer_that_left" in "\n".join(account)
 
 
-def test_a_node_that_fails_is_named_with_its_error():
-    outcome = multi_node_result(FollowerFails(), "multi_node_matches_one_device")
-    assert not outcome.passed
-    head, *account = outcome.message.splitlines()
+def test_a_node_that_fails_is_named_with_its_error_and_ends_the_launch(monkeypatch):
+    monkeypatch.setattr(multi_node, "GRACE_S", 1.0)  # node 0 waits for its peer in the second check
+    first, second = multi_node_results(FollowerFails(), *MULTI_NODE_CHECKS).values()
+    assert not first.passed and not second.passed
+    head, *account = first.message.splitlines()
     assert head.startswith("node 1 failed (exit status 1 after")
     assert "BackendError: node 1: the gradients' all-reduce failed" in "\n".join(account)
+    assert second.message == f"not run: the nodes ended in 'multi_node_matches_one_device' ({head})"
 
 
 def test_a_backend_without_multi_node_support_refuses_quoting_its_reason():

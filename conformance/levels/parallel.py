@@ -58,9 +58,11 @@ A backend that declares no data parallelism is certified as single-device:
 For a backend whose parallelism() declares multi_node (a replica across nodes, TrainConfig.layout),
 each check trains one scenario on 2 nodes of 1 device each, through the path a run takes: two OS
 processes of this Python that share nothing but TCP on 127.0.0.1, each calling Backend.start_node
-and then train() with its place in the layout (aiperf_conformance.multi_node). Node 0's epoch
-reports and exported weights are compared with 1 device on the combined batch, as above; a node
-that has not exited within multi_node.NODE_EXIT_BOUND_S is stopped and the check fails:
+once and then train() with its place in the layout for each check in turn, as a replica's nodes
+train its trials (aiperf_conformance.multi_node). Node 0's epoch reports and exported weights are
+compared with 1 device on the combined batch, as above. A node that fails, or has not exited within
+multi_node.NODE_EXIT_BOUND_S (then it is stopped), fails the check it was training and the ones
+after it:
 
   parallel/multi_node_matches_one_device
                                     the CNN step (batch norm synchronised across the nodes), 2 epochs
@@ -102,7 +104,7 @@ from aiperf_conformance.cases import trained_looking_weights
 from aiperf_conformance.kit import (Check, ChildProcessFailed, Context, Outcome, child_account, new_ops,
                                     output_size, read_text, relative_error, run_child)
 from aiperf_conformance.levels.op import key_biases
-from aiperf_conformance.multi_node import ADDR, NODES, NodesFailed, run_nodes
+from aiperf_conformance.multi_node import ADDR, NODES, NodesTrained, run_nodes
 
 DATA_PARALLEL_CHECKS = ("matches_one_device", "synchronized_batch_norm", "uneven_last_batch", "empty_shard",
                         "gpt_matches_one_device")
@@ -383,22 +385,30 @@ def _refused(backend, graph: Graph, scenario: Scenario, seed: int, config: Train
 # -- a replica across nodes -----------------------------------------------------------------------
 
 
-def _multi_node(backend, name: str, scenario: Scenario, seed: int, tol: float, quick: bool) -> Outcome:
-    """`scenario` on 2 nodes of 1 device each (aiperf_conformance.multi_node) against 1 device."""
+def _multi_node(backend, names: list[str], seed: int, tol: float, quick: bool) -> dict[str, Outcome]:
+    """Each multi-node check of `names` against 1 device: their scenarios trained one after the other
+    by one launch of 2 nodes of 1 device each (aiperf_conformance.multi_node), as a replica's nodes
+    train its trials."""
     declared = backend.parallelism()
     if not declared.data_parallel:
-        return Outcome(False, False, True, None, f"backend '{backend.name}' declares multi_node without data "
-                                                 f"parallelism: the devices of a replica's nodes train as one "
-                                                 f"data-parallel group")
+        failed = Outcome(False, False, True, None, f"backend '{backend.name}' declares multi_node without data "
+                                                   f"parallelism: the devices of a replica's nodes train as one "
+                                                   f"data-parallel group")
+        return dict.fromkeys(names, failed)
     device = backend.devices()[0]
-    one = train_scenario(backend, scenario, seed, (device,))
+    ones = {name: train_scenario(backend, scenario_of(name, quick), seed, (device,)) for name in names}
+    trained = run_nodes(_class_path(backend), names, seed, quick)
+    return {name: _multi_node_outcome(scenario_of(name, quick), ones[name], trained[name], device, tol)
+            for name in names}
+
+
+def _multi_node_outcome(scenario: Scenario, one: tuple[list, dict], nodes: NodesTrained | str, device: str,
+                        tol: float) -> Outcome:
     bad = _counts(one[0], scenario, "1 device")
     if bad:
         return bad
-    try:
-        nodes = run_nodes(_class_path(backend), name, seed, quick)
-    except NodesFailed as exc:
-        return Outcome(False, None, None, None, str(exc))
+    if isinstance(nodes, str):  # the launch failed before both nodes had trained it
+        return Outcome(False, None, None, None, nodes)
     where = ", ".join(f"node {rank}: {d}" for rank, d in enumerate(nodes.devices))
     on = f"{NODES} nodes x 1 device ({where}) vs 1 device ({device})"
     bad = _counts(nodes.reports, scenario, f"node 0 of {NODES}")
@@ -414,7 +424,7 @@ def _multi_node(backend, name: str, scenario: Scenario, seed: int, tol: float, q
                        f"{on}: node 0 does not hold the whole model after training: {missing}; the weights a "
                        f"follower trained (its experts) must be gathered to node 0")
     outcome = _compared(scenario, one, (nodes.reports, nodes.weights), on, tol, f"{NODES} nodes")
-    outcome.message += f"; the nodes exited after {' and '.join(f'{t:.1f}' for t in nodes.seconds)} s"
+    outcome.message += f"; the nodes trained it in {' and '.join(f'{t:.1f}' for t in nodes.seconds)} s"
     return outcome
 
 
@@ -494,6 +504,8 @@ def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str 
     spawned."""
     data_parallel = backend.parallelism().data_parallel
     names = [name for name in _names(backend.parallelism()) if workloads is None or _workload(name) in workloads]
+    across_nodes = [name for name in names if name in MULTI_NODE_CHECKS + (MULTI_NODE_EXPERT_CHECK,)]
+    trained_across_nodes: dict[str, Outcome] | Exception | None = None  # one launch for all of them
     out: dict[str, dict] = {}
     for name in names:
         sys.stderr.flush()
@@ -503,8 +515,15 @@ def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str 
                 outcome = _expert_parallel_refused(backend, seed)
             elif name == MULTI_NODE_REFUSED:
                 outcome = _multi_node_refused(backend, seed)
-            elif name in MULTI_NODE_CHECKS or name == MULTI_NODE_EXPERT_CHECK:
-                outcome = _multi_node(backend, name, scenario_of(name, quick), seed, tol, quick)
+            elif name in across_nodes:
+                if trained_across_nodes is None:
+                    try:
+                        trained_across_nodes = _multi_node(backend, across_nodes, seed, tol, quick)
+                    except Exception as exc:  # every check of the launch reports it
+                        trained_across_nodes = exc
+                if isinstance(trained_across_nodes, Exception):
+                    raise trained_across_nodes
+                outcome = trained_across_nodes[name]
             else:
                 run = _data_parallel if data_parallel else _single_device
                 outcome = run(backend, name, scenario_of(name, quick), seed, tol)
