@@ -23,7 +23,9 @@ where jax is not installed; availability() then says why not.
   TrainConfig.devices (default: every local device) by sharding the batch axis over a mesh of
   exactly those devices (distributed.py); expert parallel (TrainConfig.expert_parallel) by sharding
   each moe node's experts over the same mesh and sending tokens to them by all-to-all
-  (expert_parallel.py), EpochReport.all_to_all_seconds measured apart from the step.
+  (expert_parallel.py), EpochReport.all_to_all_seconds measured apart from the step; across nodes
+  (TrainConfig.layout), one jax program over every node's devices, joined by start_node through
+  jax.distributed (distributed.py, docs/backends/jax.md "Across nodes").
 * device_memory: an accelerator's memory_stats()['bytes_limit'] (None where not reported; the base
   class's share of RAM on a CPU).
 * native counter: XLA's cost analysis, always compiled for the CPU client of this process, whatever
@@ -44,6 +46,7 @@ from aiperf_core.backend import (CPU_DEVICES_ENV, Availability, Backend, Backend
                                  EpochReport, NativeCounter, Parallelism, requested_cpu_devices, TrainConfig)
 from aiperf_core.ir import Graph
 from aiperf_core.registry import set_framework_logging
+from aiperf_core.replica_layout import ReplicaLayout
 from aiperf_core.weights import Weights, init_weights
 
 _HOST_DEVICE_COUNT = re.compile(r"--xla_force_host_platform_device_count=(\S*)")
@@ -188,11 +191,20 @@ class JaxBackend(Backend):
         return matmul_seconds(device, precision, size, repeats)
 
     def parallelism(self) -> Parallelism:
-        return Parallelism(data_parallel=True, synchronized_batch_norm=True, expert_parallel=True,
+        return Parallelism(data_parallel=True, synchronized_batch_norm=True, expert_parallel=True, multi_node=True,
                            notes="the batch axis sharded over a mesh of the training devices in one jitted step; "
                                  "batch statistics over the global batch array; with expert_parallel, each moe "
                                  "node's experts sharded over the same mesh, tokens exchanged by all-to-all under "
-                                 "shard_map (expert_parallel.py)")
+                                 "shard_map (expert_parallel.py); across nodes, one jax program over every node's "
+                                 "devices (jax.distributed, gloo on CPUs)")
+
+    def start_node(self, layout: ReplicaLayout) -> None:
+        """jax.distributed.initialize at the launch's coordinator, before jax makes its clients
+        (distributed.start_node); devices() then names this node's devices."""
+        from aiperf_backends.jax.distributed import start_node
+
+        set_framework_logging()  # XLA reads TF_CPP_MIN_LOG_LEVEL when jaxlib loads
+        start_node(layout, initialise)
 
     def supported_ops(self) -> frozenset[str]:
         from aiperf_core.ir import ALL_OPS  # every op, forward and backward (lowering.py)
@@ -265,4 +277,9 @@ class JaxBackend(Backend):
         from aiperf_backends.jax.distributed import Placement
         from aiperf_backends.jax.training import run_epochs
 
-        return run_epochs(model, data, config, Placement.named(self.train_devices(config)), on_epoch=on_epoch)
+        devices = self.train_devices(config)
+        if config.layout is not None and config.layout.multi_node:
+            placement = Placement.across_nodes(devices, config.layout)
+        else:
+            placement = Placement.named(devices)
+        return run_epochs(model, data, config, placement, on_epoch=on_epoch)

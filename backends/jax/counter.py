@@ -77,11 +77,11 @@ _CACHE: dict[tuple, int] = {}
 
 
 def counting_device():
-    """The first device of jax's CPU client, where every count is compiled; None without one."""
+    """The first device of this process's CPU client, where every count is compiled; None without one."""
     import jax
 
     try:
-        return jax.devices("cpu")[0]
+        return jax.local_devices(backend="cpu")[0]  # across nodes, jax.devices() holds other processes' too
     except RuntimeError:  # JAX_PLATFORMS left the CPU platform out
         return None
 

@@ -696,10 +696,14 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
                on_epoch: Callable[[EpochReport], bool | None] | None = None) -> list[EpochReport]:
     """The epoch loop on `placement` (distributed.Placement); the trained parameters and BN
     statistics are stored back into `model`, which then lives on `placement`. `data` is in-memory
-    arrays or a StreamingDataset (aiperf_core.data.stream)."""
+    arrays or a StreamingDataset (aiperf_core.data.stream). A placement across nodes: every node runs
+    this loop on the same data and config, each giving its own devices' rows of every batch; on_epoch
+    (the leader's) decides for all (distributed.agreed_stop); the trained weights are gathered, and
+    the model then lives on this node's devices."""
     import jax
     import jax.numpy as jnp
 
+    from aiperf_backends.jax.distributed import Placement, agreed_stop
     from aiperf_backends.jax.lowering import host_input
 
     if not model.params:
@@ -722,7 +726,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
         from aiperf_backends.jax.expert_parallel import AllToAllTimer, exchanges, param_shardings
 
         shardings = param_shardings(model.graph, model.params, expert_mesh)
-        place = partial(jax.device_put, device=shardings)  # the expert stacks sharded on E, the rest replicated
+        place = partial(placement.put, shardings=shardings)  # the expert stacks sharded on E, the rest replicated
         exchanges_run = AllToAllTimer(expert_mesh, tuple(placement.names()))
     # Copies first: the step donates params and its optimizer state, and the model keeps its own
     # until the end.
@@ -808,7 +812,7 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
             with clock:
                 loss_sum = float(np.sum([np.float64(t) for t in totals]))
                 expert_load = {node_id: tuple(int(c) for c in counts)
-                               for node_id, counts in jax.device_get(epoch_load).items()} if experts else None
+                               for node_id, counts in placement.to_host(epoch_load).items()} if experts else None
             val_parts, val_total = [], 0
             for xb, yb, valid, n, batch_skipped in feed.val(clock):
                 skipped += batch_skipped
@@ -832,8 +836,15 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
                                  compile_seconds=compiling.lap(), expert_load=expert_load,
                                  all_to_all_seconds=all_to_all)
             reports.append(report)
-            if on_epoch is not None and on_epoch(report):
+            if agreed_stop(placement, on_epoch, report):
                 break
-    finally:
-        model.params, model.state, model.placement = params, state, placement
+    except BaseException:
+        if not placement.spans_processes:
+            model.params, model.state, model.placement = params, state, placement
+        raise  # across nodes the model keeps its starting weights: a gather now could wait on a peer that left
+    if placement.spans_processes:  # whole on every node again, on this node's devices (a collective)
+        params, state = placement.to_host((params, state))
+        placement = Placement(placement.devices[placement.own[0]:placement.own[1]])
+        params, state = placement.replicate((params, state))
+    model.params, model.state, model.placement = params, state, placement
     return reports
