@@ -29,6 +29,7 @@ from aiperf_core.errors import AiperfError, GraphError
 from aiperf_core.inventory import device_model, is_cpu_device
 from aiperf_core.ir import ALL_OPS, TRAINED_OPS, VERSION_1_OPS, Graph, lowering_need  # noqa: F401 (ALL_OPS: for backends)
 from aiperf_core.weights import Weights, init_weights, validate_weights
+from aiperf_core.replica_layout import ReplicaLayout
 
 # fp32: IEEE fp32 arithmetic everywhere (no TF32 behind the user's back). tf32: fp32 storage with
 # convolutions and matrix products on TF32 tensor cores (CUDA compute capability 8.0+). bf16 and fp16:
@@ -165,6 +166,13 @@ class TrainConfig:
     # backend whose parallelism() declares expert_parallel and experts that divide by the devices
     # (`check_expert_parallel`); on one device it changes nothing.
     expert_parallel: bool = False
+    # A replica across nodes (the policy item `nodes_per_replica`): this process's place in it and
+    # where the nodes meet (aiperf_core.replica_layout). `devices` are then this node's devices, the
+    # global batch is shared by every device of every node, and every node calls train() with the
+    # same graph, weights, data and config; only node 0's on_epoch is called, and only its model
+    # holds the trained weights afterwards. None: one node, `devices` are all there is. It needs a
+    # backend whose parallelism() declares multi_node (`check_multi_node`).
+    layout: ReplicaLayout | None = None
 
 
 COMPILE_MODES = ("auto", "always", "never")
@@ -189,6 +197,12 @@ class Parallelism:
     #   backend without it says why in `expert_parallel_why_not`, and refuses it on several devices.
     expert_parallel: bool = False
     expert_parallel_why_not: str = ""
+    # multi_node: TrainConfig.layout with several nodes is implemented: the devices of every node
+    #   train as one data-parallel (and, where declared, expert-parallel) group through the
+    #   framework's own distributed runtime. A backend without it says why in `multi_node_why_not`
+    #   and refuses such a layout before anything trains.
+    multi_node: bool = False
+    multi_node_why_not: str = ""
     notes: str = ""
 
 
@@ -462,6 +476,15 @@ class Backend(abc.ABC):
         """How this backend trains over several devices; SINGLE_DEVICE unless a backend says more."""
         return SINGLE_DEVICE
 
+    def start_node(self, layout: ReplicaLayout) -> None:
+        """Called once in each process of a replica across nodes (every node's, the leader's too),
+        before any other call that touches a device, with its place in the replica and the launch's
+        coordinator: node 0's address and a port it keeps for the life of the launch. A runtime that
+        needs one coordination service for the life of a process (jax.distributed) starts it here;
+        devices() then still names this node's devices. Each trial's layout (TrainConfig.layout)
+        carries a port of the trial's own, for a runtime that meets afresh per trial (torch's TCP
+        store). Default: nothing to start."""
+
     def device_memory(self, device: str) -> int | None:
         """Bytes of memory one trial may use on `device`, for the memory estimate that filters grown
         children (opcount.memory): an accelerator's own memory (a backend that sees accelerators
@@ -525,7 +548,8 @@ class Backend(abc.ABC):
         self.check_precision(config.precision)
         check_train_config(config)
         self.check_devices(config.devices)
-        check_expert_parallel(self, model.graph, config, len(self.train_devices(config)))
+        check_multi_node(self, config)
+        check_expert_parallel(self, model.graph, config, train_world(self, config))
         check_dataset(model.graph, data)
         return self.train_checked(model, data, config, on_epoch)
 
@@ -651,6 +675,7 @@ def cpu_share_of_ram(devices: int = 1) -> int:
     return int(psutil.virtual_memory().total // (replicas * max(1, devices)))
 
 
+
 def cpu_runs_natively(precision: str) -> bool:
     """Whether this host's CPU has the instructions for `precision` (CPU_NATIVE_FLAGS; fp32 always)."""
     if precision == "fp32":
@@ -762,6 +787,28 @@ def expert_shard(experts: int, devices: int, rank: int) -> tuple[int, int]:
     blocks of experts / devices, in device order (check_expert_parallel has made sure they divide)."""
     per = experts // devices
     return rank * per, (rank + 1) * per
+
+
+def train_world(backend: "Backend", config: TrainConfig) -> int:
+    """Every device a checked config trains on, on every node of its replica."""
+    local = len(backend.train_devices(config))
+    return local * config.layout.nodes if config.layout is not None else local
+
+
+def check_multi_node(backend: "Backend", config: TrainConfig) -> None:
+    """Refuse, before anything trains, a layout of several nodes that the backend does not declare
+    (quoting its reason), or whose devices per node are not this node's devices."""
+    layout = config.layout
+    if layout is None or not layout.multi_node:
+        return
+    declared = backend.parallelism()
+    if not declared.multi_node:
+        why = f": {declared.multi_node_why_not}" if declared.multi_node_why_not else ""
+        raise BackendError(f"backend '{backend.name}' does not train a replica across nodes{why}")
+    local = len(backend.train_devices(config))
+    if local != layout.devices_per_node:
+        raise BackendError(f"TrainConfig.layout: {layout.devices_per_node} device(s) per node, but this node "
+                           f"({layout.host(layout.node_rank)}) trains on {local}")
 
 
 def check_expert_parallel(backend: "Backend", graph: Graph, config: TrainConfig, devices: int) -> bool:

@@ -142,6 +142,10 @@ class MindSporeBackend(Backend):
                                                     "every parameter; sharding a lowered graph's experts would need "
                                                     "SEMI_AUTO_PARALLEL and its AlltoAll, which the backend does not "
                                                     "use (docs/backends/mindspore.md, \"Expert parallelism\")"),
+                           multi_node_why_not=("the backend starts its scheduler and workers on this host "
+                                               "(127.0.0.1, local Popen); a dynamic cluster with its scheduler "
+                                               "at the leader's address and workers on every node is not wired "
+                                               "yet (docs/backends/mindspore.md, \"Across nodes\")"),
                            notes="DATA_PARALLEL over HCCL (Ascend) or MCCL (CPU workers), gradients_mean, synchronised batch norm")
 
     def supported_ops(self) -> frozenset[str]:

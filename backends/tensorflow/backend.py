@@ -329,6 +329,9 @@ class TensorFlowBackend(Backend):
                                                     "strategy and the experimental raw op CollectiveAllToAllV3, which"
                                                     " tf.distribute does not expose (docs/backends/tensorflow.md, "
                                                     "\"Expert parallelism\")"),
+                           multi_node_why_not=("MirroredStrategy spans one process's devices; "
+                                               "MultiWorkerMirroredStrategy with TF_CONFIG is not wired yet "
+                                               "(docs/backends/tensorflow.md, \"Across nodes\")"),
                            notes="MirroredStrategy over the training devices with synchronised batch norm")
 
     def supported_ops(self) -> frozenset[str]:

@@ -163,8 +163,11 @@ class TorchBackend(Backend):
         return matmul_seconds(device, precision, size, repeats)
 
     def parallelism(self) -> Parallelism:
-        return Parallelism(data_parallel=True, synchronized_batch_norm=True, expert_parallel=True,
-                           notes="DistributedDataParallel, one process per device (NCCL on GPUs, gloo on CPUs); SyncBatchNorm on CUDA, DistributedBatchNorm elsewhere; expert parallelism by all_to_all_single (expert_parallel.py)")
+        return Parallelism(data_parallel=True, synchronized_batch_norm=True, expert_parallel=True, multi_node=True,
+                           notes="DistributedDataParallel, one process per device (NCCL on GPUs, gloo on CPUs), the "
+                                 "ranks of every node of a replica in one process group met at node 0's TCP store; "
+                                 "SyncBatchNorm on CUDA, DistributedBatchNorm elsewhere; expert parallelism by "
+                                 "all_to_all_single (expert_parallel.py)")
 
     def supported_ops(self) -> frozenset[str]:
         return ALL_OPS
@@ -245,7 +248,7 @@ class TorchBackend(Backend):
         from aiperf_backends.torch.training import device_of, run_epochs
 
         devices = self.train_devices(config)
-        if len(devices) > 1:
+        if len(devices) > 1 or (config.layout is not None and config.layout.multi_node):
             from aiperf_backends.torch.distributed import train_data_parallel
 
             return train_data_parallel(model, data, config, devices, on_epoch)
