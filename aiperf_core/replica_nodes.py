@@ -33,7 +33,7 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -43,6 +43,7 @@ from aiperf_core.replica_layout import ReplicaLayout
 
 LAUNCH_ENV = "AIPERF_REPLICA_LAUNCH"  # the same token on every node of one launch of a replica
 NODE_ADDR_ENV = "AIPERF_NODE_ADDR"  # this node's address as its peers reach it; else its host name's
+HOSTS_ENV = "AIPERF_REPLICA_HOSTS"  # the hosts an executor placed a replica's nodes on, by node rank
 HEARTBEAT_S = 2.0
 POLL_S = 0.2
 PROBE_TIMEOUT_S = 3.0
@@ -266,8 +267,6 @@ def expected_hosts() -> list[str] | None:
     return hosts.split(",") if hosts else None
 
 
-HOSTS_ENV = "AIPERF_REPLICA_HOSTS"
-
 
 def join_as_leader(replica) -> tuple[NodeRoster, list[dict]]:
     roster = NodeRoster(replica.run_dir.replica_dir(replica.id), launch_token(), 0, replica.nodes).join()
@@ -307,8 +306,6 @@ def lead_trial(replica, seq: int, trial: str, graph_path: Path, graph_sha256: st
         "weights": str(weights_path), "weights_sha256": sha256_file(weights_path),
         "config": config_to_json(config)})
     roster.set_state(state="training", trial=trial)
-    from dataclasses import replace
-
     return replace(config, layout=roster.layout(port, hosts, len(replica.backend.devices()),
                                                 replica.policy["node_timeout_s"], config.expert_parallel))
 
@@ -366,8 +363,6 @@ def follow(replica) -> str:
                                     f"wrote (is the run directory on a filesystem every node shares?)")
                 graph = Graph.from_json(graph_bytes.decode("utf-8"))
                 config = config_from_json(info["config"])
-                from dataclasses import replace
-
                 config = replace(config, layout=roster.layout(info["port"], info["hosts"], len(backend.devices()),
                                                               timeout_s, config.expert_parallel, info["addr"]))
                 data = replica.workload.data.trial_data(dataset, replica.policy, info["seed"])
