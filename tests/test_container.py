@@ -253,6 +253,44 @@ def test_aiperf_run_refuses_in_one_line_before_anything_starts(tmp_path):
         assert not (tmp_path / "run").exists()
 
 
+def test_a_resume_runs_in_the_image_the_run_recorded(tmp_path, monkeypatch):
+    image = _fake_image(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("USER", "alice")
+    recorded = {"image": str(image), "digest": DIGEST_A, "runtime": "charliecloud"}
+    run = {"container": recorded, "backend": "numpy", "executor": "local", "dataset": {"name": "digits", "path": None}}
+    spec = container.for_resume(run, tmp_path / "run", None, None, None)
+    assert spec.record() == recorded
+    with pytest.raises(AiperfError, match=f"^--container {tmp_path}/other: the run's replicas run in {image} "):
+        container.for_resume(run, tmp_path / "run", str(tmp_path / "other"), None, None)
+    with pytest.raises(AiperfError, match="^--container-runtime podman: the run's replicas run under charliecloud"):
+        container.for_resume(run, tmp_path / "run", None, "podman", None)
+    rebuilt = {**run, "container": {**recorded, "digest": DIGEST_B}}
+    with pytest.raises(AiperfError, match=rf"^--resume {tmp_path}/run: {image} now holds image {DIGEST_A}, but the "
+                                          rf"run's replicas ran {DIGEST_B} \(run.json container\); resume with that"):
+        container.for_resume(rebuilt, tmp_path / "run", None, None, None)
+    with pytest.raises(AiperfError, match="^--container: the run at .* was started without --container"):
+        container.for_resume({**run, "container": None}, tmp_path / "run", str(image), None, None)
+    assert container.for_resume({**run, "container": None}, tmp_path / "run", None, None, None) is None
+
+
+def test_the_data_is_described_in_the_image(tmp_path, monkeypatch):
+    """run.json's dataset as the image's reader sees it (here the fake image's Python is this one)."""
+    from aiperf_core.workflow.plan import RunRequest, build_policy, describe_dataset
+
+    _fake_image(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("USER", "alice")
+    spec = ContainerSpec("charliecloud", str(tmp_path / "image"))
+    policy = build_policy(RunRequest(workload="lm"), "embedded")
+    assert container.describe_in_image(spec, "embedded", None, policy) == describe_dataset("embedded", None, policy)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AiperfError) as raised:
+        describe_dataset("enwik8", str(tmp_path / "empty"), policy)
+    with pytest.raises(AiperfError, match=f"^{re.escape(str(raised.value))}$"):
+        container.describe_in_image(spec, "enwik8", str(tmp_path / "empty"), policy)
+
+
 # -- the image's identity -------------------------------------------------------------------------
 def _tree(root: Path) -> None:
     (root / "usr/lib").mkdir(parents=True)

@@ -133,7 +133,7 @@ def _start_metrics(args, executor_kind: str):
 def _prepare_fresh(args, config, request):
     from aiperf_core.registry import resolve_backend_name
     from aiperf_core.workflow import plan
-    from aiperf_core.workflow.container import from_flags, running_image
+    from aiperf_core.workflow.container import describe_in_image, from_flags, running_image
     from aiperf_core.workflow.duration import parse_duration
 
     backend_name = resolve_backend_name(args.backend, config=config)
@@ -150,7 +150,8 @@ def _prepare_fresh(args, config, request):
     # not in the time budget (docs/scoring.md, "The precision of a run").
     local = executor_kind == "local"
     with plan.BackendProbe(backend_name, precisions=local, container=container) as probe:
-        dataset = plan.describe_dataset(name, path, policy)
+        dataset = (describe_in_image(container, name, path, policy) if container else
+                   plan.describe_dataset(name, path, policy))
         facts = probe.facts(auto=plan.auto_request(policy, dataset) if local else None)
     nodes = policy["nodes_per_replica"]
     replicas, devices_per_replica, environments = _layout(executor_kind, facts.devices, request.replicas,

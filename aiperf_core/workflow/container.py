@@ -11,8 +11,8 @@ and a replica reads it from inside its container, cheaply, at every start: a nod
 copy of the image says so in its replica_start, and `aiperf check` flags the run (image_reasons).
 
 The wrapping (wrap_argv) is one function from a command's argv to the argv that runs it in the
-image, so that it composes with whatever launches a replica: the local and SLURM executors, the
-backend probe, a multi-node launcher. A command that starts with this Python (sys.executable) runs
+image, so that it composes with whatever launches a replica: the local, SLURM and hosts executors
+(each node of a replica across nodes), the backend probe. A command that starts with this Python (sys.executable) runs
 with the image's Python instead, isolated (-I: no PYTHONPATH, no user site, nothing from the
 working directory), so the image's aiperf runs, never the host's.
 """
@@ -53,8 +53,8 @@ SYSTEM_FOLDERS = frozenset({"/", "/usr", "/opt", "/etc", "/bin", "/sbin", "/lib"
 HOST_DEVICES = {"NVIDIA GPU": "nvidia[0-9]*", "Ascend NPU": "davinci[0-9]*"}
 PASSES_THROUGH = {runtime: frozenset({"NVIDIA GPU"}) for runtime in RUNTIMES}
 DEV = Path("/dev")
-# The variables podman is told to pass in besides a command's own: aiperf's, and the thread and device
-# settings of the numerical libraries and frameworks (the other runtimes pass the whole environment).
+# The variables of the launcher's environment podman is told to pass in: aiperf's, and the thread and
+# device settings of the numerical libraries and frameworks (the other runtimes pass them all).
 FORWARDED_PREFIXES = ("AIPERF_", "OMP_", "MKL_", "OPENBLAS_", "CUDA_", "NVIDIA_", "ASCEND_", "TF_", "XLA_", "JAX_",
                       "GLOG_")
 PROBE_TIMEOUT_S = 300  # a runtime's first start of an image (podman unpacking it, pyxis importing it) is slow
@@ -235,7 +235,8 @@ def probe_image(spec: ContainerSpec, backend: str, paths: Iterable[str]) -> Imag
         answer = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
                                 timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        raise AiperfError(f"--container {spec.image}: {spec.runtime} did not run it within {PROBE_TIMEOUT_S} s") from None
+        raise AiperfError(f"--container {spec.image}: {spec.runtime} did not run it within {PROBE_TIMEOUT_S} s"
+                          ) from None
     try:
         facts = json.loads(answer.stdout.strip().splitlines()[-1])
     except (IndexError, ValueError):
@@ -335,7 +336,7 @@ def for_resume(run: Mapping[str, Any], root: Path, image: str | None, runtime: s
         if image is not None or runtime is not None:
             raise AiperfError(f"--container: the run at {root} was started without --container; resume it without")
         return None
-    if image is not None and image != recorded["image"] and str(Path(image).expanduser().resolve()) != recorded["image"]:
+    if image is not None and recorded["image"] not in (image, str(Path(image).expanduser().resolve())):
         raise AiperfError(f"--container {image}: the run's replicas run in {recorded['image']} (run.json container)")
     if runtime is not None and runtime != recorded["runtime"]:
         raise AiperfError(f"--container-runtime {runtime}: the run's replicas run under {recorded['runtime']} "
@@ -347,6 +348,41 @@ def for_resume(run: Mapping[str, Any], root: Path, image: str | None, runtime: s
         raise AiperfError(f"--resume {root}: {recorded['image']} now holds image {spec.digest}, but the run's "
                           f"replicas ran {recorded.get('digest')} (run.json container); resume with that image")
     return spec
+
+
+# Run with the image's Python, the data bound in: run.json's `dataset` as the replicas' reader sees it.
+_DESCRIBE = """
+import json, sys
+from aiperf_core.errors import AiperfError
+from aiperf_core.workflow.plan import describe_dataset
+name, path, policy = json.loads(sys.argv[1])
+try:
+    print(json.dumps({"dataset": describe_dataset(name, path, policy)}))
+except AiperfError as exc:
+    print(json.dumps({"error": str(exc)}))
+"""
+
+
+def describe_in_image(spec: ContainerSpec, name: str, path: str | None, policy: Mapping[str, Any]) -> dict[str, Any]:
+    """workflow.plan.describe_dataset, run in the image: its digest is then the one the replicas
+    find (the lm workload's embedded corpus is the Python's own pydoc text, which differs between
+    the host's Python and the image's)."""
+    argv, env = launch_command(spec, [sys.executable, "-c", _DESCRIBE, json.dumps([name, path, dict(policy)])],
+                               os.environ)
+    try:
+        answer = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, env=env,
+                                timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise AiperfError(f"--data {path or name}: describing it in the image took more than {PROBE_TIMEOUT_S} s"
+                          ) from None
+    try:
+        result = json.loads(answer.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        last = (answer.stderr.strip().splitlines() or [f"exit code {answer.returncode}"])[-1]
+        raise AiperfError(f"--data {path or name}: describing it in the image failed: {last}") from None
+    if "error" in result:
+        raise AiperfError(result["error"])
+    return result["dataset"]
 
 
 # -- what a process records about the image it runs in -----------------------------------------------
