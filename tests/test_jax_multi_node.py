@@ -27,7 +27,6 @@ import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from aiperf_core.backend import CPU_DEVICES_ENV, BackendError, EpochReport
@@ -36,7 +35,7 @@ from aiperf_core.replica_layout import ReplicaLayout
 ADDR = "127.0.0.1"
 NODES = 2
 TIMEOUT_S = 60.0  # each node's bound on its peer (ReplicaLayout.timeout_s)
-LAUNCH_S = 240  # the whole launch: well above its ~1 minute on 2 busy cores
+LAUNCH_S = 600  # the whole launch: well above the 2.5 to 3.5 minutes it took on 2 cores under a load of 10 to 17
 # (name, the kit's check whose scenario it trains, the leader's on_epoch stops after epoch 0, it raises),
 # in order: the trials after "abort" show that the nodes are still in step after it.
 RUNS = (("abort", "multi_node_matches_one_device", False, True),
