@@ -54,14 +54,14 @@ def test_apptainer_binds_data_read_only_and_passes_gpus():
 
 
 def test_podman_shares_the_nodes_namespaces_and_is_told_the_replicas_variables():
-    env = {"OMP_NUM_THREADS": "2", "CUDA_VISIBLE_DEVICES": "1", "AIPERF_CPU_DEVICES": "2", "HOME": "/root"}
-    argv = wrap_argv(REPLICA, ContainerSpec("podman", "aiperf:latest", binds=BINDS, gpus=True), env)
+    argv = wrap_argv(REPLICA, ContainerSpec("podman", "aiperf:latest", binds=BINDS, gpus=True))
     head = argv[:argv.index("aiperf:latest")]
     for flag in ("--rm", "-i", "--network=host", "--pid=host", "--ipc=host", "--uts=host",
                  "--device=nvidia.com/gpu=all"):
         assert flag in head
     passed = {head[i + 1] for i, a in enumerate(head) if a == "--env"}
-    assert passed == {"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "AIPERF_CPU_DEVICES", IMAGE_ENV, RUNTIME_ENV}
+    assert {"AIPERF_*", "OMP_*", "MKL_*", "OPENBLAS_*", "CUDA_*"} <= passed  # podman expands NAME* from its own
+    assert all(name.endswith("*") for name in passed)  # no value of the primary's is baked into the command
     assert ["--volume", "/data/imagenet:/data/imagenet:ro"] == head[head.index("/data/imagenet:/data/imagenet:ro") - 1:
                                                                   head.index("/data/imagenet:/data/imagenet:ro") + 1]
     assert argv[argv.index("aiperf:latest") + 1:] == IN_IMAGE

@@ -53,8 +53,8 @@ SYSTEM_FOLDERS = frozenset({"/", "/usr", "/opt", "/etc", "/bin", "/sbin", "/lib"
 HOST_DEVICES = {"NVIDIA GPU": "nvidia[0-9]*", "Ascend NPU": "davinci[0-9]*"}
 PASSES_THROUGH = {runtime: frozenset({"NVIDIA GPU"}) for runtime in RUNTIMES}
 DEV = Path("/dev")
-# The variables of the launcher's environment podman is told to pass in: aiperf's, and the thread and
-# device settings of the numerical libraries and frameworks (the other runtimes pass them all).
+# The variables podman is told to pass in, by prefix: aiperf's, and the thread and device settings of
+# the numerical libraries and frameworks (the other runtimes pass the whole environment).
 FORWARDED_PREFIXES = ("AIPERF_", "OMP_", "MKL_", "OPENBLAS_", "CUDA_", "NVIDIA_", "ASCEND_", "TF_", "XLA_", "JAX_",
                       "GLOG_")
 PROBE_TIMEOUT_S = 300  # a runtime's first start of an image (podman unpacking it, pyxis importing it) is slow
@@ -86,10 +86,8 @@ class ContainerSpec:
         return {IMAGE_ENV: self.image, RUNTIME_ENV: self.runtime}
 
 
-def wrap_argv(argv: Sequence[str], spec: ContainerSpec, env_names: Iterable[str] | None = None) -> list[str]:
-    """The argv that runs `argv` inside the image. `env_names`: the launcher's environment (default
-    this process's); podman is told to pass in those of them with a FORWARDED_PREFIXES prefix (the
-    other runtimes pass the whole environment through)."""
+def wrap_argv(argv: Sequence[str], spec: ContainerSpec) -> list[str]:
+    """The argv that runs `argv` inside the image, with the environment of whatever starts it."""
     inner = list(argv)
     if inner and inner[0] == sys.executable:
         inner = [IMAGE_PYTHON, "-I", *inner[1:]]
@@ -108,12 +106,11 @@ def wrap_argv(argv: Sequence[str], spec: ContainerSpec, env_names: Iterable[str]
                 spec.image, *inner]
     if spec.runtime == "podman":
         # The node's own pid, network, IPC and host name: leases and heartbeats name the host and
-        # the process, and the primary signals the process it launched.
-        launcher_env = os.environ if env_names is None else env_names
-        names = sorted({*(n for n in launcher_env if n.startswith(FORWARDED_PREFIXES)), IMAGE_ENV, RUNTIME_ENV})
+        # the process, and the primary signals the process it launched. `--env PREFIX*` passes
+        # the variables with that prefix that the launching process has, whenever they were set.
         return ["podman", "run", "--rm", "-i", "--network=host", "--pid=host", "--ipc=host", "--uts=host",
                 "--security-opt=label=disable", *(["--device=nvidia.com/gpu=all"] if spec.gpus else []),
-                *[a for name in names for a in ("--env", name)],
+                *[a for prefix in FORWARDED_PREFIXES for a in ("--env", f"{prefix}*")],
                 *[a for b in binds for a in ("--volume", f"{b.path}:{b.path}{':ro' if b.read_only else ''}")],
                 spec.image, *inner]
     if spec.runtime == "pyxis":
@@ -130,8 +127,7 @@ def launch_command(spec: ContainerSpec | None, argv: Sequence[str], env: Mapping
     """The argv and environment of a command launched in the image (as given without one)."""
     if spec is None:
         return list(argv), dict(env)
-    env = {**env, **spec.environment()}
-    return wrap_argv(argv, spec, {*os.environ, *env}), env
+    return wrap_argv(argv, spec), {**env, **spec.environment()}
 
 
 # -- the checks before any replica starts ----------------------------------------------------------
