@@ -5,10 +5,8 @@ each its own OS process with 1 CPU device, joined by Backend.start_node through 
 combined batch:
 
 * the CNN step with batch norm (statistics of the global batch, across the nodes);
-* the dense GPT under the LM step (AdamW with decay, warm-up then cosine, a clip that engages), with an
-  uneven last batch (replicated over the nodes);
-* the upcycled MoE GPT expert-parallel, 2 experts on each node: node 0 exports the whole model (the
-  follower's experts gathered), and the expert loads and measured all-to-all time are as one node's;
+  (the dense GPT under the LM step and the expert-parallel MoE GPT are the kit's multi-node checks,
+  run on jax by tests/test_conformance.py);
 * the leader's stop decision reaches the follower (both end after the epoch node 0's on_epoch stops),
   and a leader whose on_epoch raised ends the follower's trial too, with one line, instead of leaving it
   waiting in the next step's collective; the nodes then go on to train the next trials together.
@@ -38,10 +36,11 @@ TIMEOUT_S = 60.0  # each node's bound on its peer (ReplicaLayout.timeout_s)
 LAUNCH_S = 600  # the whole launch: well above the 2.5 to 3.5 minutes it took on 2 cores under a load of 10 to 17
 # (name, the kit's check whose scenario it trains, the leader's on_epoch stops after epoch 0, it raises),
 # in order: the trials after "abort" show that the nodes are still in step after it.
+# The dense GPT's and the expert-parallel MoE's comparisons with one device are the kit's
+# (parallel/gpt_multi_node_matches_one_device, multi_node_expert_parallel_matches_one_device), which
+# tests/test_conformance.py runs on jax: here the CNN's, with what only a test of the nodes sees.
 RUNS = (("abort", "multi_node_matches_one_device", False, True),
         ("cnn", "multi_node_matches_one_device", False, False),
-        ("gpt", "gpt_multi_node_matches_one_device", False, False),
-        ("moe", "multi_node_expert_parallel_matches_one_device", False, False),
         ("stop", "multi_node_matches_one_device", True, False))
 COMPARED = [(name, check) for name, check, stop, abort in RUNS if not (stop or abort)]
 
