@@ -271,10 +271,13 @@ def expected_hosts() -> list[str] | None:
 def join_as_leader(replica) -> tuple[NodeRoster, list[dict]]:
     roster = NodeRoster(replica.run_dir.replica_dir(replica.id), launch_token(), 0, replica.nodes).join()
     timeout_s = replica.policy["node_timeout_s"]
+    followers = list(range(1, replica.nodes))
     try:
+        # Every node first joins the roster, so that one that never comes is named here in one line,
+        # not by a runtime's own timeout inside start_node (jax's aborts the process).
+        roster.wait_for_peers(followers, timeout_s, expected_hosts())
         roster.start_backend(replica.backend, roster.peer(0), timeout_s)
-        records = [roster.peer(0)] + roster.wait_for_peers(list(range(1, replica.nodes)), timeout_s, expected_hosts(),
-                                                           started=True)
+        records = [roster.peer(0)] + roster.wait_for_peers(followers, timeout_s, expected_hosts(), started=True)
         local = len(replica.backend.devices())
         odd = [r for r in records if len(r.get("devices") or []) != local]
         if odd:

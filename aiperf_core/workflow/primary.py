@@ -235,7 +235,7 @@ class Primary:
     def _command(self, slot: ReplicaSlot) -> ReplicaCommand:
         return ReplicaCommand(slot.replica, slot.attempt, replica_argv(self.run_dir.root, slot.replica),
                               log_path=self.run_dir.replica_dir(slot.replica) / "replica.log",
-                              nodes=self.run["policy"].get("nodes_per_replica", 1))
+                              nodes=(self.run.get("policy") or {}).get("nodes_per_replica", 1))
 
     def _poll(self, now: float) -> None:
         active = [slot for slot in self.slots if slot.handle is not None]

@@ -12,7 +12,9 @@ import abc
 import os
 import secrets
 import signal
+import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,6 +131,58 @@ class Executor(abc.ABC):
     def end_strays(self, keep: set[str]) -> None:
         """On --resume, end every job of this run but `keep` (the adopted ones), logged or not: a
         primary killed between submitting a job and logging it leaves one nobody knows of."""
+
+
+class NodeProcessesHandle(ReplicaHandle):
+    """A replica launched as one process per node, each in a session of its own: the first node's
+    process is the replica's, and the others end with it (they leave on their leader's stop file,
+    which a crashed leader did not write)."""
+
+    def __init__(self, command: ReplicaCommand, processes: list[subprocess.Popen]):
+        super().__init__(command, str(processes[0].pid))
+        self.processes = processes
+
+    @property
+    def process(self) -> subprocess.Popen:
+        return self.processes[0]
+
+    def poll(self) -> ProcessEnd | None:
+        code = self.process.poll()
+        if code is None:
+            return None
+        for follower in self.processes[1:]:
+            if follower.poll() is None:
+                signal_group(follower.pid, signal.SIGTERM)
+        return describe_exit_code(code)
+
+    def started(self) -> bool:
+        return True
+
+
+def end_processes(handles: list[ReplicaHandle], grace_s: float) -> None:
+    """SIGTERM to every running node process of the handles' replicas (their sessions), SIGKILL to
+    those still running after grace_s."""
+    running = [p for h in handles if isinstance(h, NodeProcessesHandle) for p in h.processes if p.poll() is None]
+    for process in running:
+        signal_group(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in running:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            signal_group(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Signal a process's group (it leads its own session), so its helpers go too."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def log_tail(path: Path, lines: int = LOG_TAIL_LINES, since: int = 0) -> list[str]:

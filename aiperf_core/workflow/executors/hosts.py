@@ -20,17 +20,15 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from aiperf_core.errors import AiperfError
 from aiperf_core.replica_nodes import HOSTS_ENV
 from aiperf_core.workflow.container import launch_command
-from aiperf_core.workflow.executors.base import (Executor, ProcessEnd, ReplicaCommand, ReplicaHandle,
-                                                 describe_exit_code, node_log_path)
+from aiperf_core.workflow.executors.base import (Executor, NodeProcessesHandle, ReplicaCommand, ReplicaHandle,
+                                                 end_processes, node_log_path)
 
 DEFAULT_LAUNCHER = "ssh -o BatchMode=yes {host}"
 _LINE = re.compile(r"^(?P<host>[A-Za-z0-9_.:-]+)(?:\s+slots=(?P<slots>\d+))?\s*$")
@@ -93,22 +91,8 @@ def place_replicas(hosts: list[Host], replicas: int | None, nodes: int) -> list[
     return groups
 
 
-class HostsHandle(ReplicaHandle):
-    def __init__(self, command: ReplicaCommand, launchers: list[subprocess.Popen]):
-        super().__init__(command, str(launchers[0].pid))
-        self.launchers = launchers
-
-    def poll(self) -> ProcessEnd | None:
-        code = self.launchers[0].poll()
-        if code is None:
-            return None
-        for launcher in self.launchers[1:]:  # a follower leaves on the leader's stop file; a crashed leader wrote none
-            if launcher.poll() is None:
-                launcher.send_signal(signal.SIGTERM)
-        return describe_exit_code(code)
-
-    def started(self) -> bool:
-        return True
+class HostsHandle(NodeProcessesHandle):
+    """A replica's launchers, one per node: the first node's is the replica's."""
 
 
 class HostsExecutor(Executor):
@@ -145,16 +129,7 @@ class HostsExecutor(Executor):
         return HostsHandle(command, launchers)
 
     def stop(self, handles: list[ReplicaHandle], grace_s: float) -> None:
-        running = [p for h in handles if isinstance(h, HostsHandle) for p in h.launchers if p.poll() is None]
-        for process in running:
-            process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for process in running:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        end_processes(handles, grace_s)
 
     def end_leftover(self, replica: int, job: str) -> None:
         """A launcher of an earlier primary died with it (its session); the replica it started stops

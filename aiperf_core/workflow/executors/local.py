@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +24,8 @@ from aiperf_core.backend import CPU_DEVICES_ENV
 from aiperf_core.errors import AiperfError
 from aiperf_core.replica_nodes import NODE_ADDR_ENV
 from aiperf_core.workflow.container import launch_command
-from aiperf_core.workflow.executors.base import (STACKS_SIGNAL, Executor, ProcessEnd, ReplicaCommand, ReplicaHandle,
-                                                 describe_exit_code, node_log_path)
+from aiperf_core.workflow.executors.base import (STACKS_SIGNAL, Executor, NodeProcessesHandle, ReplicaCommand,
+                                                 ReplicaHandle, end_processes, node_log_path, signal_group)
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -123,27 +122,8 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-class LocalHandle(ReplicaHandle):
-    """A replica's process, its leader's on a replica across nodes, whose other nodes' processes are
-    `followers`: they end with it."""
-
-    def __init__(self, command: ReplicaCommand, process: subprocess.Popen,
-                 followers: list[subprocess.Popen] | None = None):
-        super().__init__(command, str(process.pid))
-        self.process = process
-        self.followers = followers or []
-
-    def poll(self) -> ProcessEnd | None:
-        code = self.process.poll()
-        if code is None:
-            return None
-        for follower in self.followers:  # they leave on the leader's stop.json; a crashed leader wrote none
-            if follower.poll() is None:
-                _signal_group(follower.pid, signal.SIGTERM)
-        return describe_exit_code(code)
-
-    def started(self) -> bool:
-        return True
+class LocalHandle(NodeProcessesHandle):
+    """A replica's process, and on a replica across nodes its other nodes' processes."""
 
 
 class LocalExecutor(Executor):
@@ -159,7 +139,7 @@ class LocalExecutor(Executor):
         its own that meets the others only over TCP (on this machine's loopback) and through the run
         directory, as nodes of a cluster do: no shared memory, pipe or queue between them."""
         processes = [self._start(command, node) for node in range(command.nodes)]
-        return LocalHandle(command, processes[0], processes[1:])
+        return LocalHandle(command, processes)
 
     def _start(self, command: ReplicaCommand, node: int) -> subprocess.Popen:
         replica_env = dict(self.environments[command.replica])
@@ -179,17 +159,7 @@ class LocalExecutor(Executor):
                                     preexec_fn=lambda: _die_with_parent(parent))
 
     def stop(self, handles: list[ReplicaHandle], grace_s: float) -> None:
-        running = [p for h in handles if isinstance(h, LocalHandle) for p in (h.process, *h.followers)
-                   if p.poll() is None]
-        for process in running:
-            _signal_group(process.pid, signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for process in running:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal_group(process.pid, signal.SIGKILL)
-                process.wait()
+        end_processes(handles, grace_s)
 
     def request_stacks(self, handle: ReplicaHandle) -> bool:
         if not isinstance(handle, LocalHandle) or handle.process.poll() is not None:
@@ -211,19 +181,8 @@ class LocalExecutor(Executor):
         # Only a replica of this very run: a recycled pid may belong to anything else.
         if "replica" not in cmdline or str(self.run_dir) not in cmdline or str(replica) not in cmdline:
             return
-        _signal_group(process.pid, signal.SIGKILL)
+        signal_group(process.pid, signal.SIGKILL)
         try:
             process.wait(timeout=30)
         except psutil.Error:
-            pass
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    """Signal the replica's process group (it leads its own session), so its helpers go too."""
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        try:
-            os.kill(pid, sig)
-        except (ProcessLookupError, PermissionError):
             pass
