@@ -169,10 +169,11 @@ def test_two_nodes_under_slurm(netns_cluster, tmp_path, backend):
     assert all(s >= implied for s in sent), (sent, implied)
 
 
-def test_two_nodes_through_a_hostfile_launcher(netns_cluster, tmp_path):
+@pytest.mark.parametrize("backend", ["torch", "jax"])
+def test_two_nodes_through_a_hostfile_launcher(netns_cluster, tmp_path, backend):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(netns_cluster.hostfile())
-    _, run_dir = _run(tmp_path, "torch", "--executor", "hosts", "--hostfile", str(hostfile), "--launcher",
+    _, run_dir = _run(tmp_path, backend, "--executor", "hosts", "--hostfile", str(hostfile), "--launcher",
                       netns_cluster.launcher_template(), env=netns_cluster.env)
     _assert_two_node_run(run_dir, netns_cluster.nodes)
 
