@@ -345,6 +345,49 @@ def test_a_counter_declares_attention_apart_from_padding_and_the_kit_compares_ea
     assert undeclared.status == "fail" and "attention" in undeclared.message and "analytic (valid)" in undeclared.message
 
 
+class RecordingCounter(XlaLikeCounter):
+    """XlaLikeCounter that records the graph (as JSON) and pass of every count it is asked for."""
+
+    def __init__(self):
+        super().__init__("paper")
+        self.asked = []
+
+    def count(self, model, batch, backward):
+        self.asked.append((model.graph.to_json(indent=None), backward))
+        return super().count(model, batch, backward)
+
+
+class RecordingBackend(NumpyBackend):
+    name = "recording"
+
+    def __init__(self):
+        self.counter = RecordingCounter()
+
+    def native_counter(self):
+        return self.counter
+
+
+def test_a_kit_run_counts_each_graph_natively_once_with_the_results_of_counting_it_each_time():
+    # One kit run of the morph and count levels: a morph family's parent and the count level's GPT and
+    # Llama (the morph level's parents) are counted once, each other graph once per pass.
+    backend = RecordingBackend()
+    ctx = Context(backend, Expectations(), device=backend.devices()[0])
+    checks = collect(ctx, ["morph", "count"])
+    shared = {c.id: run_check(ctx, c) for c in checks}
+    asked = backend.counter.asked
+    assert len(asked) == len(set(asked))
+    morphs = [c for c in checks if c.id.startswith("morph/") and c.id.endswith("/count_delta")]
+    assert len(asked) < sum(c.level == "count" for c in checks) + 4 * len(morphs)  # 2 graphs x 2 passes a morph
+    # Each check on its own context (a kit run of that check alone, which counts every graph it needs) has
+    # the same status, figures and message.
+    for check in checks:
+        alone = RecordingBackend()
+        result = run_check(Context(alone, Expectations(), device=alone.devices()[0]), check)
+        assert (result.status, result.measured, result.expected, result.message) == (
+            shared[check.id].status, shared[check.id].measured, shared[check.id].expected, shared[check.id].message)
+    assert all(shared[c.id].status == "pass" for c in morphs), {c.id: shared[c.id].message for c in morphs}
+
+
 # -- listing --------------------------------------------------------------------------------------
 
 

@@ -22,7 +22,10 @@ see them."""
 
 from __future__ import annotations
 
+import hashlib
 from functools import partial
+
+import numpy as np
 
 import aiperf_opcount as opcount
 from aiperf_core.backend import NativeCounter
@@ -86,14 +89,31 @@ def non_positive(native: dict, analytic: dict, covers, what: str) -> Outcome | N
     return None
 
 
+def counted_natively(ctx: Context, counter: NativeCounter, graph: Graph, weights: dict, backward: bool) -> dict:
+    """The counter's count of `graph` lowered with `weights`, for BATCH samples, counted once per kit run:
+    a morph family's parent is every one of its morphs' parent, and the count level's GPT and Llama are
+    the morph level's (a profiler's count costs seconds: TensorFlow's traces, freezes and profiles the
+    graph). Keyed by the graph's JSON and the weights' bytes, so that another graph or weights is counted
+    anew; a copy is returned."""
+    digest = hashlib.sha256(graph.to_json(indent=None).encode())
+    for node_id in sorted(weights):
+        for name in sorted(weights[node_id]):
+            value = np.ascontiguousarray(weights[node_id][name])
+            digest.update(f"{node_id}/{name}/{value.dtype}/{value.shape}".encode())
+            digest.update(value.tobytes())
+    key = ("native-count", digest.hexdigest(), BATCH, backward)
+    if key not in ctx.cache:
+        ctx.cache[key] = counter.count(ctx.backend.lower(graph, weights), BATCH, backward)
+    return dict(ctx.cache[key])
+
+
 def native_vs_analytic(ctx: Context, name: str, backward: bool) -> Outcome:
     counter = ctx.backend.native_counter()
     if counter is None:
         return no_counter(ctx)
     conv = counter.convention
     graph = COUNT_GRAPHS[name]()
-    model = ctx.backend.lower(graph, trained_looking_weights(graph, ctx.seed))
-    native = counter.count(model, BATCH, backward)
+    native = counted_natively(ctx, counter, graph, trained_looking_weights(graph, ctx.seed), backward)
     analytic = analytic_for_counter(graph, conv, backward)
     bad = non_positive(native, analytic, conv.covers, f"{name} {'forward+backward' if backward else 'forward'}")
     if bad:

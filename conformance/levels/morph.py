@@ -16,8 +16,8 @@ from aiperf_core.morph import transformer as transformer_morph
 from aiperf_core.morph.cnn import random_morph
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_conformance.kit import Check, Context, Outcome, compare, new_ops
-from aiperf_conformance.levels.count import (BATCH, EXACT_CATEGORIES, analytic_for_counter, moe_outcome,
-                                             moe_products, native_count, no_counter, non_positive)
+from aiperf_conformance.levels.count import (BATCH, EXACT_CATEGORIES, analytic_for_counter, counted_natively,
+                                             moe_outcome, moe_products, native_count, no_counter, non_positive)
 from aiperf_conformance.levels.train import GPT_SIZES, LLAMA_SIZES
 
 MORPHS = ("deeper", "wider", "skip", "kernel")
@@ -73,7 +73,7 @@ def count_delta(ctx: Context, op: str) -> Outcome:
     deltas = []
     for backward in (False, True):
         pass_name = "forward+backward" if backward else "forward"
-        native = [counter.count(ctx.backend.lower(g, w), BATCH, backward)
+        native = [counted_natively(ctx, counter, g, w, backward)
                   for g, w in ((graph, weights), (child.graph, child.weights))]
         analytic = [analytic_for_counter(g, conv, backward) for g in (graph, child.graph)]
         for which, n, a in (("parent", native[0], analytic[0]), ("child", native[1], analytic[1])):
