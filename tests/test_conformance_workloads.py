@@ -323,7 +323,11 @@ def test_a_shipped_reference_output_is_the_reference_evaluators(monkeypatch, tmp
     _, _, _, computed = graph_level._zoo_model("squeezenet")
     name = graph_level.zoo_reference_files["squeezenet"]
     assert (tmp_path / "cache" / name).is_file()  # it was computed, not read
-    np.testing.assert_allclose(np.load(SHIPPED / name), computed, rtol=1e-12, atol=0)
+    # ReferenceEvaluator computes in float32 through numpy's BLAS, whose kernels differ by CPU: the
+    # outputs shipped from one machine (AMD Zen 5) and recomputed on another (an Intel Xeon with AMX)
+    # differ by float32 rounding (2.9e-6 at most here), never by more.
+    shipped = np.load(SHIPPED / name)
+    np.testing.assert_allclose(shipped, computed, rtol=0, atol=1e-5 * float(np.abs(shipped).max()))
 
 
 def _tiny_model(seed):
