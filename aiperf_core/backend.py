@@ -421,14 +421,17 @@ class Backend(abc.ABC):
         model for CPU devices; a backend that sees accelerators names them (None: it cannot tell)."""
         return device_model(device)
 
-    def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
+    def matmul_seconds(self, device: str, precision: str, size: int | tuple[int, int, int],
+                       repeats: int) -> list[float]:
         """Seconds of each of `repeats` dense (size x size) @ (size x size) products on `device` at
         `precision`, in the backend's own framework: `aiperf peak` (aiperf_core.submission.peak).
-        Inputs are made on the device once and one warm-up product runs before the clock starts;
-        each repeat is timed from a synchronised device to a synchronised device. fp32 is IEEE fp32
-        (no TF32), tf32 lets fp32 products use TF32 units, bf16 and fp16 multiply inputs of that
-        dtype with the framework's default accumulation. Optional: a backend without it cannot
-        measure a peak."""
+        `size` may also be a shape (m, k, n): an (m x k) @ (k x n) product, 2*m*k*n ops (a model's
+        own GEMM shapes, as benchmarks/transformer_step.py measures its peak; matmul_shape reads
+        either form). Inputs are made on the device once and one warm-up product runs before the
+        clock starts; each repeat is timed from a synchronised device to a synchronised device.
+        fp32 is IEEE fp32 (no TF32), tf32 lets fp32 products use TF32 units, bf16 and fp16
+        multiply inputs of that dtype with the framework's default accumulation. Optional: a
+        backend without it cannot measure a peak."""
         raise AiperfError(f"backend {self.name} cannot measure a peak")
 
     _probes: dict[tuple[str, str, str], bool] = {}  # (backend, device, precision) -> runs_precision
@@ -674,6 +677,18 @@ def cpu_share_of_ram(devices: int = 1) -> int:
                            f"{os.environ[REPLICAS_PER_NODE_ENV]!r}") from None
     return int(psutil.virtual_memory().total // (replicas * max(1, devices)))
 
+
+def matmul_shape(size: int | tuple[int, int, int] | list[int]) -> tuple[int, int, int]:
+    """(m, k, n) of a product that Backend.matmul_seconds times: a square size n is (n, n, n), a
+    shape (m, k, n) is an (m x k) @ (k x n) product. BackendError unless every side is a positive
+    whole number."""
+    try:
+        shape = (size,) * 3 if isinstance(size, int) and not isinstance(size, bool) else tuple(size)
+    except TypeError:
+        shape = ()
+    if len(shape) != 3 or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+        raise BackendError(f"a matrix product is a positive size n or a shape (m, k, n), got {size!r}")
+    return shape
 
 
 def cpu_runs_natively(precision: str) -> bool:

@@ -73,7 +73,7 @@ def main(names: list[str]) -> int:
     print("-" * len(header))
     for r in results:
         value = "" if r["value"] is None else f"{r['value']:.4g}"
-        status = {True: "met", False: "MISSED", None: ""}[r["met"]]
+        status = "FAILED: " + r["failed"] if r.get("failed") else {True: "met", False: "MISSED", None: ""}[r["met"]]
         print(f"{r['script']:<26} {r['name'][:56]:<56} {value:>12} {r['unit']:<10} {format_goal(r):>8}  {status}")
     document = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": platform.platform(),
                 "python": platform.python_version(), "cpus": os.cpu_count(), "results": results}

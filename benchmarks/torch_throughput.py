@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np  # noqa: E402
 
-from _common import compare_training_throughput, report_peak_fraction, training_ops_per_image  # noqa: E402
+from _common import (compare_training_throughput, report_peak_fraction, square_product_peak,  # noqa: E402
+                     training_ops_per_image)
 
 BATCH = 16
 SIZE = 128
@@ -174,12 +175,14 @@ def main() -> int:
     print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads; ResNet-50 {SIZE}x{SIZE}, "
           f"batch {BATCH}, fp32; {STEPS} timed step pairs after {WARMUP} warm-up steps (medians)")
     formats = ("contiguous", "channels_last")
+    a, b = torch.randn(2048, 2048, device=device), torch.randn(2048, 2048, device=device)
+    peak = square_product_peak(lambda: (torch.mm(a, b), finish()))  # probed between the pairs
     lowered_rate = compare_training_throughput("torch", BATCH, lowered_step,
                                                {fmt: (lambda fmt=fmt: hand_step(fmt)) for fmt in formats}, STEPS,
-                                               probe_steps=FORMAT_STEPS)
-    a, b = torch.randn(2048, 2048, device=device), torch.randn(2048, 2048, device=device)
-    report_peak_fraction("torch", lowered_rate, training_ops_per_image(graph), lambda: (torch.mm(a, b), finish()))
-    return 0
+                                               probe_steps=FORMAT_STEPS, between=peak.probe)
+    failed = report_peak_fraction("torch", lowered_rate, training_ops_per_image(graph), peak,
+                                  valid_ops_per_image=training_ops_per_image(graph, "valid"))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

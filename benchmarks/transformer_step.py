@@ -21,9 +21,16 @@ Same batch of token ids, SGD with momentum, the same precision, warm-up steps fi
 median of the pairs' ratios (_common.compare_training_throughput). Each backend is one `<name>_pair`
 in PAIRS returning a `Pair`; the hand-written model's parameter count must equal the IR's.
 
-Then model-FLOP utilisation: the analytic operations of one training sequence (the paper's count,
-FP + BP, as scored) times the lowered step's sequences per second, over the backend's measured dense
-GEMM peak at the same precision (Backend.matmul_seconds, as `aiperf peak` measures it).
+Then model-FLOP utilisation: the analytic operations of one training sequence (FP + BP) times the
+lowered step's sequences per second, over the backend's dense GEMM peak at the same precision, in
+two conventions: `paper` (as scored: causal attention's full S x S) and `valid` (only the S(S+1)/2
+pairs a causal mask keeps, as a fused causal kernel computes; docs/counting.md). The peak is
+measured where it is used (issue 51): after each warm-up round and each timed pair, one product of
+each shape (gemm_shapes: a square GEMM_SIZE product and the model's own GEMMs: the fused QKV, the
+MLP's two products and the MLP's weight gradient, at the step's tokens), timed by
+Backend.matmul_seconds as `aiperf peak` times its products; the peak is the best of them all
+(_common.InterleavedPeak). A utilisation above 1 is no utilisation: the peak was under-measured.
+It is printed as a failed measurement, never a met goal, and the script exits 1.
 
 Sizes: on a CPU a small GPT (4 layers, width 256, 4 heads, 128 tokens, vocabulary 256, batch 8, fp32);
 on a CUDA device the LM track's official seed (aiperf_core.workloads.lm.SEEDS["gpt2_small"]: 12 layers,
@@ -58,7 +65,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import numpy as np  # noqa: E402
 
-from _common import compare_training_throughput, report, timed  # noqa: E402
+from _common import InterleavedPeak, compare_training_throughput, report_utilisation, timed  # noqa: E402
 
 SMOKE = "--smoke" in sys.argv[1:]
 OFFICIAL = "--official" in sys.argv[1:]
@@ -86,8 +93,9 @@ class Pair:
     lowered_step: Callable[[], None]
     hand_steps: dict[str, Callable[[], None]]  # variant -> step; the fastest is the reference
     hand_parameters: Callable[[], int]  # the hand-written model's parameters (after its first step)
-    # One GEMM_SIZE x GEMM_SIZE product at the precision, waited for (the peak under --cpu-time).
-    product: Callable[[], None] | None = None
+    # shape (m, k, n) -> one (m x k) @ (k x n) product at the precision, waited for (the peak under
+    # --cpu-time, where Backend.matmul_seconds' wall seconds would measure the load).
+    product: Callable[[tuple[int, int, int]], Callable[[], None]] | None = None
 
 
 def official_shape() -> tuple[dict, int]:
@@ -130,10 +138,13 @@ def chosen_backends() -> list[str]:
     return list(PAIRS) if names is None else [b for b in names.split(",") if b]
 
 
-def training_ops_per_sequence(graph) -> int:
+CONVENTIONS = ("paper", "valid")  # the utilisation's counts: as scored; causal pairs only (docs/counting.md)
+
+
+def training_ops_per_sequence(graph, convention: str = "paper") -> int:
     from aiperf_opcount import count
 
-    totals = count(graph)
+    totals = count(graph, convention)
     return totals.fp + totals.bp
 
 
@@ -145,17 +156,35 @@ def gemm_size(device: str) -> int:
     return 256 if SMOKE else 2048 if is_cpu_device(device) else 8192
 
 
-def gemm_peak(pair: Pair) -> float:
-    """The backend's dense GEMM rate (operations per second) at the pair's precision: best of ten
-    products (Backend.matmul_seconds, as `aiperf peak`; under --cpu-time the pair's own product
-    timed in CPU seconds)."""
-    size = gemm_size(pair.device)
+def gemm_shapes(device: str, sizes: dict, batch: int) -> dict[str, tuple[int, int, int]]:
+    """The products the peak is measured on, name -> (m, k, n): the square one of gemm_size, and
+    the GPT's own GEMMs at the step's tokens T = batch x seq_len and width h: the fused QKV
+    (T x h by h x 3h), the MLP's up (T x h by h x 4h) and down (T x 4h by 4h x h) products, and the
+    up product's weight gradient (h x T by T x 4h). Together they are most of the step's counted
+    operations, so the peak is what the step's own products can do."""
+    side, tokens, hidden = gemm_size(device), batch * sizes["seq_len"], sizes["hidden"]
+    return {f"{side}x{side}": (side, side, side),
+            "qkv T.h.3h": (tokens, hidden, 3 * hidden),
+            "mlp-up T.h.4h": (tokens, hidden, 4 * hidden),
+            "mlp-down T.4h.h": (tokens, 4 * hidden, hidden),
+            "mlp-up grad h.T.4h": (hidden, tokens, 4 * hidden)}
+
+
+def interleaved_peak(pair: Pair, shapes: dict[str, tuple[int, int, int]]) -> InterleavedPeak:
+    """The pair's dense GEMM peak, probed between its steps: each probe times one product of each
+    shape with Backend.matmul_seconds (as `aiperf peak`: inputs made and one product run untimed,
+    then one timed), or under --cpu-time the pair's own product in CPU seconds."""
     if not CPU_TIME:
-        return 2 * size ** 3 / min(pair.backend.matmul_seconds(pair.device, pair.precision, size, 10))
-    if pair.product is None:
+        def one(shape):
+            return lambda: pair.backend.matmul_seconds(pair.device, pair.precision, shape, 1)[0]
+    elif pair.product is None:
         raise ValueError(f"--cpu-time: the {pair.backend.name} pair has no product to time")
-    pair.product()  # warm-up: compilation, first-touch pages
-    return 2 * size ** 3 / min(cpu_seconds(pair.product) for _ in range(10))
+    else:
+        def one(shape):
+            product = pair.product(shape)
+            product()  # warm-up: compilation, first-touch pages
+            return lambda: cpu_seconds(product)
+    return InterleavedPeak({name: (2 * m * k * n, one((m, k, n))) for name, (m, k, n) in shapes.items()})
 
 
 def cpu_seconds(fn: Callable[[], Any]) -> float:
@@ -267,13 +296,15 @@ def torch_pair(graph, sizes, tokens, labels):
         optimizer.step()
         finish()
 
-    size = gemm_size(device_name)
-    a, b = (torch.randn(size, size, device=device).to(compute_dtype(precision)) for _ in range(2))
+    def product(shape):
+        m, k, n = shape
+        a, b = (torch.randn(*dims, device=device).to(compute_dtype(precision)) for dims in ((m, k), (k, n)))
 
-    def product():
-        with torch.no_grad(), float32_math(device, precision == "tf32"):
-            torch.mm(a, b)
-        finish()
+        def one():
+            with torch.no_grad(), float32_math(device, precision == "tf32"):
+                torch.mm(a, b)
+            finish()
+        return one
 
     describe = (f"torch {torch.__version__} on {device}, {torch.get_num_threads()} threads"
                 + (", both steps compiled" if COMPILE else ""))
@@ -362,13 +393,14 @@ def jax_pair(graph, sizes, tokens, labels):
         hand["params"], hand["velocity"], loss = hand_train(hand["params"], hand["velocity"], x, y)
         loss.block_until_ready()
 
-    size = gemm_size(device_name)
-    a, b = (jnp.asarray(m).astype(compute_dtype(precision) or jnp.float32)
-            for m in np.random.default_rng(0).standard_normal((2, size, size), dtype=np.float32))
     dot = jax.jit(lambda a, b: jnp.matmul(a, b, precision=lax_precision(precision)))
 
-    def product():
-        dot(a, b).block_until_ready()
+    def product(shape):
+        m, k, n = shape
+        rng = np.random.default_rng(0)
+        a, b = (jnp.asarray(rng.standard_normal(dims, dtype=np.float32)).astype(compute_dtype(precision) or jnp.float32)
+                for dims in ((m, k), (k, n)))
+        return lambda: dot(a, b).block_until_ready()
 
     describe = f"jax {jax.__version__} on {jax.local_devices()[0]}, jitted steps"
     return Pair(backend, device_name, precision, describe, lowered_step, {"flax": hand_step},
@@ -587,6 +619,31 @@ def mindspore_pair(graph, sizes, tokens, labels):
 PAIRS = {"torch": torch_pair, "jax": jax_pair, "tensorflow": tensorflow_pair, "mindspore": mindspore_pair}
 
 
+def bench_pair(name: str, pair: Pair, ops: dict[str, int], batch: int, warmup: int, steps: int,
+               shapes: dict[str, tuple[int, int, int]], goal: float | None, parameters: int) -> list[str]:
+    """Warm up, time the pairs with the peak probed between them, and report the ratio, the
+    interleaved peak and the utilisation in each convention of `ops` (convention -> analytic
+    operations of one training sequence). Returns the failures: a parameter count that differs
+    from the IR's (`parameters`), a utilisation above 1 (the peak under-measured)."""
+    peak = interleaved_peak(pair, shapes)
+    for _ in range(warmup):
+        pair.lowered_step()
+        for step in pair.hand_steps.values():
+            step()
+        peak.probe()
+    if pair.hand_parameters() != parameters:  # "of the same shape", checked
+        return [f"{name}: the hand-written model has {pair.hand_parameters():,} parameters, the IR's {parameters:,}"]
+    print(f"{pair.describe}; precision {pair.precision}; {steps} timed step pairs after {warmup} warm-up steps"
+          f"{', timed in CPU seconds' if CPU_TIME else ''}; one product of each of {len(shapes)} GEMM shapes "
+          f"between pairs; load average {os.getloadavg()[0]:.2f}", flush=True)
+    label = f"{name} compiled" if COMPILE and name == "torch" else name
+    rate = compare_training_throughput(label, batch, pair.lowered_step, pair.hand_steps, steps, model="gpt",
+                                       unit=f"sequences/{'CPU-' if CPU_TIME else ''}s",
+                                       timer=cpu_seconds if CPU_TIME else timed, between=peak.probe)
+    best = peak.report(f"{label} dense GEMM peak, {pair.precision}, interleaved")
+    return report_utilisation(label, rate, ops, best, goal, model="gpt")
+
+
 def main() -> int:
     from aiperf_core.builders import gpt
 
@@ -602,9 +659,10 @@ def main() -> int:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, sizes["vocab"], (batch, sizes["seq_len"]))
     labels = rng.integers(0, sizes["vocab"], (batch, sizes["seq_len"]))
-    ops = training_ops_per_sequence(graph)
+    ops = {convention: training_ops_per_sequence(graph, convention) for convention in CONVENTIONS}
     print(f"load average at start: {' '.join(f'{x:.2f}' for x in os.getloadavg())} on {os.cpu_count()} cores")
-    print(f"GPT {sizes}, batch {batch}; {ops:,} analytic operations per training sequence (FP + BP)")
+    print(f"GPT {sizes}, batch {batch}; analytic operations per training sequence (FP + BP): "
+          + ", ".join(f"{count:,} ({convention})" for convention, count in ops.items()))
     failed = []
     for name in chosen_backends():
         if name not in PAIRS:
@@ -619,26 +677,12 @@ def main() -> int:
             failed.append(f"{name}: {type(exc).__name__}: {exc}")
             print(f"{name}: FAILED: {type(exc).__name__}: {exc}")
             continue
-        for _ in range(warmup):
-            pair.lowered_step()
-            for step in pair.hand_steps.values():
-                step()
-        if pair.hand_parameters() != graph.num_params():  # "of the same shape", checked
-            failed.append(f"{name}: the hand-written model has {pair.hand_parameters():,} parameters, the IR's "
-                          f"{graph.num_params():,}")
-            continue
-        print(f"{pair.describe}; precision {pair.precision}; {steps} timed step pairs after {warmup} warm-up steps"
-              f"{', timed in CPU seconds' if CPU_TIME else ''}; "
-              f"load average {os.getloadavg()[0]:.2f}", flush=True)
-        label = f"{name} compiled" if COMPILE and name == "torch" else name
-        rate = compare_training_throughput(label, batch, pair.lowered_step, pair.hand_steps, steps, model="gpt",
-                                           unit=f"sequences/{'CPU-' if CPU_TIME else ''}s",
-                                           timer=cpu_seconds if CPU_TIME else timed)
-        peak = gemm_peak(pair)
-        report(f"{label} dense GEMM peak ({pair.precision})", peak / 1e9, "GOPS", None, lower_is_better=False)
-        report(f"{label} gpt train, achieved analytic OPS", rate * ops / 1e9, "GOPS", None, lower_is_better=False)
-        report(f"{label} gpt model-FLOP utilisation (analytic / GEMM peak)", rate * ops / peak, "fraction",
-               mfu_goal(name, on_gpu), lower_is_better=False)
+        try:
+            failed += bench_pair(name, pair, ops, batch, warmup, steps, gemm_shapes(pair.device, sizes, batch),
+                                 mfu_goal(name, on_gpu), graph.num_params())
+        except Exception as exc:
+            failed.append(f"{name}: {type(exc).__name__}: {exc}")
+            print(f"{name}: FAILED: {type(exc).__name__}: {exc}")
     print(f"load average at end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for line in failed:
         print(f"FAILED {line}")

@@ -166,7 +166,7 @@ def test_cli_writes_peak_json_and_refuses_to_overwrite(tmp_path, monkeypatch, ca
     captured = capsys.readouterr()
     assert "fp32 16x16: best" in captured.err and "wrote peak.json" in captured.out
     table = captured.out.splitlines()
-    assert table[1].split() == ["device", "model", "precision", "size", "best"]
+    assert table[1].split() == ["device", "model", "precision", "size", "best", "spread"]
     assert "fp32" in table[2] and "OPS" in table[2]
     record = load_peak(tmp_path / "peak.json")
     assert record["backend"] == "numpy" and list(record["devices"][0]["precisions"]) == ["fp32"]

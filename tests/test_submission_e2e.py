@@ -102,7 +102,9 @@ def test_each_real_run_is_accepted_unofficial(submissions, checks):
         assert verdict["backend"] == backend and verdict["precisions"] == s["precisions"]
         assert verdict["score_ops"] == pytest.approx(s["score"]["score_ops"], rel=1e-12)
         assert verdict["system"]["accelerator_model"] == s["description"]["nodes"]["cpu_model"]
-        assert verdict["findings"] == []
+        # A peak measured beside the other backend's may spread more than 10% (a finding: issue 51);
+        # nothing else is found.
+        assert [f for f in verdict["findings"] if not (f.startswith("peak.json: ") and " spread " in f)] == []
 
 
 def test_the_list_orders_by_score_with_both_efficiencies(submissions, checks, tmp_path):

@@ -33,11 +33,13 @@ def parse_precision_list(text: str | None) -> list[str] | None:
 
 
 def render(record: dict) -> str:
-    """The peak record as a table: one row per device and precision."""
+    """The peak record as a table: one row per device and precision (the spread of the repeats at
+    the best size: "-" in a file written before spreads were recorded)."""
     from aiperf_core.scoring import format_ops
 
-    header = ("device", "model", "precision", "size", "best")
-    rows = [(entry["device"], entry["model"] or "unknown", precision, f"{m['size']}", format_ops(m["ops_per_s"]))
+    header = ("device", "model", "precision", "size", "best", "spread")
+    rows = [(entry["device"], entry["model"] or "unknown", precision, f"{m['size']}", format_ops(m["ops_per_s"]),
+             f"{m['spread']:.1%}" if "spread" in m else "-")
             for entry in record["devices"] for precision, m in entry["precisions"].items()]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     lines = [f"backend {record['backend']} {record['framework_version']} on {record['host']}"]
@@ -50,7 +52,7 @@ def run(args) -> int:
     from aiperf_core.config_file import load_config
     from aiperf_core.registry import load_backend, resolve_backend_name
     from aiperf_core.submission import SubmissionError
-    from aiperf_core.submission.peak import measure_peak, write_peak
+    from aiperf_core.submission.peak import measure_peak, spread_warnings, write_peak
 
     out = Path(args.out)
     if out.exists() and not args.force:  # refused before minutes of measuring, and again when written
@@ -65,5 +67,7 @@ def run(args) -> int:
     record = measure_peak(backend, precisions, progress=progress)
     write_peak(record, out, force=args.force)
     print(render(record))
+    for line in spread_warnings(record):
+        print(f"warning: {line}", file=sys.stderr)
     print(f"wrote {out}")
     return 0

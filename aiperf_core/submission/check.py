@@ -304,6 +304,15 @@ class _Inventory:
     cpu_model: str | None
 
 
+def replica_nodes(start: dict[str, Any]) -> list[tuple[str | None, list[str]]]:
+    """(host, devices) of each node of a replica as its replica_start recorded it: every node of a
+    replica across nodes (`nodes`), else the one host."""
+    nodes = start.get("nodes") if isinstance(start.get("nodes"), list) else [start]
+    return [(str(n["host"]) if n.get("host") is not None else None,
+             [str(d) for d in n["devices"]] if isinstance(n.get("devices"), list) else []) for n in nodes
+            if isinstance(n, dict)]
+
+
 def recorded_inventory(run: _Run) -> _Inventory:
     """What the run itself recorded: replica_start (host, devices) and each replica's first monitor
     host record (CPU model, NVML accelerators)."""
@@ -313,10 +322,12 @@ def recorded_inventory(run: _Run) -> _Inventory:
         start = state.starts[-1] if state.starts else {}
         record = run.monitors.host_records.get(replica, {})
         host = str(start.get("host") or record.get("host"))
-        entry = hosts.setdefault(host, {"cpu_models": set(), "uuids": set(), "names": set(), "devices": 0})
-        devices = [str(d) for d in start["devices"]] if isinstance(start.get("devices"), list) else []
-        on_cpu = on_cpu and all(is_cpu_device(d) for d in devices)
-        entry["devices"] += len(devices)
+        for node_host, devices in replica_nodes(start):  # a replica across nodes counts each of its hosts
+            other = hosts.setdefault(node_host or host, {"cpu_models": set(), "uuids": set(), "names": set(),
+                                                         "devices": 0})
+            on_cpu = on_cpu and all(is_cpu_device(d) for d in devices)
+            other["devices"] += len(devices)
+        entry = hosts[host]
         if record.get("cpu_model"):
             entry["cpu_models"].add(str(record["cpu_model"]))
         for accelerator in record.get("accelerators") or []:
@@ -443,7 +454,7 @@ def _check_certification(verdict: Verdict, root: Path, listed: set[str], invento
 def _check_plausibility(verdict: Verdict, root: Path, listed: set[str], description: dict[str, Any] | None,
                         inventory: _Inventory) -> None:
     from aiperf_core.scoring import format_ops
-    from aiperf_core.submission.peak import load_peak, peak_per_device
+    from aiperf_core.submission.peak import load_peak, peak_per_device, spread_warnings
     from aiperf_core.submission.system import declared_peak_ops
 
     if description is None or verdict.score_ops is None:
@@ -486,8 +497,14 @@ def _check_plausibility(verdict: Verdict, root: Path, listed: set[str], descript
                                     f"{format_ops(verdict.declared_peak_ops)}: system.toml's accelerators.peak_ops "
                                     "looks understated")
         if verdict.score_ops > verdict.measured_peak_ops:
-            verdict.rejections.append(f"implausible: the score {format_ops(verdict.score_ops)} exceeds the measured "
-                                      f"matrix-multiply peak {format_ops(verdict.measured_peak_ops)} ({count} device(s))")
+            # An efficiency above 1 against the measured peak: the peak was under-measured (a loaded
+            # node, too small a product) or the score is wrong; either way not a figure to list.
+            verdict.rejections.append(f"implausible: efficiency {verdict.score_ops / verdict.measured_peak_ops:.1%} "
+                                      f"against the measured peak exceeds 1: the score {format_ops(verdict.score_ops)} "
+                                      f"exceeds the measured matrix-multiply peak "
+                                      f"{format_ops(verdict.measured_peak_ops)} ({count} device(s)); peak.json "
+                                      "under-measures the devices or the score is wrong")
+        verdict.findings += [f"peak.json: {line}" for line in spread_warnings(peak, verdict.precisions, inventory.model)]
 
 
 # -- 8. energy --------------------------------------------------------------------------------------

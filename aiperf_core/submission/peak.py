@@ -18,10 +18,13 @@ peak.json, schema version 1:
      "host": "node01", "measured_at": "2026-11-25T15:40:00+00:00",
      "devices": [{"device": "cuda:0", "model": "NVIDIA H100 80GB HBM3",
                   "precisions": {"fp32": {"ops_per_s": 5.1e13, "size": 16384, "best_seconds": 0.172,
-                                          "repeats": 5}}}]}
+                                          "repeats": 5, "spread": 0.02}}}]}
 `model` is Backend.device_model (null where the backend cannot tell); `size` is the size of the
 best product, `best_seconds` its time, `repeats` the timed products at that size, and
-`ops_per_s` = 2*size**3 / best_seconds (load_peak checks that it is).
+`ops_per_s` = 2*size**3 / best_seconds (load_peak checks that it is). `spread` (since issue 51;
+absent in older files) is (slowest - fastest) / fastest of the repeats at that size: above
+SPREAD_WARNING (10%) the device was not quiet while it was measured, the peak is likely low, and
+`aiperf peak` and `aiperf check` say so (spread_warnings).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ KIND = "aiperf-peak"
 # and an accelerator 8192 or more to fill its tensor cores (three 16384 fp32 matrices take 3 GiB).
 SIZES = {"cpu": (256, 512, 1024, 2048, 4096, 8192), "accelerator": (2048, 4096, 8192, 16384)}
 REPEATS = 5  # timed products per size, after one warm-up
+# A best size whose repeats are further apart than this was measured on a device that was not quiet:
+# its best rate is likely below the device's, and every efficiency against it reads high.
+SPREAD_WARNING = 0.10
 # Seconds one device may take over all its precisions (each precision gets an equal share): well
 # under a minute with the framework's start-up, and enough for a slow device's mid-size products.
 BUDGET_S = {"cpu": 30.0, "accelerator": 40.0}
@@ -57,6 +63,11 @@ Progress = Callable[[str], None]
 def ops_per_product(size: int) -> int:
     """Ops of one (size x size) @ (size x size) product: size**3 multiply-accumulates, two ops each."""
     return 2 * size ** 3
+
+
+def spread(seconds: Sequence[float]) -> float:
+    """(slowest - fastest) / fastest of repeated products: 0 on a quiet device."""
+    return (max(seconds) - min(seconds)) / min(seconds)
 
 
 def device_kind(device: str) -> str:
@@ -94,7 +105,8 @@ def _timed(backend: Backend, device: str, precision: str, size: int, repeats: in
 def measure_precision(backend: Backend, device: str, precision: str, sizes: Sequence[int], repeats: int,
                       budget_s: float, progress: Progress | None = None) -> dict[str, Any]:
     """The best rate of `precision` on `device` over `sizes` (ascending), stopping before a size
-    projected to overrun `budget_s`; {"ops_per_s", "size", "best_seconds", "repeats"}."""
+    projected to overrun `budget_s`; {"ops_per_s", "size", "best_seconds", "repeats", "spread"}
+    (the spread of the repeats at the best size)."""
     if not sizes:
         raise BackendError("no matrix size to measure")
     best: dict[str, Any] | None = None
@@ -105,12 +117,13 @@ def measure_precision(backend: Backend, device: str, precision: str, sizes: Sequ
         call_s = time.perf_counter() - call_start
         rate = ops_per_product(size) / min(seconds)
         if best is None or rate > best["ops_per_s"]:
-            best = {"ops_per_s": rate, "size": size, "best_seconds": min(seconds), "repeats": repeats}
+            best = {"ops_per_s": rate, "size": size, "best_seconds": min(seconds), "repeats": repeats,
+                    "spread": spread(seconds)}
         if progress is not None:
             from aiperf_core.scoring import format_ops
 
             progress(f"{device} {precision} {size}x{size}: best {min(seconds):.4g} s, {format_ops(rate)} "
-                     f"({repeats} repeats, {call_s:.1f} s)")
+                     f"({repeats} repeats, spread {spread(seconds):.1%}, {call_s:.1f} s)")
         if index + 1 < len(sizes):
             # The products scale with the cube of the size, the rest (making inputs, compiling,
             # warming up) with at most its square.
@@ -170,6 +183,10 @@ def _positive_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
+def _non_negative_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
@@ -188,6 +205,8 @@ def _check_measurement(fail: Callable[[str, str], None], where: str, m: Any) -> 
         fail(f"{where}.best_seconds", f"must be a positive number of seconds, got {m['best_seconds']!r}")
     if not _positive_int(m["repeats"]):
         fail(f"{where}.repeats", f"must be a positive whole number, got {m['repeats']!r}")
+    if "spread" in m and not _non_negative_number(m["spread"]):
+        fail(f"{where}.spread", f"must be a non-negative number, got {m['spread']!r}")
     expected = ops_per_product(m["size"]) / m["best_seconds"]
     if not math.isclose(m["ops_per_s"], expected, rel_tol=1e-6):
         fail(f"{where}.ops_per_s", f"{m['ops_per_s']!r} is not 2*size**3/best_seconds = {expected!r}")
@@ -250,6 +269,23 @@ def load_peak(path: str | os.PathLike) -> dict[str, Any]:
     except ValueError as exc:
         raise SubmissionError(f"{path}: not JSON: {exc}") from None
     return validate_peak(record, path)
+
+
+def spread_warnings(peak: dict[str, Any], precisions: Iterable[str] | None = None,
+                    model: str | None = None) -> list[str]:
+    """One line per measurement (of `precisions` and `model` when given) whose repeats spread more
+    than SPREAD_WARNING: its device was not quiet, so its peak is likely low and an efficiency
+    against it reads high. A file without spreads (written before they were recorded) has none."""
+    lines = []
+    for entry in peak["devices"]:
+        if model is not None and entry["model"] != model:
+            continue
+        for precision, m in entry["precisions"].items():
+            if (precisions is None or precision in precisions) and m.get("spread", 0.0) > SPREAD_WARNING:
+                lines.append(f"{entry['device']} {precision}: the {m['repeats']} products at {m['size']}x{m['size']} "
+                             f"spread {m['spread']:.0%} (more than {SPREAD_WARNING:.0%}): the device was not quiet, "
+                             f"so the peak is likely under-measured; measure it again on an idle node")
+    return lines
 
 
 def peak_per_device(peak: dict[str, Any], precision: str, model: str | None = None) -> float | None:

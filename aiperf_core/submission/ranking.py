@@ -158,6 +158,21 @@ def _percent(value: float) -> str:
     return f"{percent:.1f}%" if abs(percent) >= 0.1 or percent == 0 else f"{percent:.2g}%"
 
 
+PEAK_UNDER_MEASURED, PEAK_UNDERSTATED = "peak under-measured", "peak understated"
+
+
+def _efficiency(value: float, above_one: str = PEAK_UNDER_MEASURED) -> str:
+    """An efficiency against a peak, as a person reads it. Above 1 it is no efficiency: the peak
+    was under-measured (a declared one understated), and the cell says so beside the figure
+    (issue 51; aiperf check rejects such a result, so only a verdict from elsewhere shows one).
+    The CSV and the JSON keep the number."""
+    return _percent(value) if not value > 1.0 else f"{_percent(value)} ({above_one})"
+
+
+def _declared_efficiency(value: float) -> str:
+    return _efficiency(value, PEAK_UNDERSTATED)
+
+
 def _ops_per_watt(value: float) -> str:
     return f"{format_ops(value)}/W"
 
@@ -211,8 +226,8 @@ COLUMNS = (
     Column("precision", lambda e: ", ".join(e["precisions"]) or None),
     Column("score (OPS)", lambda e: e["score_ops"], format_ops, numeric=True),
     Column("declared peak (OPS)", lambda e: e["declared_peak_ops"], format_ops, numeric=True),
-    Column("efficiency vs declared peak", lambda e: e["efficiency_declared"], _percent, numeric=True),
-    Column("efficiency vs measured peak", lambda e: e["efficiency_measured"], _percent, numeric=True),
+    Column("efficiency vs declared peak", lambda e: e["efficiency_declared"], _declared_efficiency, numeric=True),
+    Column("efficiency vs measured peak", lambda e: e["efficiency_measured"], _efficiency, numeric=True),
     Column("regulated score (OPS)", lambda e: e["regulated_ops"], format_ops, numeric=True),
     Column("best accuracy", lambda e: e["best_accuracy"], _percent, numeric=True),
     Column("run length (h)", _hours, lambda h: f"{h:.2f}", numeric=True),
@@ -572,7 +587,7 @@ def scatter_plot(entries: list[dict[str, Any]]) -> str:
     for e, (x, y, label_x, label_y, anchor) in zip(points, labels):
         color = _efficiency_color(e["efficiency_declared"])
         fill = color if e["official"] else "#fff"
-        efficiency = "unknown" if e["efficiency_declared"] is None else _percent(e["efficiency_declared"])
+        efficiency = "unknown" if e["efficiency_declared"] is None else _declared_efficiency(e["efficiency_declared"])
         tooltip = (f"#{e['rank']} {e['system']['system_name']}: {format_ops(e['score_ops'])} on {_accelerators(e)}, "
                    f"{efficiency} of declared peak, {'official' if e['official'] else 'unofficial'}")
         parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="6" fill="{fill}" stroke="{color}" stroke-width="2.5">'

@@ -185,7 +185,8 @@ class JaxBackend(Backend):
         found = local_device(device)
         return device_runs_natively(found, precision) and _probe(found, precision)
 
-    def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
+    def matmul_seconds(self, device: str, precision: str, size: int | tuple[int, int, int],
+                       repeats: int) -> list[float]:
         from aiperf_backends.jax.peak import matmul_seconds
 
         return matmul_seconds(device, precision, size, repeats)

@@ -114,7 +114,8 @@ class MindSporeBackend(Backend):
     def runs_precision(self, device: str, precision: str) -> bool:
         return precision in _OFFERED and _probe_precision(precision)
 
-    def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
+    def matmul_seconds(self, device: str, precision: str, size: int | tuple[int, int, int],
+                       repeats: int) -> list[float]:
         from aiperf_backends.mindspore.peak import matmul_seconds
 
         return matmul_seconds(device, precision, size, repeats)

@@ -13,10 +13,11 @@ import time
 
 import numpy as np
 
-from aiperf_core.backend import BackendError
+from aiperf_core.backend import BackendError, matmul_shape
 
 
-def matmul_seconds(device: str, precision: str, size: int, repeats: int) -> list[float]:
+def matmul_seconds(device: str, precision: str, size: int | tuple[int, int, int], repeats: int) -> list[float]:
+    """Backend.matmul_seconds: `size` a square side n or a shape (m, k, n)."""
     from aiperf_backends.mindspore.backend import _ms, runs_in_this_process
 
     ms = _ms()
@@ -29,9 +30,10 @@ def matmul_seconds(device: str, precision: str, size: int, repeats: int) -> list
     if not runs_in_this_process(device):
         raise BackendError(f"backend mindspore can time matrix products only on the device this process is "
                            f"bound to ({ms.get_context('device_target')}:{ms.get_context('device_id')}), not {device}")
+    m, k, n = matmul_shape(size)
     rng = np.random.default_rng(0)
-    a = Tensor(rng.standard_normal((size, size), dtype=np.float32)).astype(COMPUTE_DTYPES[precision])
-    b = Tensor(rng.standard_normal((size, size), dtype=np.float32)).astype(COMPUTE_DTYPES[precision])
+    a = Tensor(rng.standard_normal((m, k), dtype=np.float32)).astype(COMPUTE_DTYPES[precision])
+    b = Tensor(rng.standard_normal((k, n), dtype=np.float32)).astype(COMPUTE_DTYPES[precision])
     if ms.get_context("device_target") == "CPU":  # runtime.synchronize() is for accelerators only
         def synchronise(result) -> None:
             result.data_sync(True)

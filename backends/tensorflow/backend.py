@@ -317,7 +317,8 @@ class TensorFlowBackend(Backend):
     def runs_precision(self, device: str, precision: str) -> bool:
         return _probe_precision(device, precision)
 
-    def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
+    def matmul_seconds(self, device: str, precision: str, size: int | tuple[int, int, int],
+                       repeats: int) -> list[float]:
         from aiperf_backends.tensorflow.peak import matmul_seconds
 
         return matmul_seconds(device, precision, size, repeats)

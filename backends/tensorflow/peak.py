@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 
-from aiperf_core.backend import BackendError
+from aiperf_core.backend import BackendError, matmul_shape
 
 
-def matmul_seconds(device: str, precision: str, size: int, repeats: int) -> list[float]:
+def matmul_seconds(device: str, precision: str, size: int | tuple[int, int, int], repeats: int) -> list[float]:
+    """Backend.matmul_seconds: `size` a square side n or a shape (m, k, n)."""
     from aiperf_backends.tensorflow.backend import framework, tf_device_name
 
     tf = framework()
@@ -22,11 +23,12 @@ def matmul_seconds(device: str, precision: str, size: int, repeats: int) -> list
 
     if precision not in COMPUTE_DTYPES:
         raise BackendError(f"backend tensorflow cannot multiply matrices at precision '{precision}'")
+    m, k, n = matmul_shape(size)
     synchronise = tf.test.experimental.sync_devices
     seconds = []
     with tf.device(tf_device_name(device)), precision_scope(precision):
-        a = tf.cast(tf.random.stateless_normal((size, size), seed=(0, 0)), COMPUTE_DTYPES[precision])
-        b = tf.cast(tf.random.stateless_normal((size, size), seed=(0, 1)), COMPUTE_DTYPES[precision])
+        a = tf.cast(tf.random.stateless_normal((m, k), seed=(0, 0)), COMPUTE_DTYPES[precision])
+        b = tf.cast(tf.random.stateless_normal((k, n), seed=(0, 1)), COMPUTE_DTYPES[precision])
         tf.linalg.matmul(a, b)  # warm-up: library handles, kernel selection, first-touch pages
         synchronise()
         for _ in range(repeats):

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import time
 
-from aiperf_core.backend import BackendError
+from aiperf_core.backend import BackendError, matmul_shape
 
 
-def matmul_seconds(device: str, precision: str, size: int, repeats: int) -> list[float]:
+def matmul_seconds(device: str, precision: str, size: int | tuple[int, int, int], repeats: int) -> list[float]:
+    """Backend.matmul_seconds: `size` a square side n or a shape (m, k, n)."""
     from aiperf_backends.torch.backend import _torch
     from aiperf_backends.torch.precision import compute_dtype, float32_math
 
     torch = _torch()
     if precision not in ("fp32", "tf32", "bf16", "fp16"):
         raise BackendError(f"backend torch cannot multiply matrices at precision '{precision}'")
+    m, k, n = matmul_shape(size)
     dev = torch.device(device)
 
     def synchronise() -> None:
@@ -28,9 +30,9 @@ def matmul_seconds(device: str, precision: str, size: int, repeats: int) -> list
             torch.cuda.synchronize(dev)
 
     generator = torch.Generator(device=dev).manual_seed(0)
-    a = torch.randn(size, size, device=dev, generator=generator).to(compute_dtype(precision))
-    b = torch.randn(size, size, device=dev, generator=generator).to(compute_dtype(precision))
-    out = torch.empty_like(a)
+    a = torch.randn(m, k, device=dev, generator=generator).to(compute_dtype(precision))
+    b = torch.randn(k, n, device=dev, generator=generator).to(compute_dtype(precision))
+    out = torch.empty(m, n, device=dev, dtype=a.dtype)
     seconds = []
     with torch.no_grad(), float32_math(dev, tf32=precision == "tf32"):
         torch.mm(a, b, out=out)  # warm-up: library handles, kernel selection, first-touch pages

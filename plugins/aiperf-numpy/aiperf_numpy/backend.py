@@ -52,7 +52,8 @@ class NumpyBackend(Backend):
         # parallel/multi_node_refused wants the reason said.
         return Parallelism(multi_node_why_not="the reference executor trains on one CPU device, in one process")
 
-    def matmul_seconds(self, device: str, precision: str, size: int, repeats: int) -> list[float]:
+    def matmul_seconds(self, device: str, precision: str, size: int | tuple[int, int, int],
+                       repeats: int) -> list[float]:
         from aiperf_numpy.peak import matmul_seconds
 
         return matmul_seconds(device, precision, size, repeats)

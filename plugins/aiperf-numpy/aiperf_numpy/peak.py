@@ -10,16 +10,18 @@ import time
 
 import numpy as np
 
-from aiperf_core.backend import BackendError
+from aiperf_core.backend import BackendError, matmul_shape
 
 
-def matmul_seconds(device: str, precision: str, size: int, repeats: int) -> list[float]:
+def matmul_seconds(device: str, precision: str, size: int | tuple[int, int, int], repeats: int) -> list[float]:
+    """Backend.matmul_seconds: `size` a square side n or a shape (m, k, n)."""
     if precision != "fp32":
         raise BackendError(f"backend numpy cannot multiply matrices at precision '{precision}'")
+    m, k, n = matmul_shape(size)
     rng = np.random.default_rng(0)
-    a = rng.standard_normal((size, size), dtype=np.float32)
-    b = rng.standard_normal((size, size), dtype=np.float32)
-    out = np.empty_like(a)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    b = rng.standard_normal((k, n), dtype=np.float32)
+    out = np.empty((m, n), dtype=np.float32)
     np.matmul(a, b, out=out)  # warm-up: BLAS threads, first-touch pages
     seconds = []
     for _ in range(repeats):
