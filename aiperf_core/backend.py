@@ -233,6 +233,10 @@ class EpochReport:
     # all-to-all ran (one device, no moe node, or expert_parallel off). The bytes they moved are
     # analytic (opcount.communication.all_to_all_bytes): a backend never reports its own.
     all_to_all_seconds: float | None = None
+    # Wall seconds of the epoch's training steps spent waiting on the data-parallel gradient all-reduce,
+    # measured by the backend as its docs say (docs/backends/<name>.md); None when it cannot measure
+    # them or none ran (one device). The bytes are analytic (opcount.communication.all_reduce_bytes).
+    all_reduce_seconds: float | None = None
 
 
 class StepClock:

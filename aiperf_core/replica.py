@@ -170,6 +170,37 @@ def all_to_all_fields(report, per_sample: tuple[int, int] | None) -> dict:
                            "bytes_per_second": moved / seconds if seconds > 0 else None}}
 
 
+@dataclass(frozen=True)
+class AllReduceLayout:
+    """What a trial's all-reduce bytes are counted from: its graph, data-parallel degree (`ranks`, every
+    device of every node), nodes, global batch and whether its experts were sharded."""
+
+    graph: Graph
+    ranks: int
+    nodes: int
+    batch_size: int
+    expert_parallel: bool = False
+
+
+def all_reduce_fields(report, layout: AllReduceLayout | None) -> dict:
+    """epoch_end's `all_reduce` (docs/run-directory.md) for a data-parallel trial: the bytes the epoch's
+    gradient all-reduces moved, analytic (opcount.communication.all_reduce_bytes over its optimiser
+    steps), the seconds the backend measured waiting on them (null where it cannot measure), and their
+    ratio; no field for a trial on one device (`layout` None or of one rank)."""
+    if layout is None or layout.ranks < 2:
+        return {}
+    from aiperf_opcount.communication import all_reduce_bytes, optimiser_steps
+
+    steps = optimiser_steps(int(report.train_images), layout.batch_size)
+    moved = all_reduce_bytes(layout.graph, layout.ranks, layout.nodes, steps, layout.expert_parallel)
+    seconds = _seconds(getattr(report, "all_reduce_seconds", None))
+    return {"all_reduce": {"bytes": moved.bytes, "seconds": seconds,
+                           "bytes_per_second": moved.bytes / seconds if seconds else None,
+                           "ranks": layout.ranks, "nodes": layout.nodes, "steps": steps,
+                           "expert_parallel": layout.expert_parallel, "inter_node_bytes": moved.inter_node_bytes,
+                           "intra_node_bytes": moved.intra_node_bytes}}
+
+
 def _total_compile_seconds(values) -> float | None:
     """The sum of the measured values; None when none was measured."""
     measured = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
@@ -546,6 +577,9 @@ class Replica:
             from aiperf_opcount.communication import bytes_per_sample
             watch.all_to_all_per_sample = (bytes_per_sample(plan.graph, config.precision, True),
                                            bytes_per_sample(plan.graph, config.precision, False))
+        if self.world > 1:
+            watch.all_reduce_layout = AllReduceLayout(plan.graph, self.world, self.nodes, config.batch_size,
+                                                      config.expert_parallel)
         weights = None
         try:
             if memory_error is not None:
@@ -765,6 +799,7 @@ class _EpochWatch:
         self.stop_reason: str | None = None
         self.compile_seconds: float | None = None  # the trial's, summed over its epochs; None: not measured
         self.all_to_all_per_sample: tuple[int, int] | None = None  # set for an expert-parallel trial
+        self.all_reduce_layout: AllReduceLayout | None = None  # set for a data-parallel trial
 
     def __call__(self, report: EpochReport) -> bool:
         loss, val_loss, accuracy = _finite(report.loss), _finite(report.val_loss), _finite(report.val_accuracy)
@@ -775,7 +810,8 @@ class _EpochWatch:
                                      step_seconds=None if report.step_seconds is None else _finite(report.step_seconds),
                                      compile_seconds=_seconds(getattr(report, "compile_seconds", None)),
                                      **expert_load_fields(getattr(report, "expert_load", None)),
-                                     **all_to_all_fields(report, self.all_to_all_per_sample))
+                                     **all_to_all_fields(report, self.all_to_all_per_sample),
+                                     **all_reduce_fields(report, self.all_reduce_layout))
         self.compile_seconds = _total_compile_seconds([self.compile_seconds, event["compile_seconds"]])
         self.started = event["time"]
         self.accuracies.append(accuracy)

@@ -111,21 +111,24 @@ def test_summary_json_and_the_report_give_the_communication_figure(tmp_path):
     _run(tmp_path).finish(1400)
     _, summary_path = write_report(tmp_path)
     summary = json.loads(summary_path.read_text())
-    assert summary["communication"] == {
-        "trials": 2, "bytes": RUN_BYTES, "seconds": RUN_SECONDS, "bytes_per_second": RUN_BYTES / RUN_SECONDS,
-        "per_trial": [
-            {"trial": "r0000-t00000", "bytes": TRIAL_A_BYTES, "seconds": 2.0, "bytes_per_second": TRIAL_A_BYTES / 2.0},
-            {"trial": "r0001-t00000", "bytes": TRIAL_B_BYTES, "seconds": 0.5, "bytes_per_second": TRIAL_B_BYTES / 0.5}]}
+    communication = summary["communication"]
+    assert communication["all_to_all"] == {
+        "trials": 2, "bytes": RUN_BYTES, "seconds": RUN_SECONDS, "bytes_per_second": RUN_BYTES / RUN_SECONDS}
+    assert communication["all_reduce"] is None  # no data-parallel epoch logged one
+    assert [(t["trial"], t["all_to_all"], t["all_reduce"]) for t in communication["per_trial"]] == [
+        ("r0000-t00000", {"bytes": TRIAL_A_BYTES, "seconds": 2.0, "bytes_per_second": TRIAL_A_BYTES / 2.0}, None),
+        ("r0001-t00000", {"bytes": TRIAL_B_BYTES, "seconds": 0.5, "bytes_per_second": TRIAL_B_BYTES / 0.5}, None)]
+    assert communication["network"]["wait_seconds"] == RUN_SECONDS
     assert (RUN_BYTES, RUN_BYTES / RUN_SECONDS) == (10137600, 4055040.0)
     html = (tmp_path / "report.html").read_text()
-    assert "Communication: the experts' all-to-all" in html
+    assert "Communication: the network" in html
     assert "<tr><th>all-to-all bytes (analytic)</th><td>0.0101 GB (10137600 bytes)</td></tr>" in html
     assert "<tr><th>seconds in all-to-all (measured)</th><td>2.5 s</td></tr>" in html
     assert "<tr><th>all-to-all bandwidth</th><td>0.00406 GB/s (4.055e+06 bytes/s)</td></tr>" in html
     assert "<tr><th>trials that ran expert-parallel</th><td>2</td></tr>" in html
     assert "r0000-t00000: ok, 2 epochs, best accuracy 60.00%, all-to-all 0.00451 GB/s" in html  # its tooltip
     # The section sits beside the score, before the charts.
-    assert html.index("Communication: the experts") < html.index("Score over time")
+    assert html.index("Communication: the network") < html.index("Score over time")
 
 
 def test_the_score_does_not_change(tmp_path):
@@ -303,8 +306,15 @@ def test_a_replicas_expert_parallel_trial_verifies_and_reports(tmp_path, monkeyp
     assert "verify: intact" in capsys.readouterr().out
     _, summary_path = write_report(tmp_path)
     communication = json.loads(summary_path.read_text())["communication"]
+    all_to_all = communication["all_to_all"]
     total = sum(e["all_to_all"]["bytes"] for e in epochs)
-    assert (communication["trials"], communication["bytes"]) == (1, total)
-    assert communication["seconds"] == MEASURED_SECONDS * len(epochs)
-    assert communication["per_trial"] == [{"trial": start["trial"], "bytes": total, "seconds": communication["seconds"],
-                                           "bytes_per_second": total / communication["seconds"]}]
+    assert (all_to_all["trials"], all_to_all["bytes"]) == (1, total)
+    assert all_to_all["seconds"] == MEASURED_SECONDS * len(epochs)
+    [trial] = communication["per_trial"]
+    assert trial["all_to_all"] == {"bytes": total, "seconds": all_to_all["seconds"],
+                                   "bytes_per_second": total / all_to_all["seconds"]}
+    # Two devices: the gradient all-reduce is counted too (NumPy measures no seconds of it), the expert
+    # stacks left out of it.
+    assert all(e["all_reduce"]["ranks"] == 2 and e["all_reduce"]["expert_parallel"] for e in epochs)
+    assert all(e["all_reduce"]["seconds"] is None for e in epochs)
+    assert trial["all_reduce"]["bytes"] == sum(e["all_reduce"]["bytes"] for e in epochs) > 0

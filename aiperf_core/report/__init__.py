@@ -6,8 +6,8 @@ Both are recomputed from the run directory alone (event logs, trial graphs, moni
 run.json) and written atomically, so a report of a run still going can be rewritten at any time.
 Next to the score they give the precision trained at, the energy of the run with the analytic
 operations per joule (aiperf_core.report.energy), the time spent compiling training steps, the load
-balance of mixtures of experts, the experts' all-to-all communication of expert-parallel trials, and,
-for a run that produced nothing, its first failure.
+balance of mixtures of experts, the communication (the experts' all-to-all, the gradient all-reduce) and
+what the network cost the score, and, for a run that produced nothing, its first failure.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, 
         "energy": energy.to_dict(result.total_ops),
         "compile": compile_summary(ledger),
         "expert_load": expert_load_summary(ledger),
-        "communication": communication_summary(ledger),
+        "communication": communication_summary(ledger, result.score_ops),
         "machine": {
             "replicas": len(nodes), "replicas_configured": run.get("replicas"),
             "devices_per_replica": run.get("devices_per_replica"), "executor": run.get("executor"),
@@ -153,21 +153,37 @@ def expert_load_summary(ledger: RunLedger) -> dict[str, Any] | None:
             "least_even": [{"trial": tid, "max_over_mean": ledger.trials[tid].expert_load} for tid, _ in ranked]}
 
 
-def communication_summary(ledger: RunLedger) -> dict[str, Any] | None:
-    """The experts' all-to-all of the expert-parallel trials (epoch_end.all_to_all, every epoch that
-    logged it, inside the scored window or not): the run's analytic bytes, measured seconds and their
-    ratio, and each trial's (its bytes over its seconds), by trial id; null when no trial ran
-    expert-parallel. The seconds add up over replicas that ran at once, so the ratio is the bandwidth
-    one replica's all-to-all achieved, weighted by time, not the machine's aggregate. Reported beside
-    the score, not part of it (docs/scoring.md, "Communication: reported, not scored")."""
-    trials = sorted((t for t in ledger.trials.values() if t.all_to_all_bytes is not None), key=lambda t: t.id)
+def communication_summary(ledger: RunLedger, score_ops: float = 0.0) -> dict[str, Any] | None:
+    """The run's communication (docs/run-directory.md, summary.json): the experts' all-to-all of the
+    expert-parallel trials (epoch_end.all_to_all) and the gradient all-reduce of the data-parallel ones
+    (epoch_end.all_reduce), every epoch that logged them, inside the scored window or not: analytic bytes,
+    measured seconds and their ratio; what the network cost (aiperf_core.scoring.network: the share of
+    step time spent waiting, the network efficiency, the ideal-network score); and each trial's, by trial
+    id. Null when no trial communicated. The seconds add up over replicas that ran at once, so a ratio is
+    the bandwidth one replica achieved, weighted by time, not the machine's aggregate. Reported beside the
+    score, not part of it (docs/scoring.md, "Communication: reported, not scored")."""
+    from aiperf_core.scoring.network import run_network, trial_network
+
+    trials = sorted((t for t in ledger.trials.values() if t.communicated()), key=lambda t: t.id)
     if not trials:
         return None
-    moved, seconds = sum(t.all_to_all_bytes for t in trials), sum(t.all_to_all_seconds for t in trials)
-    return {"trials": len(trials), "bytes": moved, "seconds": seconds,
-            "bytes_per_second": moved / seconds if seconds > 0 else None,
-            "per_trial": [{"trial": t.id, "bytes": t.all_to_all_bytes, "seconds": t.all_to_all_seconds,
-                           "bytes_per_second": t.all_to_all_bytes_per_second()} for t in trials]}
+    a2a = [t for t in trials if t.all_to_all_bytes is not None]
+    moved, seconds = sum(t.all_to_all_bytes for t in a2a), sum(t.all_to_all_seconds for t in a2a)
+    all_to_all = {"trials": len(a2a), "bytes": moved, "seconds": seconds,
+                  "bytes_per_second": moved / seconds if seconds > 0 else None} if a2a else None
+    reduced = [t.to_dict()["all_reduce"] for t in trials if t.all_reduce is not None]
+    all_reduce = None
+    if reduced:
+        timed = [r["seconds"] for r in reduced if r["seconds"] is not None]
+        all_reduce = {"trials": len(reduced), "bytes": ledger.all_reduce_bytes,
+                      "inter_node_bytes": sum(r["inter_node_bytes"] for r in reduced),
+                      "intra_node_bytes": sum(r["intra_node_bytes"] for r in reduced),
+                      "seconds": sum(timed) if timed else None,
+                      "bytes_per_second": (ledger.all_reduce_timed_bytes / ledger.all_reduce_seconds
+                                           if ledger.all_reduce_seconds > 0 else None)}
+    return {"all_to_all": all_to_all, "all_reduce": all_reduce, "network": run_network(ledger, score_ops),
+            "per_trial": [{"trial": t.id, "all_to_all": t.to_dict()["all_to_all"],
+                           "all_reduce": t.to_dict()["all_reduce"], "network": trial_network(t)} for t in trials]}
 
 
 def busy_fraction(ledger: RunLedger) -> float | None:

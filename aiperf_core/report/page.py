@@ -214,6 +214,8 @@ def _timeline(result: ScoreResult, ledger: RunLedger) -> str:
         balance = "" if not trial.expert_load else f", expert load {max(trial.expert_load.values()):.2f} x the mean"
         bandwidth = trial.all_to_all_bytes_per_second()
         moved = "" if bandwidth is None else f", all-to-all {_gigabytes(bandwidth)}/s"
+        bus = trial.all_reduce_bytes_per_second()
+        moved += "" if bus is None else f", all-reduce {_gigabytes(bus)}/s"
         tooltip = f"{trial.id}: {status}, {trial.epochs} epochs, best accuracy {accuracy}{compiled}{balance}{moved}"
         by_replica.setdefault(trial.replica, []).append(
             Bar((trial.started - start) / 3600, (end - start) / 3600, STATUS_COLORS.get(status, "#555555"), tooltip))
@@ -266,22 +268,44 @@ def _gigabytes(count: float) -> str:
     return f"{count / 1e9:.3g} GB"
 
 
+def _rate(bandwidth: float | None) -> str:
+    return "no time measured" if bandwidth is None else f"{_gigabytes(bandwidth)}/s ({bandwidth:.4g} bytes/s)"
+
+
 def _communication(communication: dict[str, Any] | None) -> str:
-    """The all-to-all section beside the score: nothing for a run with no expert-parallel trial."""
+    """The communication section beside the score: nothing for a run where no trial communicated."""
     if not communication:
         return ""
-    bandwidth = communication.get("bytes_per_second")
-    rate = "no time measured" if bandwidth is None else f"{_gigabytes(bandwidth)}/s ({bandwidth:.4g} bytes/s)"
-    moved = communication["bytes"]
-    rows = [_row("all-to-all bytes (analytic)", f"{_gigabytes(moved)} ({moved} bytes)"),
-            _row("seconds in all-to-all (measured)", f"{communication['seconds']:.4g} s"),
-            _row("all-to-all bandwidth", rate),
-            _row("trials that ran expert-parallel", str(communication["trials"]))]
-    return ("<h2>Communication: the experts' all-to-all</h2><p>Expert-parallel trials move tokens to their "
-            "experts' devices and back by all-to-all. The bytes are counted from the graph "
-            "(opcount.communication), the seconds measured by the backend; the bandwidth is their ratio over "
-            "the trials' epochs (per replica, not the machine's aggregate). Reported beside the score, not "
-            "part of it.</p><table>" + "".join(rows) + "</table>")
+    rows = []
+    a2a, reduce = communication.get("all_to_all"), communication.get("all_reduce")
+    network = communication.get("network")
+    if a2a:
+        rows += [_row("all-to-all bytes (analytic)", f"{_gigabytes(a2a['bytes'])} ({a2a['bytes']} bytes)"),
+                 _row("seconds in all-to-all (measured)", f"{a2a['seconds']:.4g} s"),
+                 _row("all-to-all bandwidth", _rate(a2a.get("bytes_per_second"))),
+                 _row("trials that ran expert-parallel", str(a2a["trials"]))]
+    if reduce:
+        seconds = "not measured" if reduce["seconds"] is None else f"{reduce['seconds']:.4g} s"
+        inter, intra = _gigabytes(reduce["inter_node_bytes"]), _gigabytes(reduce["intra_node_bytes"])
+        per_rank = f"{_gigabytes(reduce['bytes'])} ({reduce['bytes']} bytes)"
+        rows += [_row("all-reduce bytes per rank (analytic)", per_rank),
+                 _row("all-reduce bytes over the nodes' network links", f"{inter} ({intra} inside nodes)"),
+                 _row("seconds waiting on the all-reduce (measured)", seconds),
+                 _row("all-reduce bus bandwidth", _rate(reduce.get("bytes_per_second"))),
+                 _row("trials that ran data-parallel", str(reduce["trials"]))]
+    if network:
+        share, ratio, ideal = network["share"], network["efficiency"], network["ideal_score_ops"]
+        bound = "" if network["complete"] else " (an upper bound: some all-reduce seconds were not measured)"
+        rows += [_row("share of step time waiting on communication", _fraction(share)),
+                 _row("network efficiency", _fraction(ratio) + bound),
+                 _row("score an ideal network would have given", "-" if ideal is None else format_ops(ideal))]
+    return ("<h2>Communication: the network</h2><p>Data-parallel trials all-reduce their gradients every "
+            "step; expert-parallel trials move tokens to their experts' devices and back by all-to-all. The "
+            "bytes are counted from the graph and the replica's layout (opcount.communication), the seconds "
+            "measured by the backend; a bandwidth is their ratio over the trials' epochs (per replica, not the "
+            "machine's aggregate). The network efficiency is the score over the score an ideal network would "
+            "have given: the same operations in the replicas' time less their waits on communication. "
+            "Reported beside the score, not part of it (docs/scoring.md).</p><table>" + "".join(rows) + "</table>")
 
 
 def _power_chart(power: dict[str, list[tuple[float, float]]]) -> str:

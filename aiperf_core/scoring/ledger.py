@@ -167,12 +167,30 @@ def _all_to_all(value) -> tuple[int, float] | None:
     return moved, float(seconds)
 
 
+def _all_reduce(value) -> tuple[int, int, int, float | None] | None:
+    """(bytes, inter_node_bytes, intra_node_bytes, seconds or None) of epoch_end.all_reduce; None where
+    the field does not read as one (reported beside the score: `aiperf score --verify` names it)."""
+    if not isinstance(value, dict):
+        return None
+    moved = [value.get(key) for key in ("bytes", "inter_node_bytes", "intra_node_bytes")]
+    seconds = value.get("seconds")
+    if any(type(v) is not int or v < 0 for v in moved) or (
+            seconds is not None and (type(seconds) not in (float, int) or not 0 <= seconds < math.inf)):
+        return None
+    return moved[0], moved[1], moved[2], None if seconds is None else float(seconds)
+
+
+# Trial.all_reduce, summed over the epochs that logged epoch_end.all_reduce: its indices.
+AR_BYTES, AR_INTER, AR_INTRA, AR_SECONDS, AR_TIMED_BYTES = range(5)
+
+
 class Trial:
     """One trial as its replica's log tells it."""
 
     __slots__ = ("id", "replica", "round", "parent", "graph_sha256", "precision", "started", "ended",
                  "status", "reason", "epochs", "last_epoch", "last_epoch_time", "best_accuracy", "per_image", "problem",
-                 "compile_seconds", "expert_load", "all_to_all_bytes", "all_to_all_seconds")
+                 "compile_seconds", "expert_load", "all_to_all_bytes", "all_to_all_seconds", "step_seconds",
+                 "all_reduce")
 
     def __init__(self, trial_id: str, replica: int, event: dict[str, Any]):
         hyper = event.get("hyper") if isinstance(event.get("hyper"), dict) else {}
@@ -200,12 +218,32 @@ class Trial:
         # bytes and measured seconds; None for a trial that did not run expert-parallel.
         self.all_to_all_bytes: int | None = None
         self.all_to_all_seconds: float | None = None
+        self.step_seconds = 0.0  # summed epoch_end.step_seconds
+        # The gradient all-reduce summed over the epochs that logged it (epoch_end.all_reduce): [bytes,
+        # inter-node bytes, intra-node bytes, measured seconds (None: none measured), the bytes of the
+        # epochs whose seconds were measured]; None for a trial on one device.
+        self.all_reduce: list | None = None
 
     def all_to_all_bytes_per_second(self) -> float | None:
         """The trial's all-to-all bandwidth: its bytes over its seconds (None: none, or no time measured)."""
         if self.all_to_all_bytes is None or not self.all_to_all_seconds:
             return None
         return self.all_to_all_bytes / self.all_to_all_seconds
+
+    def all_reduce_bytes_per_second(self) -> float | None:
+        """The trial's all-reduce bandwidth per rank (nccl-tests' busbw): the bytes of its timed epochs
+        over their seconds (None: none, or no time measured)."""
+        if self.all_reduce is None or not self.all_reduce[AR_SECONDS]:
+            return None
+        return self.all_reduce[AR_TIMED_BYTES] / self.all_reduce[AR_SECONDS]
+
+    def wait_seconds(self) -> float:
+        """Seconds its steps waited on communication: measured all-reduce plus all-to-all."""
+        return ((self.all_to_all_seconds or 0.0)
+                + ((self.all_reduce[AR_SECONDS] or 0.0) if self.all_reduce is not None else 0.0))
+
+    def communicated(self) -> bool:
+        return self.all_reduce is not None or self.all_to_all_bytes is not None
 
     def state(self) -> list:
         """Every field, in __slots__ order (RunLedger.state)."""
@@ -219,7 +257,7 @@ class Trial:
         (trial.id, trial.replica, trial.round, trial.parent, trial.graph_sha256, trial.precision, trial.started,
          trial.ended, trial.status, trial.reason, trial.epochs, trial.last_epoch, trial.last_epoch_time,
          trial.best_accuracy, per_image, trial.problem, trial.compile_seconds, trial.expert_load,
-         trial.all_to_all_bytes, trial.all_to_all_seconds) = values
+         trial.all_to_all_bytes, trial.all_to_all_seconds, trial.step_seconds, trial.all_reduce) = values
         if type(trial.id) is not str or type(trial.replica) is not int or type(trial.epochs) is not int:
             raise ValueError(f"trial {trial.id!r} of replica {trial.replica!r}")
         trial.per_image = None if per_image is None else (int(per_image[0]), int(per_image[1]))
@@ -232,7 +270,11 @@ class Trial:
                 "compile_seconds": self.compile_seconds, "expert_load": self.expert_load,
                 "all_to_all": None if self.all_to_all_bytes is None else {
                     "bytes": self.all_to_all_bytes, "seconds": self.all_to_all_seconds,
-                    "bytes_per_second": self.all_to_all_bytes_per_second()}}
+                    "bytes_per_second": self.all_to_all_bytes_per_second()},
+                "all_reduce": None if self.all_reduce is None else {
+                    "bytes": self.all_reduce[AR_BYTES], "inter_node_bytes": self.all_reduce[AR_INTER],
+                    "intra_node_bytes": self.all_reduce[AR_INTRA], "seconds": self.all_reduce[AR_SECONDS],
+                    "bytes_per_second": self.all_reduce_bytes_per_second()}}
 
 
 class ReplicaState:
@@ -317,10 +359,18 @@ class RunLedger:
         """The run's all-to-all totals over `trials` (every epoch that logged epoch_end.all_to_all):
         analytic bytes, measured seconds, and the trials that logged it. Kept as epochs are read, so
         the live display and /metrics never go over every trial."""
+        trials = list(trials)
         measured = [t for t in trials if t.all_to_all_bytes is not None]
         self.all_to_all_bytes = sum(t.all_to_all_bytes for t in measured)
         self.all_to_all_seconds = sum(t.all_to_all_seconds for t in measured)
         self.all_to_all_trials = len(measured)
+        # The same of the gradient all-reduce (epoch_end.all_reduce): bytes per rank, seconds measured,
+        # the bytes of the epochs whose seconds were measured, the trials that logged it.
+        reduced = [t.all_reduce for t in trials if t.all_reduce is not None]
+        self.all_reduce_bytes = sum(r[AR_BYTES] for r in reduced)
+        self.all_reduce_seconds = sum(r[AR_SECONDS] or 0.0 for r in reduced)
+        self.all_reduce_timed_bytes = sum(r[AR_TIMED_BYTES] for r in reduced)
+        self.all_reduce_trials = len(reduced)
 
     def refresh(self) -> bool:
         """Read what every log gained since the last call. True if anything new was read.
@@ -464,6 +514,7 @@ class RunLedger:
         seconds = event.get("step_seconds")
         if type(seconds) in (float, int) and seconds > 0:  # absent or null: the backend did not measure
             state.step_seconds += seconds
+            trial.step_seconds += seconds
         compiling = event.get("compile_seconds")
         if type(compiling) in (float, int) and compiling >= 0:  # 0.0: nothing compiled; null: not measured
             trial.compile_seconds = (trial.compile_seconds or 0.0) + compiling
@@ -480,6 +531,19 @@ class RunLedger:
             trial.all_to_all_seconds += moved[1]
             self.all_to_all_bytes += moved[0]
             self.all_to_all_seconds += moved[1]
+        reduced = _all_reduce(event.get("all_reduce")) if "all_reduce" in event else None
+        if reduced is not None:
+            if trial.all_reduce is None:
+                trial.all_reduce = [0, 0, 0, None, 0]
+                self.all_reduce_trials += 1
+            for index in (AR_BYTES, AR_INTER, AR_INTRA):
+                trial.all_reduce[index] += reduced[index]
+            self.all_reduce_bytes += reduced[AR_BYTES]
+            if reduced[AR_SECONDS] is not None:
+                trial.all_reduce[AR_SECONDS] = (trial.all_reduce[AR_SECONDS] or 0.0) + reduced[AR_SECONDS]
+                trial.all_reduce[AR_TIMED_BYTES] += reduced[AR_BYTES]
+                self.all_reduce_seconds += reduced[AR_SECONDS]
+                self.all_reduce_timed_bytes += reduced[AR_BYTES]
         self.epochs.append((time, trial, train_images, val_images, accuracy, error))
 
     def _resolve_new_trials(self) -> None:

@@ -68,12 +68,25 @@ class Progress:
     all_to_all_bytes: int = 0
     all_to_all_seconds: float = 0.0
     all_to_all_trials: int = 0
+    # The gradient all-reduce of every epoch read that logged it (epoch_end.all_reduce): analytic bytes
+    # per rank, measured seconds, the bytes of the epochs whose seconds were measured, the trials that ran
+    # data-parallel; and the network efficiency (aiperf_core.scoring.network; None before any wait).
+    all_reduce_bytes: int = 0
+    all_reduce_seconds: float = 0.0
+    all_reduce_timed_bytes: int = 0
+    all_reduce_trials: int = 0
+    network_efficiency: float | None = None
 
     @property
     def all_to_all_bytes_per_second(self) -> float | None:
         """The run's all-to-all bandwidth, bytes over seconds summed over its trials; None before an
         expert-parallel epoch (or where none measured any time)."""
         return self.all_to_all_bytes / self.all_to_all_seconds if self.all_to_all_seconds > 0 else None
+
+    @property
+    def all_reduce_bytes_per_second(self) -> float | None:
+        """The run's all-reduce bus bandwidth per rank: timed bytes over seconds; None before a timed epoch."""
+        return self.all_reduce_timed_bytes / self.all_reduce_seconds if self.all_reduce_seconds > 0 else None
 
     @property
     def fraction(self) -> float:
@@ -226,7 +239,20 @@ def _progress(live: _LiveRun, now: float) -> Progress:
         ops_per_s=ops_per_s, regulated_ops=regulated(ops_per_s, live.best_error),
         best_accuracy=live.best_accuracy, best_error=live.best_error, replicas=tuple(replicas),
         operations=live.ops_done, workload=ledger.workload, all_to_all_bytes=ledger.all_to_all_bytes,
-        all_to_all_seconds=ledger.all_to_all_seconds, all_to_all_trials=ledger.all_to_all_trials)
+        all_to_all_seconds=ledger.all_to_all_seconds, all_to_all_trials=ledger.all_to_all_trials,
+        all_reduce_bytes=ledger.all_reduce_bytes, all_reduce_seconds=ledger.all_reduce_seconds,
+        all_reduce_timed_bytes=ledger.all_reduce_timed_bytes, all_reduce_trials=ledger.all_reduce_trials,
+        network_efficiency=_network_efficiency(ledger))
+
+
+def _network_efficiency(ledger) -> float | None:
+    """aiperf_core.scoring.network's run efficiency, None before a trial communicated."""
+    from aiperf_core.scoring.network import efficiency, waits
+
+    if not ledger.all_reduce_trials and not ledger.all_to_all_trials:
+        return None
+    waited, _, lives = waits(ledger)
+    return efficiency(waited, lives)
 
 
 def write_checkpoint(run_dir: str | os.PathLike, now: float | None = None) -> None:

@@ -15,8 +15,15 @@
   its form, its bytes against opcount.communication's analytic count on the trial's pinned graph at
   its precision for the epoch's trained and evaluated samples, and bytes_per_second against bytes
   over seconds. The seconds are the backend's measurement: nothing in the run directory re-derives
-  them. Other fields of epoch_end that scoring does not read are hashed with their line and not
-  checked further.
+  them.
+- each epoch_end.all_reduce (a data-parallel epoch's gradient all-reduce, reported beside the score):
+  its form; its ranks and nodes against the replica's latest replica_start (its devices times its
+  nodes); its steps against the epoch's trained samples over trial_start.hyper.batch_size; an
+  expert-parallel flag set wherever the epoch logged an all-to-all; bytes, inter_node_bytes and
+  intra_node_bytes against opcount.communication.all_reduce_bytes on the pinned graph; and
+  bytes_per_second against bytes over seconds (null seconds: the backend could not measure).
+Other fields of epoch_end that scoring does not read are hashed with their line and not checked
+further.
 Each problem is one line naming the file; an empty list means the run directory is intact.
 """
 
@@ -61,15 +68,21 @@ def verify_run(run_dir: str | os.PathLike | RunDir, withheld: frozenset[str] = f
     reported: set[str] = set()
     usable: dict[str, tuple[int, dict]] = {}  # trial -> (replica, its trial_end), for the history
     communication = _AllToAllCheck(run, hashes)
+    reduction = _AllReduceCheck(run, hashes)
     for replica in replicas:
         for event in read_events(run.replica_log(replica)):
             kind = event.get("event")
+            if kind == "replica_start":
+                reduction.replica_started(event)
+            elif kind == "epoch_end" and "all_reduce" in event:
+                problems += reduction.check(f"replicas/{replica}/events.jsonl", event)
             if usable_end(event):
                 usable.setdefault(event["trial"], (replica, event))
             if kind == "trial_start":
                 problems += _check_file(run, hashes, reported, event.get("trial"), "graph.json",
                                         event.get("graph_sha256"), "trial_start.graph_sha256", withheld)
                 communication.started(event)
+                reduction.started(event)
             elif kind == "epoch_end" and "all_to_all" in event:
                 problems += communication.check(f"replicas/{replica}/events.jsonl", event)
             elif kind == "trial_end":
@@ -145,6 +158,93 @@ class _AllToAllCheck:
             except (AiperfError, OSError, UnicodeDecodeError, TypeError) as exc:  # TypeError: an unhashable precision
                 self.per_sample[key] = f"bytes not re-derivable: {exc}"
         return self.per_sample[key]
+
+
+class _AllReduceCheck:
+    """epoch_end.all_reduce against what the run directory re-derives (the module's docstring)."""
+
+    FORM = ("not {bytes, inter_node_bytes, intra_node_bytes: integers >= 0, seconds: number >= 0 or null, "
+            "bytes_per_second: number or null, ranks, nodes: integers >= 1, steps: integer >= 0, expert_parallel: "
+            "boolean}")
+
+    def __init__(self, run: RunDir, hashes: dict[str, str | None]):
+        self.run = run
+        self.hashes = hashes
+        self.trials: dict[str, tuple] = {}  # trial -> (graph_sha256, batch_size)
+        self.ranks: int | None = None  # the replica's devices times its nodes, from its latest replica_start
+        self.nodes = 1
+        self.graphs: dict[str, object] = {}  # sha256 -> Graph, or a problem
+
+    def replica_started(self, event: dict) -> None:
+        devices, nodes = event.get("devices"), event.get("nodes")
+        self.nodes = len(nodes) if isinstance(nodes, list) and nodes else 1
+        self.ranks = len(devices) * self.nodes if isinstance(devices, list) else None
+
+    def started(self, event: dict) -> None:
+        hyper = event.get("hyper") if isinstance(event.get("hyper"), dict) else {}
+        if isinstance(event.get("trial"), str):
+            self.trials.setdefault(event["trial"], (event.get("graph_sha256"), hyper.get("batch_size")))
+
+    def check(self, log: str, event: dict) -> list[str]:
+        trial, value = event.get("trial"), event["all_reduce"]
+        where = f"{log}: epoch_end of {trial} epoch {event.get('epoch')}: all_reduce"
+        if not isinstance(value, dict):
+            return [f"{where}: {self.FORM}"]
+        counts = [value.get(key) for key in ("bytes", "inter_node_bytes", "intra_node_bytes", "steps")]
+        ranks, nodes, seconds, rate = (value.get(key) for key in ("ranks", "nodes", "seconds", "bytes_per_second"))
+        if (any(type(v) is not int or v < 0 for v in counts) or any(type(v) is not int or v < 1 for v in (ranks, nodes))
+                or type(value.get("expert_parallel")) is not bool
+                or (seconds is not None and (type(seconds) not in (int, float) or not 0 <= seconds < math.inf))
+                or (rate is not None and type(rate) not in (int, float))):
+            return [f"{where}: {self.FORM}"]
+        moved, steps = counts[0], counts[3]
+        problems = []
+        expected_rate = moved / seconds if seconds else None
+        if (rate is None) != (expected_rate is None) or (
+                rate is not None and not math.isclose(rate, expected_rate, rel_tol=1e-9)):
+            problems.append(f"{where}: bytes_per_second {rate} is not bytes over seconds ({expected_rate})")
+        if self.ranks is not None and (ranks, nodes) != (self.ranks, self.nodes):
+            problems.append(f"{where}: {ranks} ranks on {nodes} node(s), but the replica started with {self.ranks} "
+                            f"on {self.nodes}")
+        if "all_to_all" in event and not value["expert_parallel"]:
+            problems.append(f"{where}: expert_parallel is false, but the epoch logged an all-to-all")
+        start, train = self.trials.get(trial), event.get("train_images")
+        if start is None or type(train) is not int:
+            return problems  # an epoch of a trial never started, or malformed counts: scoring names them
+        sha, batch_size = start
+        if type(batch_size) is int and batch_size > 0 and steps != -(-train // batch_size):
+            problems.append(f"{where}: steps {steps} differ from {train} samples trained in batches of {batch_size}")
+        if not isinstance(sha, str) or self.hashes.get(f"trials/{trial}/graph.json") != sha:
+            return problems  # the graph is missing or changed: its own check names it
+        from aiperf_core.errors import AiperfError
+        from aiperf_opcount.communication import all_reduce_bytes
+
+        graph = self._graph(trial, sha)
+        if isinstance(graph, str):
+            return problems + [f"{where}: {graph}"]
+        try:
+            expected = all_reduce_bytes(graph, ranks, nodes, steps, value["expert_parallel"])
+        except AiperfError as exc:
+            return problems + [f"{where}: bytes not re-derivable: {exc}"]
+        logged = (moved, counts[1], counts[2])
+        if logged != (expected.bytes, expected.inter_node_bytes, expected.intra_node_bytes):
+            problems.append(f"{where}: bytes, inter_node_bytes, intra_node_bytes {logged} differ from the analytic "
+                            f"{(expected.bytes, expected.inter_node_bytes, expected.intra_node_bytes)} "
+                            f"(opcount.communication on trials/{trial}/graph.json, {ranks} ranks on {nodes} node(s), "
+                            f"{steps} steps)")
+        return problems
+
+    def _graph(self, trial: str, sha: str):
+        if sha not in self.graphs:
+            from aiperf_core.errors import AiperfError
+            from aiperf_core.ir import Graph
+
+            try:
+                text = (self.run.trial_dir(trial) / "graph.json").read_text(encoding="utf-8")
+                self.graphs[sha] = Graph.from_json(text)
+            except (AiperfError, OSError, UnicodeDecodeError) as exc:
+                self.graphs[sha] = f"bytes not re-derivable: {exc}"
+        return self.graphs[sha]
 
 
 def _check_history(run: RunDir, usable: dict[str, tuple[int, dict]], ended: bool, workload: str) -> list[str]:

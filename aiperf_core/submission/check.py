@@ -71,6 +71,9 @@ class Verdict:
     declared_peak_ops: float | None = None
     measured_peak_ops: float | None = None
     energy: dict[str, Any] = field(default_factory=lambda: not_measured("not checked"))
+    # The score over the score an ideal network would have given (aiperf_core.scoring.network); None where
+    # no trial communicated. Reported, not scored.
+    network_efficiency: float | None = None
 
     @property
     def accepted(self) -> bool:
@@ -103,7 +106,7 @@ class Verdict:
             "declared_peak_ops": self.declared_peak_ops, "measured_peak_ops": self.measured_peak_ops,
             "efficiency_declared": _ratio(self.score_ops, self.declared_peak_ops),
             "efficiency_measured": _ratio(self.score_ops, self.measured_peak_ops),
-            "energy": dict(self.energy),
+            "energy": dict(self.energy), "network_efficiency": self.network_efficiency,
         }
 
     def render(self) -> str:
@@ -245,6 +248,7 @@ def _check_run(verdict: Verdict, run_root: Path) -> _Run:
     from aiperf_core.rundir import RunDir
     from aiperf_core.scoring import verify_run
     from aiperf_core.scoring.ledger import RunLedger
+    from aiperf_core.scoring.network import run_network
     from aiperf_core.scoring.score import score_ledger
     from aiperf_core.workflow.container import image_reasons
 
@@ -262,6 +266,8 @@ def _check_run(verdict: Verdict, run_root: Path) -> _Run:
     verdict.score_ops, verdict.regulated_ops = result.score_ops, result.regulated_ops
     verdict.best_accuracy, verdict.workload = result.best_accuracy, result.workload
     verdict.rule_reasons = list(result.reasons)
+    network = run_network(ledger, result.score_ops)
+    verdict.network_efficiency = None if network is None else network["efficiency"]
     verdict.precisions = sorted({str(t.precision) for t in ledger.trials.values()})
     _compare_stored(verdict, run_root, result)
 

@@ -231,6 +231,8 @@ COLUMNS = (
     Column("regulated score (OPS)", lambda e: e["regulated_ops"], format_ops, numeric=True),
     Column("best accuracy", lambda e: e["best_accuracy"], _percent, numeric=True),
     Column("run length (h)", _hours, lambda h: f"{h:.2f}", numeric=True),
+    # Reported, not scored (docs/scoring.md, "What the network cost"); a verdict from before it has none.
+    Column("network efficiency", lambda e: e.get("network_efficiency"), _percent, numeric=True),
     Column("OPS per watt", lambda e: e["energy"]["ops_per_watt"], _ops_per_watt, numeric=True),
     Column("power level", _power_level),
     Column("date", lambda e: e["date"]),

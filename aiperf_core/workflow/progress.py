@@ -144,6 +144,14 @@ def render(progress: Any, live: Live | None = None) -> list[str]:
         lines.append(f"all-to-all {bandwidth / 1e9:.3g} GB/s ({progress.all_to_all_bytes / 1e9:.3g} GB in "
                      f"{progress.all_to_all_seconds:.3g} s, {progress.all_to_all_trials} expert-parallel "
                      "trials), not scored")
+    bus = progress.all_reduce_bytes_per_second
+    if progress.all_reduce_trials:  # a data-parallel epoch was logged: the gradient all-reduce, not scored
+        rate = "not timed" if bus is None else f"{bus / 1e9:.3g} GB/s"
+        efficiency = progress.network_efficiency
+        network = "" if efficiency is None else f", network efficiency {efficiency:.1%}"
+        lines.append(f"all-reduce {rate} ({progress.all_reduce_bytes / 1e9:.3g} GB per rank in "
+                     f"{progress.all_reduce_seconds:.3g} s, {progress.all_reduce_trials} data-parallel trials)"
+                     f"{network}, not scored")
     if live is not None and live.replicas:
         stepping = any(r.state == STEPPING for r in live.replicas.values())
         idle = _not_stepping(live)

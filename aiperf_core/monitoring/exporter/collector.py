@@ -61,6 +61,15 @@ SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
                                         "of those epochs, summed over replicas"),
     "aiperf_all_to_all_bytes_per_second": ("gauge", (), "All-to-all bytes over all-to-all seconds: one replica's "
                                            "bandwidth in it, weighted by time (absent without a measured second)"),
+    "aiperf_all_reduce_bytes_total": ("counter", (), "Analytic bytes per rank the gradient all-reduce moved in "
+                                      "the data-parallel epochs logged (absent before the first); not scored"),
+    "aiperf_all_reduce_seconds_total": ("counter", (), "Seconds the backends measured waiting on that all-reduce, "
+                                        "summed over replicas (epochs a backend could not time add none)"),
+    "aiperf_all_reduce_bytes_per_second": ("gauge", (), "The timed epochs' all-reduce bytes per rank over their "
+                                           "seconds: one replica's bus bandwidth (absent without a timed second)"),
+    "aiperf_network_efficiency_ratio": ("gauge", (), "The score over the score an ideal network would have given: 1 "
+                                        "- waits on communication / replica time (absent before a trial "
+                                        "communicated); not scored"),
     "aiperf_trials": ("gauge", ("status",), "Trials by status (running: started, not ended)"),
     "aiperf_replicas": ("gauge", ("state",), "Replicas by state: queued, running, stalled, restarting, done"),
     "aiperf_elapsed_seconds": ("gauge", (), "Seconds since the run's clock started, to its end once ended"),
@@ -405,6 +414,15 @@ class RunCollector:
             out += [moved, seconds]
             if progress.all_to_all_bytes_per_second is not None:
                 out.append(_gauge("aiperf_all_to_all_bytes_per_second", progress.all_to_all_bytes_per_second))
+        if progress.all_reduce_trials:  # a data-parallel epoch was logged
+            moved, seconds = _family("aiperf_all_reduce_bytes_total"), _family("aiperf_all_reduce_seconds_total")
+            moved.add_metric([], progress.all_reduce_bytes)
+            seconds.add_metric([], progress.all_reduce_seconds)
+            out += [moved, seconds]
+            if progress.all_reduce_bytes_per_second is not None:
+                out.append(_gauge("aiperf_all_reduce_bytes_per_second", progress.all_reduce_bytes_per_second))
+        if progress.network_efficiency is not None:
+            out.append(_gauge("aiperf_network_efficiency_ratio", progress.network_efficiency))
         trials = _family("aiperf_trials")
         for status, count in view["statuses"].items():
             trials.add_metric([status], count)

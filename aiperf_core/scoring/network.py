@@ -1,0 +1,60 @@
+"""What the network cost a run: reported beside the score, never part of it (docs/scoring.md, "What the
+network cost").
+
+A replica's steps wait on communication for the seconds its backend measured in the gradient all-reduce
+and the experts' all-to-all (epoch_end.all_reduce.seconds and epoch_end.all_to_all.seconds). With W those
+waits summed over every replica:
+
+- `share`: W over the replicas' time in train and eval steps (epoch_end.step_seconds summed): the share of
+  step time spent waiting on communication;
+- `efficiency` (the network efficiency): 1 - W / L, L the replicas' lives summed (from each one's first
+  replica_start to its last event, as the busy fraction's). The score divides the same operations by the
+  run's time; an ideal network would have given each replica back its waits, so it would have run the
+  same operations in (L - W) / L of the time;
+- `ideal_score_ops`: the score over the network efficiency, the score an ideal network would have given.
+
+A trial's figures are the same over its own time in steps: share W_t / S_t, efficiency 1 - W_t / S_t (the
+trial's operations over its time in steps, against the same over that time less its waits).
+
+Where a backend measured no all-reduce seconds (it cannot: docs/backends/<name>.md), those epochs' waits
+are unknown, and `complete` is false: the efficiency is then an upper bound.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiperf_core.scoring.ledger import AR_BYTES, AR_TIMED_BYTES, RunLedger, Trial
+
+
+def waits(ledger: RunLedger) -> tuple[float, float, float]:
+    """(seconds waited on communication, seconds in steps, seconds of the replicas' lives), every replica."""
+    waited = ledger.all_to_all_seconds + ledger.all_reduce_seconds
+    steps = sum(state.step_seconds for state in ledger.replicas.values())
+    lives = sum(state.life_seconds() or 0.0 for state in ledger.replicas.values())
+    return waited, steps, lives
+
+
+def efficiency(waited: float, time: float) -> float | None:
+    """1 - waited / time: the share of `time` an ideal network would still have taken; None without time."""
+    return max(0.0, 1.0 - waited / time) if time > 0 else None
+
+
+def run_network(ledger: RunLedger, score_ops: float) -> dict[str, Any] | None:
+    """The run's network cost (the module's docstring); None when no trial communicated."""
+    if not ledger.all_reduce_trials and not ledger.all_to_all_trials:
+        return None
+    waited, steps, lives = waits(ledger)
+    ratio = efficiency(waited, lives)
+    return {"wait_seconds": waited, "step_seconds": steps, "share": waited / steps if steps > 0 else None,
+            "efficiency": ratio, "score_ops": score_ops,
+            "ideal_score_ops": score_ops / ratio if ratio else None,
+            "complete": ledger.all_reduce_timed_bytes == ledger.all_reduce_bytes}
+
+
+def trial_network(trial: Trial) -> dict[str, Any]:
+    """A trial's network cost over its own time in steps (the module's docstring)."""
+    waited, steps = trial.wait_seconds(), trial.step_seconds
+    complete = trial.all_reduce is None or trial.all_reduce[AR_TIMED_BYTES] == trial.all_reduce[AR_BYTES]
+    return {"wait_seconds": waited, "step_seconds": steps, "share": waited / steps if steps > 0 else None,
+            "efficiency": efficiency(waited, steps), "complete": complete}
