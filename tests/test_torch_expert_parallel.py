@@ -210,6 +210,9 @@ def _matches(run: dict, one: dict, skip: frozenset, images: int, val_images: int
         assert got["expert_load"] == want["expert_load"]
         assert got["all_to_all_seconds"] is not None and got["all_to_all_seconds"] > 0
         assert want["all_to_all_seconds"] is None
+        # DDP's all-reduce of the replicated parameters, timed by its hook (distributed.AllReduceClock).
+        assert got["all_reduce_seconds"] is not None and got["all_reduce_seconds"] > 0
+        assert want["all_reduce_seconds"] is None
 
 
 def test_training_on_two_devices_matches_one_device(trained):

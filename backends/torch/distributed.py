@@ -44,6 +44,7 @@ import gc
 import os
 import queue as queue_module
 import socket
+import time
 from dataclasses import asdict
 from datetime import timedelta
 from typing import Any, Callable
@@ -237,9 +238,69 @@ def set_worker_threads(world: int) -> None:
     torch.set_num_threads(max(1, cores // world))
 
 
+class AllReduceClock:
+    """The seconds each training step waits on DDP's gradient all-reduce (EpochReport.all_reduce_seconds).
+
+    Registered as DDP's communication hook: it runs torch's own allreduce_hook (the default reduction:
+    divide by world, all-reduce, in the same buckets and order) and times it. DDP launches a bucket's
+    all-reduce as soon as its gradients are ready, overlapping the rest of the backward; the bucket it
+    launches last (GradBucket.is_last) is launched once the backward's computation is done, and the
+    collectives of one process group complete in launch order. So a step's wait is from the last
+    bucket's launch to its completion: the communication the backward could not hide, including what was
+    still running of earlier buckets. Copying the reduced buckets back into the gradients is not counted.
+    On a CPU (gloo) both ends are read with time.perf_counter (the completion in the future's callback,
+    which DDP waits on before backward() returns); on CUDA (NCCL) with CUDA events, one on the current
+    stream at the launch and one in the callback, read once per epoch: written for it, unverified (no
+    GPU here)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+        self.steps = 0  # steps whose last bucket completed since the last take
+        self._launched = 0.0
+        self._events: list = []  # CUDA: (launch, done) event pairs not yet read
+
+    def hook(self, process_group, bucket):
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        last = bucket.is_last()
+        if last:
+            if self.cuda:  # unverified: no GPU here
+                launched = torch.cuda.Event(enable_timing=True)
+                launched.record()
+            else:
+                self._launched = time.perf_counter()
+        future = allreduce_hook(process_group, bucket)
+        if not last:
+            return future
+
+        def done(fut):
+            if self.cuda:
+                finished = torch.cuda.Event(enable_timing=True)
+                finished.record()
+                self._events.append((launched, finished))
+            else:
+                self.seconds += time.perf_counter() - self._launched
+            self.steps += 1
+            return fut.value()
+
+        return future.then(done)
+
+    def take(self) -> float | None:
+        """The seconds since the last call (None when no step reduced), and zero them."""
+        if self._events:
+            self._events[-1][1].synchronize()
+            self.seconds += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+            self._events.clear()
+        seconds = self.seconds if self.steps else None
+        self.seconds, self.steps = 0.0, 0
+        return seconds
+
+
 def wrap(model, device: torch.device):
     """Synchronised batch norm plus DistributedDataParallel around a lowered model on `device`. An
-    expert-parallel model's expert parameters are left out of DDP (their own rank's, not replicas)."""
+    expert-parallel model's expert parameters are left out of DDP (their own rank's, not replicas).
+    The all-reduce is timed by an AllReduceClock hook, kept as the wrapper's `all_reduce_clock`."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from aiperf_backends.torch.expert_parallel import ignored_parameter_names
@@ -249,8 +310,13 @@ def wrap(model, device: torch.device):
     if ignored:
         DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
     if device.type == "cuda":
-        return DDP(model, device_ids=[device.index], output_device=device.index)
-    return DDP(model)
+        wrapped = DDP(model, device_ids=[device.index], output_device=device.index)
+    else:
+        wrapped = DDP(model)
+    clock = AllReduceClock(device)
+    wrapped.register_comm_hook(None, clock.hook)
+    wrapped.all_reduce_clock = clock
+    return wrapped
 
 
 def float_all_reduce(device: torch.device) -> Callable[[list[float]], list[float]]:

@@ -386,13 +386,15 @@ def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int =
     and accuracy are over every position (loss.py). A graph with moe reports each moe node's expert load
     over the epoch's training steps (Stepper.take_expert_load), summed over the ranks. An expert-parallel
     model reports the seconds its all-to-all exchanges took in the epoch's training and evaluation, rank 0's
-    figure on rank 0 (each rank reports its own; expert_parallel.ExchangeClock)."""
+    figure on rank 0 (each rank reports its own; expert_parallel.ExchangeClock); a data-parallel one the
+    seconds its steps waited on the gradient all-reduce, rank 0's (distributed.AllReduceClock)."""
     device = resolved(device)
     if stepper is None:
         stepper = Stepper(model, device, config,
                           compile=compiles(config.compile, device, trial_steps(data, config), world))
     base = getattr(model, "module", model)
     exchange_clock = base.expert_parallel.clock if getattr(base, "expert_parallel", None) is not None else None
+    reduce_clock = getattr(model, "all_reduce_clock", None)  # DDP's (distributed.AllReduceClock)
     # Dropout draws from a generator seeded by config.seed and the rank: a run is reproducible.
     seed = int(np.random.SeedSequence([config.seed, rank]).generate_state(1)[0])
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -439,7 +441,8 @@ def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int =
                     val_accuracy=float(round(correct)) / (val_n * base.positions) if val_n else 0.0,
                     skipped_images=int(round(skipped)), step_seconds=clock.lap(),
                     compile_seconds=stepper.take_compile_seconds(),
-                    expert_load=load, all_to_all_seconds=exchange_clock.take() if exchange_clock else None)
+                    expert_load=load, all_to_all_seconds=exchange_clock.take() if exchange_clock else None,
+                    all_reduce_seconds=reduce_clock.take() if reduce_clock else None)
                 reports.append(report)
                 if on_epoch is not None and on_epoch(report):
                     break
