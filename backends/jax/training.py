@@ -66,7 +66,8 @@ experts under shard_map, chosen per batch shape when a step traces (split rows: 
 rows: own experts and a psum; inside the micro step's shard_map: the collectives directly). The epoch
 loop counts the all-to-all exchanges its steps ran and, at the epoch's end, prices them with
 exchanges of the same shapes timed apart from the steps (expert_parallel.AllToAllTimer):
-EpochReport.all_to_all_seconds.
+EpochReport.all_to_all_seconds. The gradient all-reduce of several devices is priced the same way
+(all_reduce.AllReduceTimer): EpochReport.all_reduce_seconds.
 
 Feeding the device (issue 17):
 
@@ -728,6 +729,13 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
         shardings = param_shardings(model.graph, model.params, expert_mesh)
         place = partial(placement.put, shardings=shardings)  # the expert stacks sharded on E, the rest replicated
         exchanges_run = AllToAllTimer(expert_mesh, tuple(placement.names()))
+    reduces_run = None  # the gradient all-reduce, priced apart from the steps (all_reduce.py)
+    if placement.world > 1:
+        from aiperf_backends.jax.all_reduce import AllReduceTimer
+        from aiperf_opcount.communication import GRADIENT_ELEMENT_BYTES, gradient_bytes
+
+        reduces_run = AllReduceTimer(placement.mesh, tuple(placement.names()),
+                                     gradient_bytes(model.graph, expert_mesh is not None) // GRADIENT_ELEMENT_BYTES)
     # Copies first: the step donates params and its optimizer state, and the model keeps its own
     # until the end.
     params = place(jax.tree_util.tree_map(jnp.array, model.params))
@@ -750,6 +758,8 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
         or the fused step where the shard is one micro-batch."""
         sharded = placement.splits(n)
         spans = micro_batches(n // placement.world if sharded else n, config.micro_batch)
+        if reduces_run is not None and sharded:  # a replicated batch's gradients are whole on every device
+            reduces_run.add()
         if exchanges_run is not None and sharded:  # a replicated batch's experts exchange nothing (psum)
             for start, stop in spans:
                 exchanges_run.add(exchanges(model.graph, stop - start, placement.world, config.precision, True,
@@ -828,13 +838,14 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
                 correct = int(np.sum([int(c) for _, c in val_parts]))
             # Measured apart from the steps, now that none runs (expert_parallel.AllToAllTimer).
             all_to_all = exchanges_run.lap() if exchanges_run is not None else None
+            all_reduce = reduces_run.lap() if reduces_run is not None else None
             report = EpochReport(epoch=epoch, train_images=images, val_images=val_total,
                                  loss=loss_sum / max(images * positions, 1),
                                  val_loss=val_loss / (val_total * positions) if val_total else 0.0,
                                  val_accuracy=correct / (val_total * positions) if val_total else 0.0,
                                  skipped_images=skipped, step_seconds=clock.lap(),
                                  compile_seconds=compiling.lap(), expert_load=expert_load,
-                                 all_to_all_seconds=all_to_all)
+                                 all_to_all_seconds=all_to_all, all_reduce_seconds=all_reduce)
             reports.append(report)
             if agreed_stop(placement, on_epoch, report):
                 break
