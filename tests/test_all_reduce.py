@@ -24,7 +24,9 @@ from aiperf_core.rundir import RunDir, read_events
 from aiperf_core.scoring import score_run, verify_run
 from aiperf_core.scoring.ledger import RunLedger
 from aiperf_core.scoring.progress import forget
+from aiperf_core.scoring.score import epoch_ops
 from aiperf_core.submission.ranking import rank, render_text
+from aiperf_opcount import count
 from aiperf_opcount.communication import all_reduce_bytes, all_to_all_bytes, gradient_bytes, optimiser_steps
 from cpu_devices import run_on_cpu_devices
 from test_ranking import verdict
@@ -117,6 +119,8 @@ def _run(root, seconds=(0.25, 0.5)) -> RunBuilder:
     return b
 
 
+# One epoch of DENSE_GPT: 64 samples trained (forward and backward), 8 evaluated (forward).
+DENSE_GPT_OPS = epoch_ops((lambda c: (c.fp, c.bp))(count(DENSE_GPT)), 64, 8)
 A2A_BYTES = all_to_all_bytes(MOE_GPT, "fp32", 32, 8)
 DENSE_EPOCH = 2 * (2 * gradient_bytes(DENSE_GPT) // 2)  # 2 steps, 2 ranks: G per rank per step
 MOE_EPOCH = 2 * 3 * gradient_bytes(MOE_GPT, True) // 4  # 1 step, 4 ranks: 3/2 G
@@ -141,8 +145,10 @@ def test_summary_json_gives_the_all_reduce_and_the_network_cost(tmp_path):
     assert network["ideal_score_ops"] == pytest.approx(summary["score_ops"] / network["efficiency"])
     assert network["complete"] is True
     [dense, moe] = communication["per_trial"]
+    operations = 2 * DENSE_GPT_OPS
     assert dense["network"] == {"wait_seconds": 0.5, "step_seconds": 2.0, "share": 0.25, "efficiency": 0.75,
-                                "complete": True}
+                                "complete": True, "ops_per_second": operations / 2.0,
+                                "ideal_ops_per_second": operations / 1.5}
     assert moe["network"]["share"] == pytest.approx(0.8 / 2.0) and moe["all_to_all"]["seconds"] == 0.3
     assert dense["all_reduce"] == {"bytes": 2 * DENSE_EPOCH, "inter_node_bytes": 0,
                                    "intra_node_bytes": 4 * DENSE_EPOCH, "seconds": 0.5,

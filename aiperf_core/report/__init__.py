@@ -26,7 +26,7 @@ from aiperf_core.report.energy import Energy, EnergyTally
 from aiperf_core.report.page import render_page
 from aiperf_core.rundir import RunDir
 from aiperf_core.scoring.ledger import RunLedger
-from aiperf_core.scoring.score import ScoreResult, score_ledger
+from aiperf_core.scoring.score import ScoreResult, epoch_ops, score_ledger
 
 SUMMARY_SCHEMA_VERSION = 1
 UTILISATION_BUCKETS = 240  # points per utilisation line, whatever the run's length
@@ -167,6 +167,10 @@ def communication_summary(ledger: RunLedger, score_ops: float = 0.0) -> dict[str
     trials = sorted((t for t in ledger.trials.values() if t.communicated()), key=lambda t: t.id)
     if not trials:
         return None
+    operations: dict[str, int] = {}  # trial id -> the operations of its epochs (a counted graph's)
+    for _, trial, train_images, val_images, *_ in ledger.epochs:
+        if trial.per_image is not None:
+            operations[trial.id] = operations.get(trial.id, 0) + epoch_ops(trial.per_image, train_images, val_images)
     a2a = [t for t in trials if t.all_to_all_bytes is not None]
     moved, seconds = sum(t.all_to_all_bytes for t in a2a), sum(t.all_to_all_seconds for t in a2a)
     all_to_all = {"trials": len(a2a), "bytes": moved, "seconds": seconds,
@@ -183,7 +187,8 @@ def communication_summary(ledger: RunLedger, score_ops: float = 0.0) -> dict[str
                                            if ledger.all_reduce_seconds > 0 else None)}
     return {"all_to_all": all_to_all, "all_reduce": all_reduce, "network": run_network(ledger, score_ops),
             "per_trial": [{"trial": t.id, "all_to_all": t.to_dict()["all_to_all"],
-                           "all_reduce": t.to_dict()["all_reduce"], "network": trial_network(t)} for t in trials]}
+                           "all_reduce": t.to_dict()["all_reduce"],
+                           "network": trial_network(t, operations.get(t.id))} for t in trials]}
 
 
 def busy_fraction(ledger: RunLedger) -> float | None:

@@ -13,8 +13,9 @@ waits summed over every replica:
   same operations in (L - W) / L of the time;
 - `ideal_score_ops`: the score over the network efficiency, the score an ideal network would have given.
 
-A trial's figures are the same over its own time in steps: share W_t / S_t, efficiency 1 - W_t / S_t (the
-trial's operations over its time in steps, against the same over that time less its waits).
+A trial's figures are the same over its own time in steps: share W_t / S_t, efficiency 1 - W_t / S_t, its
+rate its operations over its time in steps, and its ideal-network rate the same over that time less its
+waits.
 
 Where a backend measured no all-reduce seconds (it cannot: docs/backends/<name>.md), those epochs' waits
 are unknown, and `complete` is false: the efficiency is then an upper bound.
@@ -52,9 +53,13 @@ def run_network(ledger: RunLedger, score_ops: float) -> dict[str, Any] | None:
             "complete": ledger.all_reduce_timed_bytes == ledger.all_reduce_bytes}
 
 
-def trial_network(trial: Trial) -> dict[str, Any]:
-    """A trial's network cost over its own time in steps (the module's docstring)."""
+def trial_network(trial: Trial, operations: int | None = None) -> dict[str, Any]:
+    """A trial's network cost over its own time in steps (the module's docstring); `operations`, those of
+    its epochs (None: its graph could not be counted)."""
     waited, steps = trial.wait_seconds(), trial.step_seconds
     complete = trial.all_reduce is None or trial.all_reduce[AR_TIMED_BYTES] == trial.all_reduce[AR_BYTES]
+    known = operations is not None and steps > 0
     return {"wait_seconds": waited, "step_seconds": steps, "share": waited / steps if steps > 0 else None,
-            "efficiency": efficiency(waited, steps), "complete": complete}
+            "efficiency": efficiency(waited, steps), "complete": complete,
+            "ops_per_second": operations / steps if known else None,
+            "ideal_ops_per_second": operations / (steps - waited) if known and steps > waited else None}

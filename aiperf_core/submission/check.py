@@ -127,6 +127,8 @@ class Verdict:
             if data[key] is not None:
                 lines.append(f"  efficiency {data[key]:.2%} of the {label} peak")
         lines.append(f"  energy     {self.energy['statement']}")
+        if self.network_efficiency is not None:
+            lines.append(f"  network    efficiency {self.network_efficiency:.2%} (reported, not scored)")
         lines += [f"  finding: {finding}" for finding in self.findings]
         lines.append(self.headline())
         lines += [f"  - {reason}" for reason in self.reasons]
