@@ -175,6 +175,9 @@ def test_two_nodes_match_one_device(launch, name, check):
     assert [r.loss for r in follower] == [r.loss for r in leader]  # one program: the same reports
     assert launch[1][0]["runs"][name]["on_epoch_calls"] == list(range(scenario.epochs))
     assert launch[1][1]["runs"][name]["on_epoch_calls"] == []  # only node 0 reports
+    # The gradient all-reduce across the nodes, priced on the global mesh (all_reduce.AllReduceTimer).
+    assert all(r.all_reduce_seconds is not None and r.all_reduce_seconds > 0 for r in leader)
+    assert all(r.all_reduce_seconds is None for r in one)
     if scenario.expert_parallel:
         for a, b in zip(one, leader):
             assert dict(b.expert_load) == dict(a.expert_load)

@@ -54,6 +54,8 @@ def compiled_all_reduce(mesh, elements: int):
 
     world = int(mesh.shape[AXIS])
     reduce = jax.jit(jax.shard_map(lambda b: lax.psum(b, AXIS), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
-    buffer = jax.device_put(jnp.ones((world * elements,), jnp.float32), NamedSharding(mesh, P(AXIS)))
+    # Made sharded, so that no device ever holds more than its own `elements` (a whole world's copy of the
+    # gradients on one device could exceed its memory beside a large model's).
+    buffer = jax.jit(lambda: jnp.ones((world * elements,), jnp.float32), out_shardings=NamedSharding(mesh, P(AXIS)))()
     reduce(buffer).block_until_ready()  # compiles
     return reduce, buffer
