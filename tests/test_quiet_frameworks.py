@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from aiperf_backends.tensorflow.backend import kept_import_lines
 from aiperf_core.registry import FRAMEWORK_LOG_LEVELS, set_framework_logging
 
@@ -26,37 +28,68 @@ FRAMEWORK_LINE = re.compile(
     r"|oneDNN custom operations|All log messages before absl|This TensorFlow binary is optimized")
 
 
-def aiperf(*args: str, cwd: Path, **extra_env: str) -> subprocess.CompletedProcess:
+def aiperf(*args: str, cwd: Path, **extra_env: str) -> subprocess.Popen:
     env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", str(cwd)), **extra_env}
-    return subprocess.run([str(AIPERF), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.Popen([str(AIPERF), *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+# Each command below imports every framework or TensorFlow and little else, one core's work for 10-20 s:
+# the four run side by side, started once for the module, and each test reads the outputs it checks.
+COMMANDS = {
+    "backends": (("backends",), {}),
+    "quiet": (("conformance", "--backend", "tensorflow", "--list"), {}),
+    "debug": (("--debug", "conformance", "--backend", "tensorflow", "--list"), {}),
+    "loud": (("conformance", "--backend", "tensorflow", "--list"), {"TF_CPP_MIN_LOG_LEVEL": "0"}),
+}
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    started = {}
+    try:
+        for name, (args, extra_env) in COMMANDS.items():
+            started[name] = aiperf(*args, cwd=tmp_path_factory.mktemp(name), **extra_env)
+        finished = {}
+        for name, process in started.items():
+            stdout, stderr = process.communicate(timeout=600)
+            finished[name] = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+        return finished
+    finally:
+        for process in started.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def framework_lines(done: subprocess.CompletedProcess) -> list[str]:
     return [line for line in (done.stdout + done.stderr).splitlines() if FRAMEWORK_LINE.search(line)]
 
 
-def test_backends_prints_its_table_and_no_framework_log_line(tmp_path):
-    done = aiperf("backends", cwd=tmp_path)
-    assert done.returncode == 0, done.stderr
-    assert framework_lines(done) == []
-    assert re.search(r"^\* tensorflow +available +\S+ +devices: ", done.stdout, re.MULTILINE), done.stdout
+@pytest.mark.slow  # the module's four framework imports: about 25 s on 2 cores
+def test_backends_prints_its_table_and_no_framework_log_line(done):
+    backends = done["backends"]
+    assert backends.returncode == 0, backends.stderr
+    assert framework_lines(backends) == []
+    assert re.search(r"^\* tensorflow +available +\S+ +devices: ", backends.stdout, re.MULTILINE), backends.stdout
     for name in ("jax", "mindspore", "torch"):
-        assert re.search(rf"^  {name} +available ", done.stdout, re.MULTILINE), done.stdout
+        assert re.search(rf"^  {name} +available ", backends.stdout, re.MULTILINE), backends.stdout
 
 
-def test_debug_shows_the_framework_log_lines_again(tmp_path):
+@pytest.mark.slow  # the module's four framework imports: about 25 s on 2 cores
+def test_debug_shows_the_framework_log_lines_again(done):
     # conformance --list loads the tensorflow backend (and so TensorFlow) and does no other work. The
     # notice also shows that oneDNN stays on (the backend turns it on on x86-64): only its line goes.
-    quiet = aiperf("conformance", "--backend", "tensorflow", "--list", cwd=tmp_path)
-    debug = aiperf("--debug", "conformance", "--backend", "tensorflow", "--list", cwd=tmp_path)
+    quiet, debug = done["quiet"], done["debug"]
     assert quiet.returncode == debug.returncode == 0, quiet.stderr + debug.stderr
     assert framework_lines(quiet) == []
     assert any("oneDNN custom operations are on" in line for line in framework_lines(debug)), debug.stderr
     assert quiet.stdout == debug.stdout
 
 
-def test_a_level_the_user_set_is_kept(tmp_path):
-    loud = aiperf("conformance", "--backend", "tensorflow", "--list", cwd=tmp_path, TF_CPP_MIN_LOG_LEVEL="0")
+@pytest.mark.slow  # the module's four framework imports: about 25 s on 2 cores
+def test_a_level_the_user_set_is_kept(done):
+    loud = done["loud"]
     assert loud.returncode == 0, loud.stderr
     assert any("oneDNN custom operations are on" in line for line in framework_lines(loud)), loud.stderr
 
