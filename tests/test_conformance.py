@@ -12,6 +12,9 @@ import pytest
 from aiperf_conformance.pytest_support import conformance_cases, run_case
 
 BACKENDS = ("numpy", "torch", "tensorflow", "jax", "mindspore")
+# The kit's full runs: about half of `make test`'s time. `make test-quick` leaves them out; the kit's own
+# machinery is tested quickly on the NumPy reference (test_conformance_kit.py and the other test_conformance_*).
+pytestmark = pytest.mark.slow
 
 
 @pytest.mark.parametrize("case", conformance_cases(BACKENDS), ids=str)

@@ -15,6 +15,8 @@ import socket
 import time
 from dataclasses import replace
 
+import pytest
+
 from aiperf_core.backend import BackendError, Parallelism, train_world
 from aiperf_conformance import multi_node
 from aiperf_conformance.expectations import Expectations
@@ -201,6 +203,7 @@ def test_other_losses_on_node_0_fail():
     assert outcome.measured > 1e-2
 
 
+@pytest.mark.slow
 def test_a_node_that_never_exits_is_stopped_at_the_bound(monkeypatch):
     monkeypatch.setattr(multi_node, "NODE_EXIT_BOUND_S", 20.0)
     first, last = multi_node_results(FollowerNeverExits(), *MULTI_NODE_CHECKS).values()

@@ -158,12 +158,14 @@ def _tolerance() -> float:
 TOLERANCE = _tolerance()
 
 
+@pytest.mark.slow
 def test_nodes_are_one_program(launch):
     _, nodes = launch
     assert [n["process_count"] for n in nodes] == [NODES, NODES]
     assert nodes[0]["device"] != nodes[1]["device"]  # each node trains on its own device
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, check", COMPARED)
 def test_two_nodes_match_one_device(launch, name, check):
     outcome, leader, follower, one = _compared(launch, name, check)
@@ -185,12 +187,14 @@ def test_two_nodes_match_one_device(launch, name, check):
         assert all(r.all_to_all_seconds is None for r in one)
 
 
+@pytest.mark.slow
 def test_leader_stop_reaches_the_follower(launch):
     _, nodes = launch
     assert [len(n["runs"]["stop"]["reports"]) for n in nodes] == [1, 1]
     assert nodes[0]["runs"]["stop"]["on_epoch_calls"] == [0]
 
 
+@pytest.mark.slow
 def test_leader_callback_failure_ends_the_follower_trial(launch):
     _, nodes = launch
     assert nodes[0]["runs"]["abort"]["raised"] == "RuntimeError: the leader's callback failed"

@@ -109,6 +109,7 @@ def _nothing_left(run_dir):
     return left
 
 
+@pytest.mark.slow
 def test_a_replica_of_two_local_nodes_meets_over_tcp(tmp_path):
     output, run_dir = _run(tmp_path, "torch")
     assert "1 replica(s) x 2 device(s)" in output
@@ -163,6 +164,7 @@ def test_a_hostfile_is_read_and_placed(tmp_path):
     assert argv[-3:] == ["'/r a'", "--node-rank", "1"] and f"AIPERF_REPLICA_LAUNCH={command.launch}" in argv
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_two_nodes_under_slurm(netns_cluster, tmp_path, backend):
     before = [netns_cluster.link_bytes(node) for node in netns_cluster.nodes]
@@ -177,6 +179,7 @@ def test_two_nodes_under_slurm(netns_cluster, tmp_path, backend):
     assert all(s >= implied for s in sent), (sent, implied)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_two_nodes_through_a_hostfile_launcher(netns_cluster, tmp_path, backend):
     hostfile = tmp_path / "hostfile"
@@ -211,6 +214,7 @@ def _training(run_dir, node: int) -> dict | None:
     return None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["killed", "link_down"])
 def test_a_lost_node_ends_its_trial_within_the_bound(netns_cluster, tmp_path, fault):
     """The killed node's replica is restarted (a new launch on both nodes) and goes on to its last
