@@ -14,7 +14,7 @@ expert_parallel on against 1 device:
   shard_map; the replicated last batch of 3 in 2) on 2 devices trains as one device's whole batches;
 * experts that do not divide by the devices are refused with a GraphError naming the node.
 
-Each two-device case runs in a subprocess (tests/cpu_devices.py): AIPERF_CPU_DEVICES must be read before
+The two-device cases run in one subprocess (tests/cpu_devices.py): AIPERF_CPU_DEVICES must be read before
 jax initialises. The subprocess imports this module and runs its `run_*` functions.
 """
 
@@ -90,20 +90,25 @@ def _records(reports) -> list[dict]:
              "all_to_all_seconds": r.all_to_all_seconds, "all_reduce_seconds": r.all_reduce_seconds} for r in reports]
 
 
-def run_against_one_device(micro_batch: int | None) -> dict:
+def run_against_one_device(micro_batch: int | None, one: tuple | None = None) -> dict:
     """In the two-device subprocess: one device (expert_parallel on, which one device ignores) against
-    two; with micro_batch, on two devices only."""
+    two; with micro_batch, on two devices only. `one`: the one-device run's (reports, weights), when the
+    caller has trained it already (it does not depend on micro_batch)."""
     from aiperf_conformance.levels.op import key_biases
     from aiperf_core.morph.transformer import deeper, replay, residual_points
 
     backend = jax_backend()
     devices = tuple(backend.devices())
     assert len(devices) == 2, devices
-    _, _, one_reports, one_weights = _train(devices[:1])
+    if one is None:
+        _, _, one_reports, one_weights = _train(devices[:1])
+    else:
+        one_reports, one_weights = one
     _, model, two_reports, two_weights = _train(devices, micro_batch)
     graph = model.graph
     difference, where = _largest_difference(two_weights, one_weights, key_biases(graph))
-    out = {"difference": difference, "where": where, "one": _records(one_reports), "two": _records(two_reports)}
+    out = {"difference": difference, "where": where, "one": _records(one_reports), "two": _records(two_reports),
+           "one_run": (one_reports, one_weights)}
     moe = _moe(graph)
     out["layout"] = {name: {"spec": list(value.sharding.spec), "shards": [list(s.data.shape) for s in value.addressable_shards],
                             "devices": len(value.sharding.device_set)}
@@ -174,6 +179,15 @@ def run_compiled_exchanges() -> dict:
     return out
 
 
+def run_all() -> dict:
+    """Every two-device case in one subprocess (one jax start, and the one-device reference trained once
+    for the whole-batch and the micro-batch comparisons)."""
+    fused = run_against_one_device(None)
+    micro = run_against_one_device(2, one=fused.pop("one_run"))
+    micro.pop("one_run")
+    return {"fused": fused, "micro": micro, "exchanges": run_compiled_exchanges(), "refusal": run_refusal()}
+
+
 def jax_backend():
     from aiperf_core.registry import load_backend
 
@@ -188,8 +202,13 @@ print(json.dumps(case.{call}))
 
 
 @pytest.fixture(scope="module")
-def fused() -> dict:
-    return run_on_cpu_devices(SCRIPT.format(call="run_against_one_device(None)"))
+def cases() -> dict:
+    return run_on_cpu_devices(SCRIPT.format(call="run_all()"))
+
+
+@pytest.fixture(scope="module")
+def fused(cases) -> dict:
+    return cases["fused"]
 
 
 def _agree(result: dict) -> None:
@@ -234,19 +253,19 @@ def test_the_export_is_the_whole_model_and_morphs_grow_from_it(fused):
     assert fused["child"] < 1e-5  # deeper is function-preserving
 
 
-def test_the_exchanges_counted_for_all_to_all_seconds_are_those_of_the_compiled_steps():
-    counts = run_on_cpu_devices(SCRIPT.format(call="run_compiled_exchanges()"))
+def test_the_exchanges_counted_for_all_to_all_seconds_are_those_of_the_compiled_steps(cases):
+    counts = cases["exchanges"]
     # per moe node: rows out, their expert index, outputs back; training adds the 2 reverse exchanges,
     # and checkpointed blocks recompute the 3 forward ones
     assert counts == {"train checkpoint=False": [5, 5], "train checkpoint=True": [8, 8], "eval": [3, 3]}
 
 
-def test_micro_batches_on_two_devices_train_as_one_device():
-    _agree(run_on_cpu_devices(SCRIPT.format(call="run_against_one_device(2)")))
+def test_micro_batches_on_two_devices_train_as_one_device(cases):
+    _agree(cases["micro"])
 
 
-def test_experts_that_do_not_divide_by_the_devices_are_refused_naming_the_node():
-    result = run_on_cpu_devices(SCRIPT.format(call="run_refusal()"))
+def test_experts_that_do_not_divide_by_the_devices_are_refused_naming_the_node(cases):
+    result = cases["refusal"]
     assert result["declared"] is True
     assert result["refused"] is not None and result["node"] in result["refused"]
     assert "3" in result["refused"]
