@@ -3,6 +3,7 @@
 import copy
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -38,6 +39,7 @@ def load(data):
         assert "\n" not in str(exc)
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(random_node([f"n{i}" for i in range(6)]), max_size=8))
 def test_random_graphs_raise_only_graph_error(nodes):

@@ -89,6 +89,7 @@ def test_a_llama_in_half_precision_runs_close_to_fp32():
     assert np.max(np.abs(half - full)) < 0.01
 
 
+@pytest.mark.slow
 def test_grouped_query_attention_counts_as_multi_head_attention(backend):
     """The count rule: grouped-query attention's products are those of multi-head attention with `heads`
     query heads; the key and value heads are repeated, so MindSpore's own count of them says so too."""

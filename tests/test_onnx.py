@@ -120,6 +120,7 @@ def same_weights(a, b):
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("builder", [resnet_small, resnet50])
 def test_export_matches_reference_and_round_trips(builder):
     graph = builder((64, 64, 3))
@@ -231,6 +232,7 @@ def test_real_model_runs_the_same_after_import_and_export(name):
     assert_close(run_ort(exported, x).reshape(1, -1), expected, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_with_random_initializers_replaces_only_the_constant_of_shape_weights():
     model = onnx.load(str(LIGHT / "light_bvlc_alexnet.onnx"))
     filled = {n.output[0] for n in model.graph.node if n.op_type == "ConstantOfShape"}

@@ -88,6 +88,7 @@ def onnx_macs(model) -> tuple[int, int]:
     return conv // batch, products // batch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_every_zoo_cnn_imports_and_counts_its_products_exactly(name, capsys):
     path = LIGHT / f"light_{name}.onnx"

@@ -82,6 +82,7 @@ def one_device_steps(backend, graph, weights, config: TrainConfig, batches) -> t
     return losses, grads, model.export_canonical()
 
 
+@pytest.mark.slow
 def test_ddp_steps_match_single_process(setup):
     import torch.multiprocessing as mp
 
@@ -150,6 +151,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_train_over_cpu_devices_matches_one_device():
     """AIPERF_CPU_DEVICES=2: devices() lists two CPU devices, train() on both (gloo processes)
     equals train() on the first alone (TrainConfig.devices), early stop and an empty shard included."""

@@ -215,6 +215,7 @@ def _matches(run: dict, one: dict, skip: frozenset, images: int, val_images: int
         assert want["all_reduce_seconds"] is None
 
 
+@pytest.mark.slow
 def test_training_on_two_devices_matches_one_device(trained):
     """2 epochs of the lm policy's step, an uneven last batch (35 = 16 + 16 + 3): the whole exported
     model (every rank's experts, canonical layout), the losses and the expert loads equal one device's."""
@@ -255,6 +256,7 @@ def grouped_rank_steps(rank: int, job: dict) -> None:
     run_rank_steps(rank, job)
 
 
+@pytest.mark.slow
 def test_grouped_products_of_local_experts_match_one_device(monkeypatch):
     """The local experts as torch._grouped_mm over the segments that arrived (int32 local offsets, biases by
     local expert), forced on this CPU at fp32 on both sides: one step on a global batch of 7 and one of 1

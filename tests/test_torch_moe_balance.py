@@ -164,6 +164,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_two_cpu_devices_give_one_devices_expert_load_and_weights():
     """AIPERF_CPU_DEVICES=2: two epochs on two gloo ranks (uneven shards, accumulated micro-batches, the
     load-balancing loss on) report one device's expert load, summed over the ranks, and train its weights."""

@@ -283,6 +283,7 @@ def test_training_on_a_token_stream_reads_new_windows_a_batch_at_a_time(backend,
     assert all(np.array_equal(v, val[0]) for v in val[1:len(val)]) and len(val) == 3  # the fixed prefix, per epoch
 
 
+@pytest.mark.slow
 def test_two_devices_on_a_token_stream_with_micro_batches_equal_one_device(backend, small_gpt, corpus):
     """Two gloo ranks, micro_batch 3, batches of 7 over 16 windows (7, 7, 2): rank 0's shards of
     4 run as micro-batches 3 and 1, rank 1's of 3 as one and an empty one; equal to one device."""
