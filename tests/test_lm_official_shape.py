@@ -25,6 +25,7 @@ def enwik8_sample(tmp_path_factory):
     return folder / "prepared"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_an_official_shape_trial_trains_end_to_end_on_a_cpu(backend, enwik8_sample, tmp_path, capsys):
     config = tmp_path / "official-shape.toml"

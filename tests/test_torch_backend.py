@@ -404,6 +404,7 @@ def test_compile_policy():
         backend.train(backend.lower(graph), data, TrainConfig(epochs=1, batch_size=2, compile="sometimes"))
 
 
+@pytest.mark.slow
 def test_the_compiled_step_trains_as_the_eager_one_and_reports_its_compile_time():
     from aiperf_core.ir import Graph
 
