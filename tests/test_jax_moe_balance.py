@@ -10,7 +10,8 @@
 * two host devices (data parallelism, fused and accumulated, a short last batch replicated) train to the
   weights, losses and loads of one.
 
-The two-device test runs in a subprocess: AIPERF_CPU_DEVICES must be read before jax initialises.
+The two-device test runs in a subprocess (AIPERF_CPU_DEVICES must be read before jax initialises), started
+in the background with the module's first test.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +83,7 @@ def test_a_step_takes_the_reference_gradient_of_the_cross_entropy_and_the_load_b
     np.testing.assert_allclose(report.loss, loss, rtol=1e-6)  # the cross-entropy alone
 
 
+@pytest.mark.slow
 def test_expert_load_counts_the_routing_of_every_training_sequence_each_epoch():
     graph, weights = _graph_and_weights()
     x, y = _tokens(10, 2)
@@ -134,12 +137,27 @@ _TWO_DEVICES = """
 """
 
 
-def test_two_host_devices_give_the_weights_losses_and_loads_of_one():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "AIPERF_CPU_DEVICES")}
+def _run_two_devices(environ: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in environ.items() if k not in ("XLA_FLAGS", "AIPERF_CPU_DEVICES")}
     env.update(JAX_PLATFORMS="cpu", AIPERF_CPU_DEVICES="2")
     script = textwrap.dedent(_TWO_DEVICES).replace("{sizes}", repr(SIZES))
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_devices(request):
+    """The two-device subprocess, started with the module's first test when its test is selected, so that the
+    in-process tests run beside it (it is one more process, mostly on one core); its test waits for it."""
+    test = "test_two_host_devices_give_the_weights_losses_and_loads_of_one"
+    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_run_two_devices, dict(os.environ)) if wanted else None
+
+
+@pytest.mark.slow
+def test_two_host_devices_give_the_weights_losses_and_loads_of_one(two_devices):
+    out = two_devices.result()
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["devices"] == ["cpu:0", "cpu:1"]

@@ -7,6 +7,8 @@ routing the training steps ran, per epoch (None without a moe).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -93,9 +95,21 @@ print(json.dumps(result))
 """
 
 
-def test_two_data_parallel_devices_take_the_one_device_step_and_count_every_shard():
+@pytest.fixture(scope="module", autouse=True)
+def two_devices(request):
+    """The two-device subprocess (AIPERF_CPU_DEVICES is read when the framework starts),
+    started with the module's first test when its test is selected, so that the in-process tests run beside it
+    (one more process, mostly on one core); its test waits for it."""
+    test = "test_two_data_parallel_devices_take_the_one_device_step_and_count_every_shard"
+    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(run_data_parallel, _DATA_PARALLEL_SCRIPT) if wanted else None
+
+
+@pytest.mark.slow
+def test_two_data_parallel_devices_take_the_one_device_step_and_count_every_shard(two_devices):
     """Two CPU devices (a fresh process: AIPERF_CPU_DEVICES is read when TensorFlow loads), 9 sequences cut
     5 and 4: the aux term is weighted by each shard's sequences, the counts all-reduced."""
-    one, two = run_data_parallel(_DATA_PARALLEL_SCRIPT)
+    one, two = two_devices.result()
     assert two["load"] == one["load"] and sum(next(iter(one["load"].values()))) == 9 * 16 * 2
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-6)
