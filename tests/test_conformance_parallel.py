@@ -201,3 +201,49 @@ def test_a_backend_defined_in_main_cannot_go_to_a_child(monkeypatch):
     local = type("Local", (ReadsCpuDevices,), {"__module__": "__main__"})
     results = parallel_results(local())
     assert all(r.status == "error" and "importable module" in r.message for r in results.values())
+
+
+class CountsOneDeviceTrainings(TwoDevices):
+    """TwoDevices that declares multi-node too and records what it trains on one device."""
+
+    name = "countsonedevice"
+
+    def __init__(self):
+        super().__init__()
+        self.alone: list[tuple] = []
+
+    def parallelism(self):
+        from dataclasses import replace
+
+        return replace(DATA_PARALLEL, multi_node=True, multi_node_why_not="")
+
+    def train(self, model, data, config, on_epoch=None):
+        if config.devices is not None and len(config.devices) == 1:
+            self.alone.append((model.graph.name, len(data.y_train), config.epochs))
+        return super().train(model, data, config, on_epoch)
+
+
+def test_a_scenario_two_checks_compare_with_one_device_is_trained_on_one_device_once(monkeypatch):
+    """gpt_matches_one_device and gpt_multi_node_matches_one_device train the same scenario: its one-device
+    answer is trained once per level run and both checks compare with it (the nodes' side faked here, as
+    the same training; tests/test_conformance_multi_node.py launches real nodes)."""
+    from aiperf_conformance.levels import parallel
+    from aiperf_conformance.multi_node import NodesTrained
+
+    def nodes(backend_class, checks, seed, quick):
+        out = {}
+        for check in checks:
+            reports, weights = parallel.train_scenario(TwoDevices(), parallel.scenario_of(check, quick), seed,
+                                                       ("cpu:0",))
+            out[check] = NodesTrained(reports, weights, len(reports), ["cpu:0", "cpu:1"], [0.0, 0.0])
+        return out
+
+    monkeypatch.setattr(parallel, "run_nodes", nodes)
+    backend = CountsOneDeviceTrainings()
+    results = parallel_results(backend)
+    assert set(results) == set(DATA_PARALLEL_CHECKS) | set(parallel.MULTI_NODE_CHECKS) | {EXPERT_PARALLEL_REFUSED}
+    for name, result in results.items():
+        assert result.status == "pass", (name, result.message)
+    gpt = parallel.scenario_of("gpt_matches_one_device", True)
+    assert backend.alone.count((parallel._gpt().name, gpt.train, gpt.epochs)) == 1
+    assert len(backend.alone) == len(set(backend.alone)) == len(results) - 2  # less the refusal and the shared one

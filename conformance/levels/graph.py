@@ -63,6 +63,8 @@ ZOO_OPS = {
 # Per process, for every backend and precision: each model's imported graph and weights, input and reference
 # logits (about 1.3 GB for the nine, half of it vgg19's classifier).
 _zoo_cache: dict = {}
+# Per process: the NumPy reference's logits of the graphs above (graph_reference), by digest.
+_graph_references: dict[str, np.ndarray] = {}
 zoo_reference_files: dict[str, str] = {}  # model -> the file name its reference output has (zoo_reference_file)
 
 
@@ -91,13 +93,33 @@ def outputs(ctx: Context, name: str, precision: str) -> Outcome:
     weights = trained_looking_weights(graph, ctx.seed)
     batch = QUICK_BATCH if ctx.quick else BATCH
     x = case_input(graph, ctx.rng(7), batch)
-    key = ("graph-reference", name)  # the same float64 answer for every precision
-    if key not in ctx.cache:
-        ctx.cache[key] = reference().forward(graph, weights, x, dtype=np.float64)
+    expected = graph_reference(graph, weights, x)
     measured = ctx.backend.predict(ctx.backend.lower(graph, weights, precision=precision), x)
     tolerance = ctx.tolerance("graph_lm" if WORKLOAD_OF.get(name) == "lm" else "graph", precision)
-    return compare(measured, ctx.cache[key], tolerance,
-                   f"{name} logits (node '{graph.output_id}', the softmax input)")
+    return compare(measured, expected, tolerance, f"{name} logits (node '{graph.output_id}', the softmax input)")
+
+
+def graph_reference(graph: Graph, weights: dict, x: np.ndarray) -> np.ndarray:
+    """The NumPy reference's float64 logits of `graph` with `weights` on `x`: the same answer for every
+    precision and every backend, so computed once per process (resnet50_64px's takes seconds), keyed by
+    the digest of the graph, its weights and the input."""
+    key = _digest(graph, weights, x)
+    if key not in _graph_references:
+        _graph_references[key] = reference().forward(graph, weights, x, dtype=np.float64)
+    return _graph_references[key]
+
+
+def _digest(graph: Graph, weights: dict, x: np.ndarray) -> str:
+    digest = hashlib.sha256(repr(graph.nodes).encode())
+    for node_id in sorted(weights):
+        for pname in sorted(weights[node_id]):
+            value = np.ascontiguousarray(weights[node_id][pname])
+            digest.update(f"{node_id}/{pname}{value.dtype}{value.shape}".encode())
+            digest.update(value.tobytes())
+    x = np.ascontiguousarray(x)
+    digest.update(f"{x.dtype}{x.shape}".encode())
+    digest.update(x.tobytes())
+    return digest.hexdigest()
 
 
 def parameters(ctx: Context, name: str, precision: str) -> Outcome:

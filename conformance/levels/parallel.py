@@ -284,12 +284,26 @@ def _too_few_devices(backend, devices: list[str]) -> Outcome:
                    f"must expose that many CPU devices (read {CPU_DEVICES_ENV} when the framework initialises)")
 
 
-def _data_parallel(backend, name: str, scenario: Scenario, seed: int, tol: float) -> Outcome:
+def _one_device(backend, scenario: Scenario, seed: int, device: str, ones: dict | None) -> tuple[list, dict]:
+    """`scenario` trained on `device` alone: the answer a check on 2 devices or 2 nodes is compared with.
+    Within one run of the level, a scenario that two checks train (gpt_matches_one_device and
+    gpt_multi_node_matches_one_device, and their upcycled GPT's) is trained on one device once, in
+    `ones`: the same graph, weights, data, config and device give the same reference for both."""
+    if ones is None:
+        return train_scenario(backend, scenario, seed, (device,))
+    key = (scenario, seed, device)
+    if key not in ones:
+        ones[key] = train_scenario(backend, scenario, seed, (device,))
+    return ones[key]
+
+
+def _data_parallel(backend, name: str, scenario: Scenario, seed: int, tol: float,
+                   ones: dict | None = None) -> Outcome:
     devices = list(backend.devices())
     if len(devices) < 2:
         return _too_few_devices(backend, devices)
     pair = tuple(devices[:2])
-    one = train_scenario(backend, scenario, seed, (devices[0],))
+    one = _one_device(backend, scenario, seed, devices[0], ones)
     two = train_scenario(backend, scenario, seed, pair)
     on = f"2 devices ({', '.join(pair)}) vs 1 ({devices[0]})"
     for reports, what in ((one[0], "1 device"), (two[0], "2 devices")):
@@ -385,7 +399,8 @@ def _refused(backend, graph: Graph, scenario: Scenario, seed: int, config: Train
 # -- a replica across nodes -----------------------------------------------------------------------
 
 
-def _multi_node(backend, names: list[str], seed: int, tol: float, quick: bool) -> dict[str, Outcome]:
+def _multi_node(backend, names: list[str], seed: int, tol: float, quick: bool,
+                ones: dict | None = None) -> dict[str, Outcome]:
     """Each multi-node check of `names` against 1 device: their scenarios trained one after the other
     by one launch of 2 nodes of 1 device each (aiperf_conformance.multi_node), as a replica's nodes
     train its trials."""
@@ -396,9 +411,9 @@ def _multi_node(backend, names: list[str], seed: int, tol: float, quick: bool) -
                                                    f"data-parallel group")
         return dict.fromkeys(names, failed)
     device = backend.devices()[0]
-    ones = {name: train_scenario(backend, scenario_of(name, quick), seed, (device,)) for name in names}
+    one = {name: _one_device(backend, scenario_of(name, quick), seed, device, ones) for name in names}
     trained = run_nodes(_class_path(backend), names, seed, quick)
-    return {name: _multi_node_outcome(scenario_of(name, quick), ones[name], trained[name], device, tol)
+    return {name: _multi_node_outcome(scenario_of(name, quick), one[name], trained[name], device, tol)
             for name in names}
 
 
@@ -506,6 +521,7 @@ def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str 
     names = [name for name in _names(backend.parallelism()) if workloads is None or _workload(name) in workloads]
     across_nodes = [name for name in names if name in MULTI_NODE_CHECKS + (MULTI_NODE_EXPERT_CHECK,)]
     trained_across_nodes: dict[str, Outcome] | Exception | None = None  # one launch for all of them
+    ones: dict = {}  # each scenario trained on one device, once (_one_device)
     out: dict[str, dict] = {}
     for name in names:
         sys.stderr.flush()
@@ -518,15 +534,17 @@ def run_scenarios(backend, seed: int, quick: bool, tol: float, stderr_path: str 
             elif name in across_nodes:
                 if trained_across_nodes is None:
                     try:
-                        trained_across_nodes = _multi_node(backend, across_nodes, seed, tol, quick)
+                        trained_across_nodes = _multi_node(backend, across_nodes, seed, tol, quick, ones)
                     except Exception as exc:  # every check of the launch reports it
                         trained_across_nodes = exc
                 if isinstance(trained_across_nodes, Exception):
                     raise trained_across_nodes
                 outcome = trained_across_nodes[name]
             else:
-                run = _data_parallel if data_parallel else _single_device
-                outcome = run(backend, name, scenario_of(name, quick), seed, tol)
+                if data_parallel:
+                    outcome = _data_parallel(backend, name, scenario_of(name, quick), seed, tol, ones)
+                else:
+                    outcome = _single_device(backend, name, scenario_of(name, quick), seed, tol)
             out[name] = {"passed": bool(outcome.passed), "measured": _plain(outcome.measured),
                          "expected": _plain(outcome.expected), "tolerance": outcome.tolerance,
                          "message": outcome.message}
