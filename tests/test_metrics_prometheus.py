@@ -145,6 +145,7 @@ def _last(server: PrometheusServer, expr: str) -> list[dict]:
     return server.query(f"last_over_time({expr}[1h])")
 
 
+@pytest.mark.slow  # the module's Prometheus start, first scrape and real run
 def test_prometheus_holds_the_score_trials_replicas_and_hosts(scraped_run):
     run_dir, server, score = scraped_run
     up = server.query("sum_over_time(up{job='aiperf'}[1h])")
@@ -173,6 +174,7 @@ def test_prometheus_holds_the_score_trials_replicas_and_hosts(scraped_run):
     assert float(_last(server, "aiperf_run_reasons")[0]["value"][1]) >= 2
 
 
+@pytest.mark.slow  # reads the module's real run (see above)
 def test_watch_once_on_the_real_run_agrees_with_score(scraped_run):
     from aiperf_core.scoring import format_ops
 

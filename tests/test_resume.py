@@ -139,6 +139,7 @@ def _exits(run_dir: Path) -> list[dict]:
     return [e for e in read_events(run_dir / "primary/events.jsonl") if e["event"] == "replica_exit"]
 
 
+@pytest.mark.slow  # 22 kill points of a real run: about a minute each
 @pytest.mark.parametrize("workload", ["cnn", "lm"])
 def test_sigkill_at_seeded_points_loses_nothing_and_counts_nothing_twice(tmp_path, workload):
     rng = random.Random(SEED)

@@ -49,6 +49,7 @@ def _start_two_replicas(cluster, tmp_path, *extra):
     return primary, run_dir, env
 
 
+@pytest.mark.slow  # a real run of two SLURM jobs, one killed and restarted
 def test_two_replicas_as_slurm_jobs_with_a_crash(cluster, tmp_path):
     primary, run_dir, _ = _start_two_replicas(cluster, tmp_path, "--slurm-extra=--comment=aiperf")
     # Kill replica 1's process once it trains: SLURM marks the job FAILED, the primary restarts it.
@@ -114,6 +115,7 @@ def test_slurm_preflight_names_the_problem(cluster, tmp_path):
     assert not run_dir.exists(), "nothing may start before the checks pass"
 
 
+@pytest.mark.slow  # a real run of two SLURM jobs, its primary killed and resumed
 def test_a_killed_primary_resumes_and_adopts_its_running_jobs(cluster, tmp_path):
     # Six trials a replica, not two: on a fast CPU (a Zen 5 trains two of these in less time than the
     # resumed primary takes to start) a replica's job could end before there was anything to adopt.

@@ -230,6 +230,7 @@ def _epoch_ops(run_dir: Path, event: dict) -> int:
     return event["train_images"] * (counted.fp + counted.bp) + event["val_images"] * counted.fp
 
 
+@pytest.mark.slow  # a real run through a hang, its stall limit and a restart
 def test_a_replica_whose_step_hangs_forever_is_restarted_and_nothing_counts_twice(tmp_path):
     from aiperf_core.scoring import score_run
 
@@ -262,6 +263,7 @@ def test_a_replica_whose_step_hangs_forever_is_restarted_and_nothing_counts_twic
     assert verify.returncode == 0 and "verify: intact" in verify.stdout, verify.stdout + verify.stderr
 
 
+@pytest.mark.slow  # two 6 s steps, each longer than the 5 s heartbeat
 def test_a_slow_healthy_replica_is_never_touched(tmp_path):
     # Steps of 6 s, longer than the 5 s heartbeat interval, against a 3 s stall floor: each
     # heartbeat sees the last step end up to 6 s before it, and the replica is healthy all along.

@@ -22,6 +22,9 @@ from aiperf_core.submission.ranking import order_key
 from aiperf_core.submission.system import to_toml, validate_system
 from test_workflow import TINY_POLICY
 
+# Every test here reads the module's two real runs and two kits (minutes): the quick tier leaves them out.
+pytestmark = pytest.mark.slow
+
 BACKENDS = ("torch", "jax")
 # Different budgets, so that the two runs' scores differ even when both count the same epochs of the same
 # graph (side by side on one core each they did: 1.3665e9 OPS both) and the list's order is by score. jax

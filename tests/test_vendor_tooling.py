@@ -131,6 +131,7 @@ def vendor_env(tmp_path_factory) -> dict:
     return env
 
 
+@pytest.mark.slow  # the guide's walkthrough: scaffold, install, its tests and a quick kit
 def test_walkthrough_certifies_a_scaffolded_backend(vendor_env, tmp_path):
     workdir = tmp_path / "new"
     workdir.mkdir()

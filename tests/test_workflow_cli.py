@@ -73,6 +73,7 @@ def _run(args, timeout=240):
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow  # a real torch run to its 15 s deadline
 def test_a_local_run_to_its_deadline_then_resume_rules(tmp_path, config, capsys):
     run_dir = tmp_path / "run"
     result = _run(["run", "--backend", "torch", "--data", "digits", "--config", str(config), "--run-dir",
