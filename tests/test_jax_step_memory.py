@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -47,6 +48,7 @@ def _train(graph, weights, data, **config):
     return model, reports
 
 
+@pytest.mark.slow
 def test_accumulated_micro_batches_equal_one_step_on_the_whole_batch():
     graph = gpt(**SMALL_GPT)
     weights = init_weights(graph, seed=1)
@@ -106,6 +108,7 @@ def assert_checkpointed_blocks_give_the_plain_gradients(graph, model, x, y):
     return plain_jaxpr, kept_jaxpr
 
 
+@pytest.mark.slow
 def test_checkpointed_blocks_give_the_same_gradients_and_recompute_each_block():
     graph = gpt(layers=2, hidden=16, heads=2, seq_len=6, vocab=13)
     assert len(graph.blocks()) == 2
@@ -233,11 +236,27 @@ _TWO_DEVICES = """
 """
 
 
-def test_two_host_devices_accumulating_on_a_token_stream_equal_one_device():
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "AIPERF_CPU_DEVICES")}
+def _run_two_devices(environ: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in environ.items() if k not in ("XLA_FLAGS", "AIPERF_CPU_DEVICES")}
     env.update(JAX_PLATFORMS="cpu", AIPERF_CPU_DEVICES="2")
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_TWO_DEVICES)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(_TWO_DEVICES)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def two_devices(request):
+    """The two-device subprocess (AIPERF_CPU_DEVICES is read when jax initialises), started with the module's
+    first test when its test is selected, so that the in-process tests run beside it (it is one more process,
+    mostly on one core); its test waits for it."""
+    test = "test_two_host_devices_accumulating_on_a_token_stream_equal_one_device"
+    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_run_two_devices, dict(os.environ)) if wanted else None
+
+
+@pytest.mark.slow
+def test_two_host_devices_accumulating_on_a_token_stream_equal_one_device(two_devices):
+    out = two_devices.result()
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["devices"] == ["cpu:0", "cpu:1"]
