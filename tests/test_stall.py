@@ -212,14 +212,51 @@ def test_live_images_per_second_and_analytic_ops_come_from_heartbeats(tmp_path):
 
 
 # --- end to end: real primary, real replica processes --------------------------------------------
-def _run(tmp_path, *args, timeout=300, **behaviour):
+def _start(tmp_path, *args, **behaviour) -> subprocess.Popen:
     site = tmp_path / "site"
     install(site)
     config = tmp_path / "aiperf.toml"
     config.write_text(STALL_POLICY)
-    return subprocess.run([sys.executable, "-m", "aiperf_core", "run", "--backend", NAME, "--data", "digits",
-                           "--config", str(config), "--run-dir", str(tmp_path / "run"), *args],
-                          env=environment(site, **behaviour), capture_output=True, text=True, timeout=timeout)
+    return subprocess.Popen([sys.executable, "-m", "aiperf_core", "run", "--backend", NAME, "--data", "digits",
+                             "--config", str(config), "--run-dir", str(tmp_path / "run"), *args],
+                            env=environment(site, **behaviour), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+# The two runs below, as the tests that read them expect them: a step that hangs, and steps longer
+# than the heartbeat. Their steps are sleeps, so the two runs go side by side, started once for the
+# module: the slower one's time, not their sum.
+RUNS = {
+    "hang": (("--time-budget", "5m", "--stall-timeout", "3s", "--stop-after-trials", "3"),
+             {"step_s": 0.2, "steps": 5, "hang": {"trial": 2, "epoch": 1, "step": 1, "marker": "hung"}}),
+    # Steps of 6 s, longer than the 5 s heartbeat interval, against a 3 s stall floor: each
+    # heartbeat sees the last step end up to 6 s before it, and the replica is healthy all along.
+    # One step an epoch: two epochs span two heartbeats or more, each during a step.
+    "slow": (("--time-budget", "5m", "--stall-timeout", "3s", "--stop-after-trials", "1"),
+             {"step_s": 6.0, "steps": 1}),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """name -> (the folder holding its run/, the finished `aiperf run`)."""
+    started = {}
+    try:
+        for name, (args, behaviour) in RUNS.items():
+            folder = tmp_path_factory.mktemp(name)
+            if "hang" in behaviour:
+                behaviour = {**behaviour, "hang": {**behaviour["hang"], "marker": str(folder / "hung")}}
+            started[name] = (folder, _start(folder, *args, **behaviour))
+        finished = {}
+        for name, (folder, process) in started.items():
+            stdout, stderr = process.communicate(timeout=300)
+            finished[name] = (folder, subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
+        return finished
+    finally:
+        for _, process in started.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def _epoch_ops(run_dir: Path, event: dict) -> int:
@@ -230,13 +267,11 @@ def _epoch_ops(run_dir: Path, event: dict) -> int:
     return event["train_images"] * (counted.fp + counted.bp) + event["val_images"] * counted.fp
 
 
-@pytest.mark.slow  # a real run through a hang, its stall limit and a restart
-def test_a_replica_whose_step_hangs_forever_is_restarted_and_nothing_counts_twice(tmp_path):
+@pytest.mark.slow  # the module's two real runs (RUNS), side by side: about 18 s
+def test_a_replica_whose_step_hangs_forever_is_restarted_and_nothing_counts_twice(runs):
     from aiperf_core.scoring import score_run
 
-    hang = {"trial": 2, "epoch": 1, "step": 1, "marker": str(tmp_path / "hung")}
-    result = _run(tmp_path, "--time-budget", "5m", "--stall-timeout", "3s", "--stop-after-trials", "3",
-                  step_s=0.2, steps=5, hang=hang)
+    tmp_path, result = runs["hang"]
     assert result.returncode == 0, result.stdout + result.stderr
     run_dir = tmp_path / "run"
     exits = [e for e in read_events(run_dir / "primary/events.jsonl") if e["event"] == "replica_exit"]
@@ -263,13 +298,9 @@ def test_a_replica_whose_step_hangs_forever_is_restarted_and_nothing_counts_twic
     assert verify.returncode == 0 and "verify: intact" in verify.stdout, verify.stdout + verify.stderr
 
 
-@pytest.mark.slow  # two 6 s steps, each longer than the 5 s heartbeat
-def test_a_slow_healthy_replica_is_never_touched(tmp_path):
-    # Steps of 6 s, longer than the 5 s heartbeat interval, against a 3 s stall floor: each
-    # heartbeat sees the last step end up to 6 s before it, and the replica is healthy all along.
-    # One step an epoch: two epochs span two heartbeats or more, each during a step.
-    result = _run(tmp_path, "--time-budget", "5m", "--stall-timeout", "3s", "--stop-after-trials", "1",
-                  step_s=6.0, steps=1)
+@pytest.mark.slow  # the module's two real runs (RUNS), side by side: about 18 s
+def test_a_slow_healthy_replica_is_never_touched(runs):
+    tmp_path, result = runs["slow"]  # RUNS["slow"]: steps longer than the heartbeat interval
     assert result.returncode == 0, result.stdout + result.stderr
     events = read_events(tmp_path / "run/primary/events.jsonl")
     assert [(e["attempt"], e["status"]) for e in events if e["event"] == "replica_exit"] == [(1, "finished")]
