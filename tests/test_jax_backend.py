@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -46,9 +47,11 @@ def _data(graph, n: int, seed: int):
     return rng.normal(0, 1, (n,) + graph.input_shape).astype(np.float32), rng.integers(0, graph.output_shape[0], n)
 
 
-def _run(script: str, **env_extra) -> dict:
-    """Run `script` in a fresh interpreter (jax not yet initialised); its last line is JSON."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "AIPERF_CPU_DEVICES")}
+def _run(script: str, environ: dict | None = None, **env_extra) -> dict:
+    """Run `script` in a fresh interpreter (jax not yet initialised), in `environ` (os.environ by default)
+    with env_extra; its last line is JSON."""
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in environ.items() if k not in ("XLA_FLAGS", "AIPERF_CPU_DEVICES")}
     env.update(JAX_PLATFORMS="cpu", **env_extra)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
@@ -387,8 +390,20 @@ _DP_SCRIPT = """
 """
 
 
-def test_data_parallel_two_host_devices_matches_one_device():
-    result = _run(_DP_SCRIPT, AIPERF_CPU_DEVICES="2")
+@pytest.fixture(scope="module", autouse=True)
+def two_devices(request):
+    """The two-device subprocess (AIPERF_CPU_DEVICES is read when jax initialises), started with the module's
+    first test when its test is selected, so that the in-process tests run beside it (it is one more process,
+    mostly on one core); its test waits for it."""
+    test = "test_data_parallel_two_host_devices_matches_one_device"
+    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_run, _DP_SCRIPT, dict(os.environ), AIPERF_CPU_DEVICES="2") if wanted else None
+
+
+@pytest.mark.slow
+def test_data_parallel_two_host_devices_matches_one_device(two_devices):
+    result = two_devices.result()
     devices = result["devices"]
     assert devices["one"] == ["cpu:0"] and devices["other"] == ["cpu:1"], devices
     assert devices["two"] == ["cpu:0", "cpu:1"], devices
