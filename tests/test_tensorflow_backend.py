@@ -19,6 +19,7 @@ import platform
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,11 +29,13 @@ ROOT = Path(__file__).resolve().parents[1]
 TOL = 2e-5
 
 
-def _run(script: str, **env_extra) -> dict:
-    """Run `script` in a fresh interpreter (TensorFlow not yet imported); its last line is JSON."""
-    env = {k: v for k, v in os.environ.items()
+def _run(script: str, environ: dict | None = None, **env_extra) -> dict:
+    """Run `script` in a fresh interpreter (TensorFlow not yet imported), in `environ` (os.environ by default)
+    with env_extra; its last line is JSON."""
+    environ = os.environ if environ is None else environ
+    env = {k: v for k, v in environ.items()
            if k not in ("AIPERF_CPU_DEVICES", "TF_ENABLE_ONEDNN_OPTS", "OMP_NUM_THREADS", "AIPERF_TF_XLA")}
-    env.update(PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env_extra)
+    env.update(PYTHONPATH=str(ROOT) + os.pathsep + environ.get("PYTHONPATH", ""), **env_extra)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -88,13 +91,15 @@ def test_onednn_is_on_by_default_and_threads_follow_omp_num_threads():
                           "intra": tf.config.threading.get_intra_op_parallelism_threads(),
                           "inter": tf.config.threading.get_inter_op_parallelism_threads()}))
     """
-    found = _run(script, OMP_NUM_THREADS="1")
+    with ThreadPoolExecutor(2) as pool:  # the two fresh interpreters side by side
+        found = pool.submit(_run, script, OMP_NUM_THREADS="1")
+        kept = pool.submit(_run, script, TF_ENABLE_ONEDNN_OPTS="0")
+        found, kept = found.result(), kept.result()
     assert found["intra"] == 1 and found["inter"] == 1
     if platform.machine().lower() in ("x86_64", "amd64"):
         assert found["env"] == "1" and found["onednn"] is True
     else:  # elsewhere TensorFlow's own choice stands
         assert found["env"] is None
-    kept = _run(script, TF_ENABLE_ONEDNN_OPTS="0")
     assert kept["env"] == "0" and kept["onednn"] is False and kept["intra"] == 0  # TF's own pool sizes
 
 
@@ -491,8 +496,20 @@ DEVICES_SCRIPT = """
 """
 
 
-def test_devices_subsets_and_data_parallel_equal_one_device():
-    r = _run(DEVICES_SCRIPT, AIPERF_CPU_DEVICES="3")
+@pytest.fixture(scope="module", autouse=True)
+def three_devices(request):
+    """The three-device subprocess (AIPERF_CPU_DEVICES is read when TensorFlow's runtime starts), started with
+    the module's first test when its test is selected, so that the in-process tests run beside it (one more
+    process); its test waits for it."""
+    test = "test_devices_subsets_and_data_parallel_equal_one_device"
+    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_run, DEVICES_SCRIPT, dict(os.environ), AIPERF_CPU_DEVICES="3") if wanted else None
+
+
+@pytest.mark.slow
+def test_devices_subsets_and_data_parallel_equal_one_device(three_devices):
+    r = three_devices.result()
     assert r["devices"] == ["cpu:0", "cpu:1", "cpu:2"]
     assert r["strategy"] == ["device:CPU:0", "device:CPU:2"]  # MirroredStrategy over exactly those
     assert r["moved"] > 1e-3  # training did change the weights
