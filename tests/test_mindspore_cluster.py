@@ -96,8 +96,14 @@ _CLUSTER_SCRIPT = """
 def _cluster_script(steps: str, **popen) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "AIPERF_CPU_DEVICES"}
     env["AIPERF_CPU_DEVICES"] = "2"  # read once, when the backend first loads MindSpore: a fresh process
+    popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **popen}
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(_CLUSTER_SCRIPT), steps], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+                            text=True, **popen)
+
+
+def _read(file) -> str:
+    file.seek(0)
+    return file.read()
 
 
 def _alive(pid: int) -> bool:
@@ -108,6 +114,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.fixture(scope="module", autouse=True)
+def waiting_script(request, tmp_path_factory):
+    """The SIGTERM test's process (a cluster trained once, then waiting), started with the module's first test
+    when its test is selected: its cluster forms and trains beside the other test's, which mostly waits on its
+    own cluster's processes. Its stderr goes to a file, which nothing need read while it waits."""
+    test = "test_sigterm_stops_the_cluster_in_order_and_the_process_dies_of_it"
+    if not any(item.module is request.module and item.originalname == test for item in request.session.items):
+        yield None
+        return
+    with open(tmp_path_factory.mktemp("sigterm") / "stderr", "w+") as stderr:
+        script = _cluster_script("two,wait", stderr=stderr)
+        try:
+            yield script, stderr
+        finally:
+            if script.poll() is None:
+                script.kill()
+                script.wait()
+
+
+@pytest.mark.slow
 def test_one_cluster_serves_every_trial_and_restarts_after_a_killed_worker():
     script = _cluster_script("one,two,two_accumulated,kill,two,fail,two")
     out, err = script.communicate(timeout=1500)
@@ -141,8 +167,9 @@ def test_one_cluster_serves_every_trial_and_restarts_after_a_killed_worker():
     assert not any(_alive(pid) for pid in first["pids"] + second["pids"] + third["pids"])
 
 
-def test_sigterm_stops_the_cluster_in_order_and_the_process_dies_of_it():
-    script = _cluster_script("two,wait")
+@pytest.mark.slow
+def test_sigterm_stops_the_cluster_in_order_and_the_process_dies_of_it(waiting_script):
+    script, stderr = waiting_script
     try:
         pids = None
         for line in script.stdout:
@@ -150,9 +177,10 @@ def test_sigterm_stops_the_cluster_in_order_and_the_process_dies_of_it():
             if message.get("step") == "wait":
                 pids = message["pids"]
                 break
-        assert pids is not None and all(_alive(pid) for pid in pids), script.stderr.read()[-3000:]
+        assert pids is not None and all(_alive(pid) for pid in pids), _read(stderr)[-3000:]
         script.send_signal(signal.SIGTERM)
-        rest, err = script.communicate(timeout=120)
+        rest, _ = script.communicate(timeout=120)
+        err = _read(stderr)
     finally:
         if script.poll() is None:
             script.kill()
