@@ -7,6 +7,8 @@ the routing the training steps ran, per epoch (None without a moe).
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -76,11 +78,23 @@ print(json.dumps(result))
 """
 
 
-def test_two_data_parallel_workers_take_the_one_device_step_and_count_every_shard():
+@pytest.fixture(scope="module", autouse=True)
+def two_devices(request):
+    """The two-device subprocess (AIPERF_CPU_DEVICES is read when the framework starts),
+    started with the module's first test when its test is selected, so that the in-process tests run beside it
+    (one more process, mostly on one core); its test waits for it."""
+    test = "test_two_data_parallel_workers_take_the_one_device_step_and_count_every_shard"
+    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(run_data_parallel, _DATA_PARALLEL_SCRIPT) if wanted else None
+
+
+@pytest.mark.slow
+def test_two_data_parallel_workers_take_the_one_device_step_and_count_every_shard(two_devices):
     """Two CPU workers (a fresh process: AIPERF_CPU_DEVICES is read when the backend first loads MindSpore),
     batches of 5 and 4 sequences cut 3 + 2 and 2 + 2: the aux term weighted by each shard's sequences,
     the counts summed over the ranks; two epochs, each with its own counts."""
-    one, two = run_data_parallel(_DATA_PARALLEL_SCRIPT)
+    one, two = two_devices.result()
     assert two["load"] == one["load"]
     assert all(sum(next(iter(load.values()))) == 9 * 16 * 2 for load in one["load"])
     np.testing.assert_allclose(two["loss"], one["loss"], rtol=1e-6)
