@@ -179,13 +179,21 @@ def run_compiled_exchanges() -> dict:
     return out
 
 
-def run_all() -> dict:
-    """Every two-device case in one subprocess (one jax start, and the one-device reference trained once
-    for the whole-batch and the micro-batch comparisons)."""
-    fused = run_against_one_device(None)
-    micro = run_against_one_device(2, one=fused.pop("one_run"))
-    micro.pop("one_run")
-    return {"fused": fused, "micro": micro, "exchanges": run_compiled_exchanges(), "refusal": run_refusal()}
+def run_all(cases: list[str]) -> dict:
+    """The named two-device cases (fused, micro, exchanges, refusal) in one subprocess: one jax start, and
+    the one-device reference trained once for the whole-batch and the micro-batch comparisons."""
+    out, one = {}, None
+    if "fused" in cases:
+        out["fused"] = run_against_one_device(None)
+        one = out["fused"].pop("one_run")
+    if "micro" in cases:
+        out["micro"] = run_against_one_device(2, one=one)
+        out["micro"].pop("one_run")
+    if "exchanges" in cases:
+        out["exchanges"] = run_compiled_exchanges()
+    if "refusal" in cases:
+        out["refusal"] = run_refusal()
+    return out
 
 
 def jax_backend():
@@ -201,9 +209,17 @@ print(json.dumps(case.{call}))
 """
 
 
+_CASES = {"test_the_exchanges_counted_for_all_to_all_seconds_are_those_of_the_compiled_steps": "exchanges",
+          "test_micro_batches_on_two_devices_train_as_one_device": "micro",
+          "test_experts_that_do_not_divide_by_the_devices_are_refused_naming_the_node": "refusal"}
+
+
 @pytest.fixture(scope="module")
-def cases() -> dict:
-    return run_on_cpu_devices(SCRIPT.format(call="run_all()"))
+def cases(request) -> dict:
+    """The cases the selected tests read, run together in one subprocess."""
+    names = {item.originalname for item in request.session.items if item.module is request.module}
+    wanted = sorted({_CASES.get(name, "fused") for name in names})
+    return run_on_cpu_devices(SCRIPT.format(call=f"run_all({wanted!r})"))
 
 
 @pytest.fixture(scope="module")
@@ -222,10 +238,12 @@ def _agree(result: dict) -> None:
             assert sum(counts) == TRAIN * SIZES["seq_len"] * 2  # every training token's 2 choices
 
 
+@pytest.mark.slow
 def test_two_devices_expert_parallel_train_as_one_device(fused):
     _agree(fused)
 
 
+@pytest.mark.slow
 def test_all_to_all_seconds_are_measured_on_two_devices_and_none_on_one(fused):
     for one, two in zip(fused["one"], fused["two"], strict=True):
         assert one["all_to_all_seconds"] is None
@@ -235,6 +253,7 @@ def test_all_to_all_seconds_are_measured_on_two_devices_and_none_on_one(fused):
         assert two["all_reduce_seconds"] is not None and two["all_reduce_seconds"] > 0
 
 
+@pytest.mark.slow
 def test_each_device_holds_its_own_experts_and_the_whole_router(fused):
     layout = fused["layout"]
     for name in ("w_in", "b_in", "w_out", "b_out"):
@@ -246,6 +265,7 @@ def test_each_device_holds_its_own_experts_and_the_whole_router(fused):
     assert layout["router"]["shards"] == [fused["exported"]["router"]] * 2
 
 
+@pytest.mark.slow
 def test_the_export_is_the_whole_model_and_morphs_grow_from_it(fused):
     assert fused["exported"]["w_in"][0] == 4  # every expert, in the canonical layout
     assert fused["fresh"] < 1e-6  # a model lowered from the export predicts as the trained one
@@ -253,6 +273,7 @@ def test_the_export_is_the_whole_model_and_morphs_grow_from_it(fused):
     assert fused["child"] < 1e-5  # deeper is function-preserving
 
 
+@pytest.mark.slow
 def test_the_exchanges_counted_for_all_to_all_seconds_are_those_of_the_compiled_steps(cases):
     counts = cases["exchanges"]
     # per moe node: rows out, their expert index, outputs back; training adds the 2 reverse exchanges,
@@ -260,6 +281,7 @@ def test_the_exchanges_counted_for_all_to_all_seconds_are_those_of_the_compiled_
     assert counts == {"train checkpoint=False": [5, 5], "train checkpoint=True": [8, 8], "eval": [3, 3]}
 
 
+@pytest.mark.slow
 def test_micro_batches_on_two_devices_train_as_one_device(cases):
     _agree(cases["micro"])
 
