@@ -5,8 +5,14 @@ preprocessing), so their first-epoch losses agree; TensorFlow augments natively 
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -150,19 +156,33 @@ print("RESULT " + json.dumps({"devices": backend.devices(), "parallel": [r.__dic
 """
 
 
-def test_tensorflow_mirrored_strategy_shards_tf_data_batches(trees, tmp_path):
-    """tf.data batches (tensors) are cut into one shard per replica; the epoch equals one device's."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def _run_tf_parallel(environ: dict, shards: Path, tmp_path: Path) -> subprocess.CompletedProcess:
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "AIPERF_DATA_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(root),
+    env = {**environ, "AIPERF_DATA_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(root),
            "TF_CPP_MIN_LOG_LEVEL": "2"}
-    out = subprocess.run([sys.executable, "-c", TF_PARALLEL_SCRIPT, str(with_bad_checksum(trees[1], tmp_path)),
-                          str(SIZE), str(CLASSES)], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    return subprocess.run([sys.executable, "-c", TF_PARALLEL_SCRIPT, str(shards), str(SIZE), str(CLASSES)],
+                          capture_output=True, text=True, env=env, cwd=root, timeout=600)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tf_parallel(request, tmp_path_factory):
+    """The MirroredStrategy subprocess (two logical CPUs need a fresh TensorFlow), started with the module's
+    first test, once the trees are built, when its test is selected: the in-process tests run beside it (one
+    more process); its test waits for it."""
+    test = "test_tensorflow_mirrored_strategy_shards_tf_data_batches"
+    if not any(item.module is request.module and item.originalname == test for item in request.session.items):
+        yield None
+        return
+    tmp_path = tmp_path_factory.mktemp("tf_parallel")
+    shards = with_bad_checksum(request.getfixturevalue("trees")[1], tmp_path)
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_run_tf_parallel, dict(os.environ), shards, tmp_path)
+
+
+@pytest.mark.slow
+def test_tensorflow_mirrored_strategy_shards_tf_data_batches(tf_parallel):
+    """tf.data batches (tensors) are cut into one shard per replica; the epoch equals one device's."""
+    out = tf_parallel.result()
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, out.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])

@@ -4,6 +4,8 @@ trains GELU experts)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from cpu_devices import run_on_cpu_devices
@@ -27,9 +29,23 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("backend", ["torch", "jax"])
-def test_swiglu_experts_train_expert_parallel_as_on_one_device(backend):
-    found = run_on_cpu_devices(_SCRIPT.format(backend=backend))
+BACKENDS = ["torch", "jax"]
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """Each selected backend's subprocess, all started with the first test, side by side (each mostly on one
+    core); each test waits for its own."""
+    test = "test_swiglu_experts_train_expert_parallel_as_on_one_device"
+    wanted = [b for b in BACKENDS if any(item.module is request.module and item.originalname == test
+                                         and item.callspec.params["backend"] == b for item in request.session.items)]
+    with ThreadPoolExecutor(len(wanted) or 1) as pool:
+        yield {b: pool.submit(run_on_cpu_devices, _SCRIPT.format(backend=b)) for b in wanted}
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
+def test_swiglu_experts_train_expert_parallel_as_on_one_device(runs, backend):
+    found = runs[backend].result()
     assert found["passed"], found["message"]
     assert "expert load equal every epoch" in found["message"]
     assert "35 training images counted exactly" in found["message"]

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -104,12 +105,27 @@ print("passed" if outcome.passed else "failed", outcome.message)
 """
 
 
-def test_data_parallel_training_of_an_upcycled_gpt_matches_one_process():
+def _run_data_parallel(environ: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in environ.items() if k != "AIPERF_CPU_DEVICES"}
+    env["AIPERF_CPU_DEVICES"] = "2"  # read once, when the backend first loads MindSpore: a fresh process
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(_DATA_PARALLEL_SCRIPT)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def data_parallel(request):
+    """The data-parallel subprocess, started with the module's first test when its test is selected, so that
+    the in-process tests run beside it (its cluster's processes mostly wait); its test waits for it."""
+    test = "test_data_parallel_training_of_an_upcycled_gpt_matches_one_process"
+    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_run_data_parallel, dict(os.environ)) if wanted else None
+
+
+@pytest.mark.slow
+def test_data_parallel_training_of_an_upcycled_gpt_matches_one_process(data_parallel):
     """The kit's GPT data-parallel scenario (AdamW, a clip that engages, an uneven last batch) with its MLP
     upcycled to 4 experts, top-2: each rank routes its own shard."""
-    env = {k: v for k, v in os.environ.items() if k != "AIPERF_CPU_DEVICES"}
-    env["AIPERF_CPU_DEVICES"] = "2"  # read once, when the backend first loads MindSpore: a fresh process
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(_DATA_PARALLEL_SCRIPT)],
-                         cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900)
+    out = data_parallel.result()
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1].startswith("passed"), out.stdout[-2000:]
