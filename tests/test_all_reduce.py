@@ -296,6 +296,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_a_torch_replica_on_two_devices_logs_the_formulas_bytes(tmp_path, capsys):
     """A replica trains the tiny lm seed on torch over 2 CPU devices (gloo): each epoch_end.all_reduce has
     the bytes of docs/scoring.md's formula, recomputed here from the pinned graph by hand (every trainable

@@ -15,9 +15,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from aiperf_conformance.levels.parallel import DATA_PARALLEL_CHECKS
 
 
+@pytest.mark.slow
 def test_parallel_level_after_other_levels_in_one_kit_run(tmp_path):
     report_path = tmp_path / "R.json"
     done = subprocess.run([sys.executable, "-m", "aiperf_core", "conformance", "--backend", "torch",

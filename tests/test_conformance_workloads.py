@@ -289,6 +289,7 @@ def test_the_quick_zoo_still_needs_every_model_zoo_op():
     assert every == {"lrn", "grouped_conv2d", "avg_pool", "mul_const", "add_const", "channel_shuffle"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", graph_level.ZOO)
 def test_the_zoo_table_names_the_ops_each_model_imports_to(name):
     graph, _, x, expected = graph_level._zoo_model(name)  # as the kit runs it: once per process

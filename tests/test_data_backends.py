@@ -69,6 +69,7 @@ def test_numpy_streams_and_counts_the_corrupt_image(numpy_reports):
     check_counts(numpy_reports, skipped=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend_name", ["jax", "torch"])
 def test_backend_reads_the_same_batches_as_numpy(backend_name, trees, numpy_reports):
     reports = train(backend_name, streamed(trees[0]))
@@ -99,6 +100,7 @@ def test_tensorflow_streams_through_tf_data(layout, trees, tmp_path, monkeypatch
     check_counts(train("tensorflow", streamed(path)), skipped=1, stored=stored)
 
 
+@pytest.mark.slow
 def test_torch_data_parallel_shards_streamed_batches(trees):
     """Two gloo ranks each decode their own shard of every batch; the epoch equals one process's."""
     from aiperf_backends.torch.distributed import train_data_parallel

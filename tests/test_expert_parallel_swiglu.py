@@ -43,6 +43,7 @@ def runs(request):
         yield {b: pool.submit(run_on_cpu_devices, _SCRIPT.format(backend=b)) for b in wanted}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", pytest.param("jax", marks=pytest.mark.slow)])
 def test_swiglu_experts_train_expert_parallel_as_on_one_device(runs, backend):
     found = runs[backend].result()

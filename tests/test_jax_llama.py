@@ -169,6 +169,7 @@ def test_the_native_counter_counts_multi_query_attention_as_the_analytic_rule(ba
     assert {c: native[c] for c in ("dense", "attention")} == {c: analytic[c] for c in ("dense", "attention")}
 
 
+@pytest.mark.slow
 def test_a_llama_with_checkpointed_blocks_gives_the_plain_gradients():
     """Rotary's constant tables and the grouped-query attention inside jax.checkpoint'ed blocks."""
     _backend()

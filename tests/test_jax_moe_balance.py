@@ -57,6 +57,7 @@ def _normwise_error(got, want) -> float:
     return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro_batch,checkpoint_blocks", [(None, False), (3, False), (None, True)])
 def test_a_step_takes_the_reference_gradient_of_the_cross_entropy_and_the_load_balancing_loss(
         micro_batch, checkpoint_blocks):

@@ -223,6 +223,7 @@ def test_training_on_two_devices_matches_one_device(trained):
     _matches(out["two"], out["one"], skip, 35, 5)
 
 
+@pytest.mark.slow
 def test_accumulated_micro_batches_match_one_device(trained):
     """micro_batch 3: shards of 8 run as 3 micro-batches, the last batch's shards (2 and 1) as one, padded
     with empty ones to the largest shard's count, so that every rank exchanges as often."""
