@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -40,6 +39,7 @@ from aiperf_core.builders import resnet_small  # noqa: E402
 from aiperf_backends.jax import JaxBackend  # noqa: E402
 from aiperf_backends.jax import training  # noqa: E402
 from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
+from beside import beside
 
 
 def _data(graph, n: int, seed: int):
@@ -395,10 +395,8 @@ def two_devices(request):
     """The two-device subprocess (AIPERF_CPU_DEVICES is read when jax initialises), started with the module's
     first test when its test is selected, so that the in-process tests run beside it (it is one more process,
     mostly on one core); its test waits for it."""
-    test = "test_data_parallel_two_host_devices_matches_one_device"
-    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(_run, _DP_SCRIPT, dict(os.environ), AIPERF_CPU_DEVICES="2") if wanted else None
+    yield from beside(request, "test_data_parallel_two_host_devices_matches_one_device",
+                      _run, _DP_SCRIPT, dict(os.environ), AIPERF_CPU_DEVICES="2")
 
 
 @pytest.mark.slow

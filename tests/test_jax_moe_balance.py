@@ -21,7 +21,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +32,7 @@ from aiperf_core.morph.transformer import upcycle_moe
 from aiperf_core.registry import load_backend
 from aiperf_conformance.cases import trained_looking_weights
 from aiperf_numpy import executor
+from beside import beside
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = dict(layers=1, hidden=16, heads=2, seq_len=8, vocab=32)
@@ -150,10 +150,8 @@ def _run_two_devices(environ: dict) -> subprocess.CompletedProcess:
 def two_devices(request):
     """The two-device subprocess, started with the module's first test when its test is selected, so that the
     in-process tests run beside it (it is one more process, mostly on one core); its test waits for it."""
-    test = "test_two_host_devices_give_the_weights_losses_and_loads_of_one"
-    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(_run_two_devices, dict(os.environ)) if wanted else None
+    yield from beside(request, "test_two_host_devices_give_the_weights_losses_and_loads_of_one",
+                      _run_two_devices, dict(os.environ))
 
 
 @pytest.mark.slow

@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,6 +31,7 @@ from aiperf_core.weights import init_weights  # noqa: E402
 from aiperf_backends.jax import JaxBackend  # noqa: E402
 from aiperf_backends.jax import distributed, training  # noqa: E402
 from aiperf_backends.jax.lowering import lower_graph  # noqa: E402
+from beside import beside
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL_GPT = dict(layers=1, hidden=32, heads=2, seq_len=16, vocab=256)
@@ -248,10 +248,8 @@ def two_devices(request):
     """The two-device subprocess (AIPERF_CPU_DEVICES is read when jax initialises), started with the module's
     first test when its test is selected, so that the in-process tests run beside it (it is one more process,
     mostly on one core); its test waits for it."""
-    test = "test_two_host_devices_accumulating_on_a_token_stream_equal_one_device"
-    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(_run_two_devices, dict(os.environ)) if wanted else None
+    yield from beside(request, "test_two_host_devices_accumulating_on_a_token_stream_equal_one_device",
+                      _run_two_devices, dict(os.environ))
 
 
 @pytest.mark.slow

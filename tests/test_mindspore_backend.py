@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +33,7 @@ from aiperf_core.builders import resnet_small  # noqa: E402
 from aiperf_core.ir import Graph, Node  # noqa: E402
 from aiperf_backends.mindspore import MindSporeBackend  # noqa: E402
 from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
+from beside import beside
 
 
 def _data(graph, n: int, seed: int):
@@ -253,10 +253,8 @@ def _run_data_parallel(environ: dict) -> subprocess.CompletedProcess:
 def data_parallel(request):
     """The data-parallel subprocess, started with the module's first test when its test is selected, so that
     the in-process tests run beside it (its cluster's processes mostly wait); its test waits for it."""
-    test = "test_data_parallel_two_cpu_workers_matches_one_process"
-    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(_run_data_parallel, dict(os.environ)) if wanted else None
+    yield from beside(request, "test_data_parallel_two_cpu_workers_matches_one_process",
+                      _run_data_parallel, dict(os.environ))
 
 
 @pytest.mark.slow

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +26,7 @@ from aiperf_backends.mindspore.counter import MindSporeFlopsCounter  # noqa: E40
 from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
 from aiperf_conformance.levels.count import BATCH, MOE_CASES, moe_graph, moe_products  # noqa: E402
 from aiperf_numpy.backend import NumpyBackend  # noqa: E402
+from beside import beside
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +116,8 @@ def _run_data_parallel(environ: dict) -> subprocess.CompletedProcess:
 def data_parallel(request):
     """The data-parallel subprocess, started with the module's first test when its test is selected, so that
     the in-process tests run beside it (its cluster's processes mostly wait); its test waits for it."""
-    test = "test_data_parallel_training_of_an_upcycled_gpt_matches_one_process"
-    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(_run_data_parallel, dict(os.environ)) if wanted else None
+    yield from beside(request, "test_data_parallel_training_of_an_upcycled_gpt_matches_one_process",
+                      _run_data_parallel, dict(os.environ))
 
 
 @pytest.mark.slow

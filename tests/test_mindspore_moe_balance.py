@@ -7,7 +7,6 @@ the routing the training steps ran, per epoch (None without a moe).
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -24,6 +23,7 @@ from aiperf_backends.mindspore.training import gradient_function, preserved, tar
 
 from moe_balance_checks import *  # noqa: E402, F403  (the shared tests, collected here with these fixtures)
 from moe_balance_checks import run_data_parallel  # noqa: E402
+from beside import beside
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +83,8 @@ def two_devices(request):
     """The two-device subprocess (AIPERF_CPU_DEVICES is read when the framework starts),
     started with the module's first test when its test is selected, so that the in-process tests run beside it
     (one more process, mostly on one core); its test waits for it."""
-    test = "test_two_data_parallel_workers_take_the_one_device_step_and_count_every_shard"
-    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(run_data_parallel, _DATA_PARALLEL_SCRIPT) if wanted else None
+    yield from beside(request, "test_two_data_parallel_workers_take_the_one_device_step_and_count_every_shard",
+                      run_data_parallel, _DATA_PARALLEL_SCRIPT)
 
 
 @pytest.mark.slow

@@ -62,6 +62,7 @@ from aiperf_core.ir import Graph, Node  # noqa: E402
 from aiperf_backends.tensorflow import backend as tf_backend  # noqa: E402
 from aiperf_backends.tensorflow import lowering, training  # noqa: E402
 from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
+from beside import beside
 
 
 def _data(graph, n: int, seed: int):
@@ -501,10 +502,8 @@ def three_devices(request):
     """The three-device subprocess (AIPERF_CPU_DEVICES is read when TensorFlow's runtime starts), started with
     the module's first test when its test is selected, so that the in-process tests run beside it (one more
     process); its test waits for it."""
-    test = "test_devices_subsets_and_data_parallel_equal_one_device"
-    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(_run, DEVICES_SCRIPT, dict(os.environ), AIPERF_CPU_DEVICES="3") if wanted else None
+    yield from beside(request, "test_devices_subsets_and_data_parallel_equal_one_device",
+                      _run, DEVICES_SCRIPT, dict(os.environ), AIPERF_CPU_DEVICES="3")
 
 
 @pytest.mark.slow

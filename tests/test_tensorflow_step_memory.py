@@ -18,7 +18,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +38,7 @@ from aiperf_core.ir import Graph, Node  # noqa: E402
 from aiperf_backends.tensorflow import lowering  # noqa: E402
 from aiperf_backends.tensorflow.backend import gpu_memory_limits, tf_device_name  # noqa: E402
 from aiperf_backends.tensorflow.training import Trainer  # noqa: E402
+from beside import beside
 
 TOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
@@ -326,10 +326,8 @@ def two_devices(request):
     """The two-device subprocess (AIPERF_CPU_DEVICES is read when TensorFlow's runtime starts),
     started with the module's first test when its test is selected, so that the in-process tests run beside it
     (one more process, mostly on one core); its test waits for it."""
-    test = "test_two_devices_on_a_token_stream_with_accumulation_equal_one_device"
-    wanted = any(item.module is request.module and item.originalname == test for item in request.session.items)
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(_run, TWO_DEVICES_SCRIPT, dict(os.environ), AIPERF_CPU_DEVICES="2") if wanted else None
+    yield from beside(request, "test_two_devices_on_a_token_stream_with_accumulation_equal_one_device",
+                      _run, TWO_DEVICES_SCRIPT, dict(os.environ), AIPERF_CPU_DEVICES="2")
 
 
 @pytest.mark.slow
