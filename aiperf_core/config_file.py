@@ -87,7 +87,7 @@ TOP_LEVEL: dict[str, Callable[[Any], str | None]] = {
     "executor": _one_of("local", "slurm", "hosts"),
     "replicas": _integer(1),
     "devices_per_replica": _integer(1),
-    "nodes_per_replica": _integer(1),
+    "nodes_per_replica": lambda value: None if value == "auto" else _integer(1)(value),
     "time_budget": _duration,
     "workload": _one_of("cnn", "lm"),
     "data": _non_empty_string,

@@ -235,7 +235,7 @@ ITEMS: tuple[PolicyItem, ...] = (
     PolicyItem("patience_min", 3, False, "early-stopping patience in round 1", _int_range(1)),
     PolicyItem("patience_max", 10, False, "early-stopping patience ceiling", _int_range(1)),
     PolicyItem("hpo_batch_size_bounds", [16, 512], False, "HPO search range of the global batch size "
-               "(lm: embedded corpus [8, 128] unless set)", _int_pair(1), lm=[16, 256]),
+               "(lm: embedded corpus [8, 128] unless set)", _int_pair(1), lm=[32, 256]),
     PolicyItem("hpo_kernel_sizes", [3, 5, 7], False, "HPO choices of a morph-added conv's kernel size",
                _odd_kernels, CNN),
     PolicyItem("max_layers", 24, False, "no grown GPT has more blocks (attention layers) than this", _int_range(1),
@@ -262,7 +262,8 @@ ITEMS: tuple[PolicyItem, ...] = (
                "(docs/search.md, \"Transformer morphs\")", _transformer_morphs, LM),
     PolicyItem("nodes_per_replica", 1, False, "the nodes each replica spans: its devices are this many times one "
                "node's, and its gradients (and experts) cross the network every step (docs/workflow.md, \"A replica "
-               "across nodes\")", _int_range(1)),
+               "across nodes\"); lm: auto, 2 where the machine has 2 or more nodes, else 1, the lm rules' value "
+               "(docs/search.md, \"The official LM track\")", _int_range(1), lm="auto", lm_check=_auto_or_int(1)),
     PolicyItem("node_timeout_s", 60.0, False, "how long a node of a replica across nodes waits on its peers (joining, "
                "a collective) before it calls them lost; a lost node fails its trial within about twice this "
                "(the collective's timeout, then the process group's)", _number_range(1.0, 3600.0)),

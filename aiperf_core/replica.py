@@ -850,9 +850,11 @@ def write_run_json(run_dir: str | os.PathLike, *, backend: str = "numpy", datase
     the dataset defaults to digits at 32x32. `precision` is the resolved precision to record
     (default: the policy's, and fp32, what `auto` gives on a CPU without AMX, for `auto`).
     An lm policy's dataset defaults to the embedded corpus. Returns what was written."""
-    from aiperf_core.workflow.plan import RunRequest, run_record, watch_settings
+    from aiperf_core.workflow.plan import RunRequest, resolve_nodes_per_replica, run_record, watch_settings
 
     policy = Policy(policy or {}, "policy").to_json()
+    # Written without a primary, on this one machine: `auto` is its one node's value.
+    policy["nodes_per_replica"] = resolve_nodes_per_replica(policy["nodes_per_replica"], lambda: 1)
     if dataset is None and policy["workload"] == "lm":
         from aiperf_core.data.text_corpus import embedded_corpus
 

@@ -132,8 +132,12 @@ def test_aiperf_run_workload_lm_scores_verifies_and_reports_bits_per_byte(tmp_pa
     assert "best validation" in out and "bits per byte" in out
     run = RunDir(folder).read_run()
     assert run["workload"] == "lm" and run["policy"]["workload"] == "lm" and run["dataset"]["layout"] == "bytes"
+    # nodes_per_replica auto is resolved before the run is recorded: the local executor's machine is one node.
+    assert run["policy"]["nodes_per_replica"] == 1 and run["rules_version"] == 2
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["workload"] == "lm"
+    assert summary["machine"]["nodes_per_replica"] == 1 and summary["machine"]["network_loaded"] is False
+    assert "1: no network was loaded" in (folder / "report.html").read_text()
     assert "bits per byte" in (folder / "report.html").read_text()
     assert main(["score", "--verify", str(folder)]) == 0
     # The flag overrides the config's workload, whose lm items then do not apply; the lm workload
@@ -157,7 +161,7 @@ def _lm_package(tmp_path, kit: dict):
     from test_submission import system_description, write_monitors
 
     b = RunBuilder(tmp_path / "lm-run", model="gpt2_small", dataset={"name": "enwik8", "vocab": 256},
-                   policy=Policy({"workload": "lm"}).to_json(), workload="lm")
+                   policy=Policy({"workload": "lm"}).to_json(), workload="lm", rules_version=2)
     seed = gpt(layers=1, hidden=32, heads=2, seq_len=16, vocab=256)
     for replica in (0, 1):
         b.replica_start(replica, 1000)
@@ -215,7 +219,7 @@ def test_a_prepared_text_that_is_not_the_real_enwik8_makes_the_run_unofficial():
     from aiperf_core.scoring.rules import validity_reasons
 
     run = {"model": "gpt2_small", "policy": Policy({"workload": "lm"}).to_json(),
-           "dataset": {"name": "enwik8", "official": True, "digest": None}}
+           "dataset": {"name": "enwik8", "official": True, "digest": None}, "rules_version": 2}
     assert validity_reasons(run, [], 2.0 / 8) == []
     run["dataset"]["official"] = False
     assert validity_reasons(run, [], 2.0 / 8) == [

@@ -358,7 +358,7 @@ def test_rank_command_prints_the_table_and_writes_html_and_csv(tmp_path, capsys,
     html, table = tmp_path / "out" / "list.html", tmp_path / "list.csv"
     assert main(["rank", "a.tar.gz", "b.tar.gz", "a.tar.gz", "--html", str(html), "--csv", str(table)]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("aiperf cnn list: 2 system(s) ranked, 0 superseded, 1 rejected")
+    assert out.startswith("aiperf cnn list (rules version 1): 2 system(s) ranked, 0 superseded, 1 rejected")
     assert "same submission as a.tar.gz" in out
     assert "checking 3/3 a.tar.gz ... ACCEPTED official" in err and f"wrote {html}" in err
     assert "sub-b" in html.read_text() and "<svg" in html.read_text()
@@ -374,7 +374,8 @@ def test_rank_command_json(capsys, fake_check_module):
     cnn, unread = printed["lists"]
     assert [e["rank"] for e in cnn["entries"]] == [1] and cnn["entries"][0]["submission_id"] == "sub-a"
     assert unread["workload"] is None and unread["rejected"][0]["reasons"] == ["junk.tar.gz: not a gzip file"]
-    assert set(cnn) == {"workload", "entries", "green", "superseded", "rejected"} and cnn["workload"] == "cnn"
+    assert set(cnn) == {"workload", "rules_version", "entries", "green", "superseded", "rejected"} and cnn["workload"] == "cnn"
+    assert cnn["rules_version"] == 1 and unread["rules_version"] is None
 
 
 def test_rank_command_exits_1_when_nothing_is_ranked(capsys, fake_check_module):
@@ -417,7 +418,7 @@ def test_each_workload_has_its_own_list_and_a_package_never_read_its_own():
     rows = list(csv.DictReader(io.StringIO(render_lists_csv(lists))))
     assert [(r["workload"], r["rank"]) for r in rows] == [("cnn", "1"), ("lm", "1"), ("lm", "2")]
     text = render_lists_text(lists)
-    assert text.index("aiperf cnn list: 1 system(s)") < text.index("aiperf lm list: 2 system(s)") < \
+    assert text.index("aiperf cnn list (rules version 1): 1 system(s)") < text.index("aiperf lm list (rules version 2): 2 system(s)") < \
         text.index("packages not read: 0 system(s)")
     html = render_lists_html(lists)
     assert html.count("<h2>The aiperf") == 2 and "The packages not read" in html and html.count("<html") == 1

@@ -34,6 +34,10 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_or_auto(text: str) -> int | str:
+    return "auto" if text == "auto" else positive_int(text)
+
+
 def non_negative_int(text: str) -> int:
     try:
         value = int(text)

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from aiperf_core.commands.options import non_negative_int, positive_int
+from aiperf_core.commands.options import non_negative_int, positive_int, positive_int_or_auto
 from aiperf_core.errors import AiperfError
 from aiperf_core.workflow.container import RUNTIMES
 from aiperf_core.monitoring.exporter.options import DEFAULT_HOST, port_number
@@ -27,9 +27,10 @@ def add_arguments(p) -> None:
                    help="number of replicas (local default: one, with every accelerator)")
     p.add_argument("--devices-per-replica", type=positive_int, default=None, metavar="K",
                    help="accelerators per replica (local default: all of them divided by --replicas)")
-    p.add_argument("--nodes-per-replica", type=positive_int, default=None, metavar="N",
+    p.add_argument("--nodes-per-replica", type=positive_int_or_auto, default=None, metavar="N|auto",
                    help="nodes each replica spans, its devices N times one node's (policy item nodes_per_replica; "
-                   "default 1; docs/workflow.md, \"A replica across nodes\")")
+                   "default 1, lm: auto, 2 where the machine has 2 or more nodes; docs/workflow.md, \"A replica "
+                   "across nodes\")")
     p.add_argument("--time-budget", default=None, metavar="DURATION", help="the run's length, e.g. 90m, 12h "
                    "(default 1h)")
     p.add_argument("--workload", choices=("cnn", "lm"), default=None,
@@ -153,7 +154,8 @@ def _prepare_fresh(args, config, request):
         dataset = (describe_in_image(container, name, path, policy) if container else
                    plan.describe_dataset(name, path, policy))
         facts = probe.facts(auto=plan.auto_request(policy, dataset) if local else None)
-    nodes = policy["nodes_per_replica"]
+    policy["nodes_per_replica"] = nodes = plan.resolve_nodes_per_replica(
+        policy["nodes_per_replica"], lambda: _executor_class(executor_kind).machine_nodes(watch))
     replicas, devices_per_replica, environments = _layout(executor_kind, facts.devices, request.replicas,
                                                           request.devices_per_replica, watch, nodes)
     plan.check_parallelism(backend_name, facts, devices_per_replica,
@@ -244,11 +246,9 @@ def _layout(kind, devices, replicas, devices_per_replica, watch, nodes: int = 1)
 
 
 def _host_placement(watch, replicas, nodes):
-    from aiperf_core.workflow.executors.hosts import place_replicas, read_hostfile
+    from aiperf_core.workflow.executors.hosts import hostfile_hosts, place_replicas
 
-    if not watch.hosts.get("hostfile"):
-        raise AiperfError("--executor hosts: give --hostfile FILE (one host a line: 'HOST slots=K')")
-    return place_replicas(read_hostfile(watch.hosts["hostfile"]), replicas, nodes)
+    return place_replicas(hostfile_hosts(watch), replicas, nodes)
 
 
 def _executor_class(kind):

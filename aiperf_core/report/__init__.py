@@ -95,6 +95,7 @@ def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, 
         "machine": {
             "replicas": len(nodes), "replicas_configured": run.get("replicas"),
             "devices_per_replica": run.get("devices_per_replica"), "executor": run.get("executor"),
+            **replica_nodes(run),
             "hosts": sorted({str(host) for n in nodes for host in [n["host"], *(m["host"] for m in n["nodes"] or [])]
                              if host is not None}),
             "accelerators": accelerators, "busy_fraction": busy_fraction(ledger), "nodes": nodes,
@@ -107,6 +108,14 @@ def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, 
         },
         "configuration": run,
     }
+
+
+def replica_nodes(run: dict[str, Any]) -> dict[str, Any]:
+    """The nodes each replica spanned, and whether its steps loaded a network: only a replica of two
+    or more nodes sends its gradients over a network link (the local executor's nodes share one machine)."""
+    nodes = (run.get("policy") or {}).get("nodes_per_replica", 1)
+    return {"nodes_per_replica": nodes,
+            "network_loaded": isinstance(nodes, int) and nodes >= 2 and run.get("executor") != "local"}
 
 
 def precision_summary(ledger: RunLedger) -> dict[str, Any]:

@@ -151,6 +151,7 @@ def _facts_table(summary: dict[str, Any], result: ScoreResult) -> str:
         _row("trials", f"{result.trials} ({statuses})"),
         _row("backend", escape(str(software.get("backend"))) + (f" &mdash; {versions}" if versions else "")),
         _row("replicas", str(summary.get("machine", {}).get("replicas"))),
+        _row("nodes per replica", _replica_nodes(summary.get("machine", {}))),
         _row("time in train and eval steps", _fraction(summary.get("machine", {}).get("busy_fraction"))
              + " of the replicas' wall time"),
         _row("time compiling training steps", _compile(summary.get("compile", {}))),
@@ -158,6 +159,15 @@ def _facts_table(summary: dict[str, Any], result: ScoreResult) -> str:
         *_energy_rows(summary),
     ]
     return "<table>" + "".join(rows) + "</table>"
+
+
+def _replica_nodes(machine: dict[str, Any]) -> str:
+    nodes = machine.get("nodes_per_replica", 1)
+    if machine.get("network_loaded"):
+        return f"{nodes}: every step's gradients crossed the network"
+    if machine.get("executor") == "local" and nodes != 1:
+        return f"{nodes} processes on one machine: no network was loaded"
+    return f"{nodes}: no network was loaded"
 
 
 def _validity(result: ScoreResult) -> str:

@@ -18,6 +18,12 @@ from aiperf_core.policy import BY_NAME, Policy, PolicyError, items_of, precision
 from aiperf_core.rundir import RunDirError
 
 MIN_PRECISION = BY_NAME["min_precision"].default
+# Each workload's rules, numbered: a list ranks the results of one version, and a run made under
+# another is unofficial in it (run.json `rules_version`; none recorded: version 1). lm 2
+# (2026-12-07): replicas of 2 nodes where the machine has 2 or more, and HPO's batch bounds
+# [32, 256] so that a step still asks a teraflop of each device of two 8-accelerator nodes
+# (docs/search.md, "The official LM track").
+RULES_VERSIONS = {"cnn": 1, "lm": 2}
 # How the reasons name the official dataset and seed of each workload.
 OFFICIAL_NAMES = {"imagenet": "ImageNet", "resnet50": "ResNet-50", "enwik8": "enwik8",
                   "gpt2_small": "GPT-2 small's shape"}
@@ -87,6 +93,29 @@ def dataset_digest_reasons(run: dict[str, Any], replicas: Mapping[int, Any]) -> 
     return reasons
 
 
+def official_nodes_per_replica(run: dict[str, Any]) -> int:
+    """The lm rules' nodes per replica for the machine a run used: 2 where it used 2 or more nodes,
+    else 1 (docs/search.md, "The official LM track"). The local executor's node processes share one
+    machine, so its machine is one node whatever they are."""
+    nodes = run_policy(run)["nodes_per_replica"]
+    if run.get("executor", "local") == "local" or not isinstance(nodes, int):
+        return 1
+    return 2 if (run.get("replicas") or 1) * nodes >= 2 else 1
+
+
+def replica_nodes_reasons(run: dict[str, Any]) -> list[str]:
+    """An lm run whose replicas span other than the rules' nodes: one reason, naming both."""
+    if run_policy(run).workload != "lm":
+        return []
+    nodes, official_nodes = run_policy(run)["nodes_per_replica"], official_nodes_per_replica(run)
+    if nodes in (official_nodes, "auto"):  # auto is the rules' value by definition (plan.resolve_nodes_per_replica)
+        return []
+    machine = ("one machine (the local executor)" if run.get("executor", "local") == "local" else
+               f"{(run.get('replicas') or 1) * nodes} node(s)")
+    return [f"nodes_per_replica is {nodes!r} on {machine}, not {official_nodes} (the lm rules: 2 nodes a replica "
+            f"where the machine has 2 or more, so that every step's gradients cross the network)"]
+
+
 def validity_reasons(run: dict[str, Any], trials: Iterable[Any], best_error: float | None,
                      replicas: Mapping[int, Any] | None = None) -> list[str]:
     """Every reason the run is unofficial; empty for a valid run. `trials` have .id and .precision;
@@ -126,6 +155,11 @@ def validity_reasons(run: dict[str, Any], trials: Iterable[Any], best_error: flo
                        f"e.g. {', '.join(sorted(ids)[:3])}")
 
     reasons += workload.validity.reasons(quality_rules(policy), best_error)
+    reasons += replica_nodes_reasons(run)
+    made_under = run.get("rules_version", 1)
+    if made_under != RULES_VERSIONS[workload.name]:
+        reasons.append(f"made under the {workload.name} rules version {made_under!r}, not the current "
+                       f"{RULES_VERSIONS[workload.name]} (run.json rules_version)")
 
     overridden = set(policy.overridden_fixed())
     recorded = run.get("policy_overridden_fixed") or []

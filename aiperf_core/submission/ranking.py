@@ -17,6 +17,7 @@ from html import escape
 from typing import Any, Callable
 
 from aiperf_core.policy import WORKLOADS
+from aiperf_core.scoring.rules import RULES_VERSIONS
 from aiperf_core.scoring.units import format_ops
 from aiperf_core.submission import SubmissionError
 
@@ -38,7 +39,8 @@ class Ranking:
     workload: str | None = None  # None: packages refused before their workload could be read
 
     def to_dict(self) -> dict[str, Any]:
-        return {"workload": self.workload, "entries": self.entries, "green": self.green,
+        return {"workload": self.workload, "rules_version": RULES_VERSIONS.get(self.workload),
+                "entries": self.entries, "green": self.green,
                 "superseded": self.superseded, "rejected": self.rejected}
 
 
@@ -293,7 +295,10 @@ def _table(headers: list[str], rows: list[list[str]], right: list[bool]) -> list
 
 
 def _list_name(ranking: Ranking) -> str:
-    return "packages not read" if ranking.workload is None else f"aiperf {ranking.workload} list"
+    if ranking.workload is None:
+        return "packages not read"
+    version = RULES_VERSIONS.get(ranking.workload)
+    return f"aiperf {ranking.workload} list" + (f" (rules version {version})" if version else "")
 
 
 def render_lists_text(rankings: list[Ranking]) -> str:

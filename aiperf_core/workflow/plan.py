@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from aiperf_core.errors import AiperfError
 from aiperf_core.rundir import Lease, RunDir, RunDirError
@@ -374,6 +374,15 @@ def check_recorded_precision(run: Mapping[str, Any], facts: BackendFacts) -> Non
                           f"(it declares {', '.join(facts.precisions)})")
 
 
+def resolve_nodes_per_replica(value: int | str, machine_nodes: Callable[[], int]) -> int:
+    """The policy item nodes_per_replica as a number: `auto` is 2 where the machine has 2 or more
+    nodes, else 1 (the lm rules' value, docs/search.md, "The official LM track"); `machine_nodes` is
+    asked only for auto."""
+    if value != "auto":
+        return value
+    return 2 if machine_nodes() >= 2 else 1
+
+
 def check_parallelism(backend: str, facts: BackendFacts, devices_per_replica: int, option: str,
                       nodes_per_replica: int = 1) -> None:
     """A backend that declares no data parallelism gets one device per replica, never more; one that
@@ -463,6 +472,8 @@ def resumed_configuration(run: Mapping[str, Any], request: RunRequest, backend_g
             dataset = {**dataset, "name": name, "path": path}
     asked["dataset"] = dataset
     asked["policy"] = build_policy(request, dataset.get("name"), base=run.get("policy"))
+    if asked["policy"].get("nodes_per_replica") == "auto":  # auto was resolved once, on the machine the run began on
+        asked["policy"]["nodes_per_replica"] = (run.get("policy") or {}).get("nodes_per_replica")
     asked["model"] = asked["policy"]["initial_architecture"]
     return asked
 
@@ -479,7 +490,11 @@ def run_record(*, backend: str, executor: str, replicas: int, devices_per_replic
     of the image the replicas run in (workflow.container), None on the host."""
     from aiperf_core.backend import AUTO_PRECISION, PRECISIONS
     from aiperf_core.policy import Policy
+    from aiperf_core.scoring.rules import RULES_VERSIONS
 
+    if policy.get("nodes_per_replica") == "auto":
+        raise AiperfError("policy.nodes_per_replica: auto is resolved before the run is recorded "
+                          "(resolve_nodes_per_replica)")
     asked = policy["precision"]
     if precision is not None and (precision not in PRECISIONS or asked not in (AUTO_PRECISION, precision)):
         raise AiperfError(f"precision {precision!r} is not a resolution of policy.precision {asked!r}")
@@ -502,6 +517,7 @@ def run_record(*, backend: str, executor: str, replicas: int, devices_per_replic
         "dataset": dataset,
         "policy": policy,
         "policy_overridden_fixed": Policy(policy).overridden_fixed(),
+        "rules_version": RULES_VERSIONS[policy["workload"]],
         "precision": precision,
         "stop_after_trials": stop_after_trials,
         "watch": watch.to_json(),

@@ -98,6 +98,13 @@ class Executor(abc.ABC):
     def preflight(cls) -> None:
         """Raise AiperfError, naming the option, when this executor cannot start anything here."""
 
+    @classmethod
+    def machine_nodes(cls, watch) -> int:
+        """The nodes of the machine this executor places replicas on (`watch`: the run's
+        WatchSettings); what the policy item nodes_per_replica's `auto` is resolved by. One for an
+        executor that starts every replica on this node."""
+        return 1
+
     def refresh(self, handles: list[ReplicaHandle]) -> None:
         """Called once per poll round before poll() on each handle; batch queries go here."""
 

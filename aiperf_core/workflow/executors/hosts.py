@@ -76,6 +76,13 @@ def check_launcher(template: str) -> str:
     return template
 
 
+def hostfile_hosts(watch) -> list[Host]:
+    """The hosts of the run's --hostfile (`watch`: its WatchSettings)."""
+    if not watch.hosts.get("hostfile"):
+        raise AiperfError("--executor hosts: give --hostfile FILE (one host a line: 'HOST slots=K')")
+    return read_hostfile(watch.hosts["hostfile"])
+
+
 def place_replicas(hosts: list[Host], replicas: int | None, nodes: int) -> list[list[Host]]:
     """Each replica's hosts: consecutive groups of `nodes` hosts with the same slots."""
     fit = len(hosts) // nodes
@@ -103,6 +110,10 @@ class HostsExecutor(Executor):
         self.run_dir = Path(run_dir)
         self.placement = placement
         self.launcher = check_launcher(launcher)
+
+    @classmethod
+    def machine_nodes(cls, watch) -> int:
+        return len({host.name for host in hostfile_hosts(watch)})
 
     def node_command(self, command: ReplicaCommand, node: int) -> list[str]:
         """The launcher's argv that starts node `node` of the replica on its host, with the

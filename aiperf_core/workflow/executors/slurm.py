@@ -157,6 +157,24 @@ class SlurmExecutor(Executor):
 
     # --- preflight ------------------------------------------------------------------------
     @classmethod
+    def machine_nodes(cls, watch) -> int:
+        """The nodes of the run's partition (the default one when none is given), by sinfo."""
+        partition = watch.slurm.get("partition")
+        argv = ["sinfo", "--noheader", "--format", "%D", *(["--partition", partition] if partition else [])]
+        what = f"partition {partition}" if partition else "the default partition"
+        try:
+            answer = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise AiperfError(f"--nodes-per-replica auto: could not count the nodes of {what} with sinfo ({exc}); "
+                              f"give --nodes-per-replica N") from None
+        counts = [line.strip() for line in answer.stdout.splitlines() if line.strip()]
+        if answer.returncode != 0 or not counts or not all(c.isdigit() for c in counts):
+            first = (answer.stderr.strip().splitlines() or [f"exit code {answer.returncode}"])[0]
+            raise AiperfError(f"--nodes-per-replica auto: sinfo did not count the nodes of {what} ({first}); "
+                              f"give --nodes-per-replica N")
+        return sum(int(c) for c in counts)
+
+    @classmethod
     def preflight(cls) -> None:
         for tool in ("sbatch", "squeue", "scancel", "srun"):
             if shutil.which(tool) is None:
