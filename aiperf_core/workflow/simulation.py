@@ -8,13 +8,21 @@ heartbeats, graph.json, trial.json, the history the primary publishes), SharedHi
 and score_run scoring it.
 
 What is simulated: the replicas. A SimulatedReplica trains nothing. Its accelerators run at a
-fixed rate (`device_ops_per_s`), so an epoch takes its analytic operations divided by that rate
-in virtual time, and it writes exactly the events and files a real replica writes
-(docs/run-directory.md). Weights are not simulated: every trial's weights.npz is a hard link to
-one small stand-in file, whose real hash trial_end records. Graphs come from a small pool of real
-IR graphs (ResNet-50 and morphs of it), written once and hard-linked into each trial's folder,
-as a run full of repeated architectures would have them; scoring still reads and hashes every
-trial's graph.json.
+fixed rate (`device_ops_per_s`, one node's accelerators together), so an epoch takes its analytic
+operations divided by that rate times the replica's nodes in virtual time, and it writes exactly
+the events and files a real replica writes (docs/run-directory.md). Weights are not simulated:
+every trial's weights.npz is a hard link to one small stand-in file, whose real hash trial_end
+records. Graphs come from a small pool of real IR graphs (ResNet-50 and morphs of it), written
+once and hard-linked into each trial's folder, as a run full of repeated architectures would have
+them; scoring still reads and hashes every trial's graph.json.
+
+The network (issue #48 item 6): given a `Network` (aiperf_core.workflow.network_model), a replica
+of `nodes` nodes also waits, every optimiser step, on its ring all-reduce of the graph's gradients
+and, under expert parallelism, on its experts' all-to-all, priced by the network's latency and
+bandwidth terms (ReplicaModel.epoch_time). The communication is exposed: it adds to the epoch's
+time, less `all_reduce_overlap` of the all-reduce (at most the compute time), as a backward pass
+would hide it. Without a network a replica never waits, as before. The epochs' events carry no
+`all_reduce` or `all_to_all` records: the run's score feels the network through its time only.
 
 Time: the primary, the run directory and every event log take a VirtualClock (an
 aiperf_core.clock.Clock); the primary's sleeps advance it instantly. On every poll round the
@@ -49,6 +57,7 @@ from aiperf_core.ir import Graph
 from aiperf_core.policy import Policy
 from aiperf_core.rundir import EventLog, RunDir, read_events, sha256_bytes, sha256_file, trial_id
 from aiperf_core.workflow.executors.base import Executor, ProcessEnd, ReplicaCommand, ReplicaHandle
+from aiperf_core.workflow.network_model import Network
 from aiperf_core.workflow.plan import WatchSettings, run_record
 
 IMAGENET = {"name": "imagenet", "path": "/simulated/imagenet", "layout": "simulated", "classes": 1000,
@@ -86,16 +95,24 @@ class PoolGraph:
     bp: int
     arch: dict  # ArchCode.to_json(), what the NAS distance reads
     signature: str
+    # What a step communicates (opcount.communication), for a replica on a network:
+    gradient_bytes: int = 0  # every trainable parameter's float32 gradient
+    expert_gradient_bytes: int = 0  # of those, the moe nodes' expert stacks (out of an expert-parallel all-reduce)
+    all_to_all_train_bytes: int = 0  # the experts' all-to-all payload of one training sample (forward and backward)
+    all_to_all_eval_bytes: int = 0  # ... of one evaluated sample (forward)
+    moe_nodes: int = 0  # each: 4 all-to-alls a training step (out and back, forward and backward), 2 an evaluation step
 
     def epoch_ops(self, train_images: int, val_images: int) -> int:
         return train_images * (self.fp + self.bp) + val_images * self.fp
 
 
-def write_graph_pool(graphs: Sequence[Graph], folder: Path) -> list[PoolGraph]:
-    """Write each graph once as a replica would write graph.json; count and encode it once."""
+def write_graph_pool(graphs: Sequence[Graph], folder: Path, precision: str = "bf16") -> list[PoolGraph]:
+    """Write each graph once as a replica would write graph.json; count and encode it once, and count what
+    its steps communicate (the all-to-all's elements at `precision`)."""
     from aiperf_core.morph import signature_hash
     from aiperf_core.search.arch import encode
     from aiperf_opcount import count
+    from opcount.communication import bytes_per_sample, gradient_bytes
 
     folder.mkdir(parents=True, exist_ok=True)
     pool = []
@@ -104,8 +121,11 @@ def write_graph_pool(graphs: Sequence[Graph], folder: Path) -> list[PoolGraph]:
         path = folder / f"graph-{k}.json"
         path.write_bytes(data)
         totals = count(graph)
+        every = gradient_bytes(graph)
         pool.append(PoolGraph(path, sha256_bytes(data), totals.fp, totals.bp, encode(graph).to_json(),
-                              signature_hash(graph)))
+                              signature_hash(graph), every, every - gradient_bytes(graph, expert_parallel=True),
+                              bytes_per_sample(graph, precision, True), bytes_per_sample(graph, precision, False),
+                              sum(node.op == "moe" for node in graph.nodes)))
     return pool
 
 
@@ -293,16 +313,58 @@ class HistoryProbe:
 
 
 # --- the simulated replica ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class EpochTime:
+    """An epoch of a simulated replica, in virtual seconds: its computation, and the communication its steps
+    wait on (exposed: what is not hidden behind the computation)."""
+
+    compute_s: float
+    all_reduce_s: float = 0.0  # exposed
+    all_to_all_s: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_s + self.all_reduce_s + self.all_to_all_s
+
+
 @dataclass
 class ReplicaModel:
-    """How simulated replicas behave. Epoch time = the epoch's analytic ops / device_ops_per_s."""
+    """How simulated replicas behave. Epoch time = the epoch's analytic ops / (device_ops_per_s x nodes),
+    plus, on a network, the communication its steps wait on (epoch_time)."""
 
-    device_ops_per_s: float
-    devices: int = 8
+    device_ops_per_s: float  # one node's `devices` accelerators together
+    devices: int = 8  # per node
     startup_s: float = 0.0  # from launch to replica_start (process start, framework import)
     improving_epochs: int = 3  # validation loss improves this many epochs, then patience stops the trial
-    train_images: int = IMAGENET["train_images"]
+    train_images: int = IMAGENET["train_images"]  # samples (images, or sequences of the lm workload)
     val_images: int = IMAGENET["val_images"]
+    batch_size: int = 256  # the global batch: one all-reduce per batch
+    nodes: int = 1  # a replica's nodes
+    network: Network | None = None  # None: communication is free, as before issue #48
+    expert_parallel: bool = False  # the experts sharded over the replica's devices: their all-to-all, and
+    # their stacks out of the all-reduce (docs/search.md, "Expert parallelism")
+    all_reduce_overlap: float = 0.0  # the share of the all-reduce a backward pass hides (0: all exposed)
+
+    def epoch_time(self, graph: PoolGraph, machine_nodes: int | None = None) -> EpochTime:
+        """One epoch of `graph` on this replica in a machine of `machine_nodes` nodes (for the fat tree's
+        placement): compute, then per optimiser step the ring all-reduce of the gradients and, under expert
+        parallelism, per moe node 4 all-to-alls a training step and 2 an evaluation step."""
+        compute = graph.epoch_ops(self.train_images, self.val_images) / (self.device_ops_per_s * self.nodes)
+        network = self.network
+        if network is None:
+            return EpochTime(compute)
+        steps = -(-self.train_images // self.batch_size)
+        gradients = graph.gradient_bytes - (graph.expert_gradient_bytes if self.expert_parallel else 0)
+        all_reduce = steps * network.all_reduce_seconds(gradients, self.nodes, self.devices, machine_nodes)
+        all_reduce -= min(self.all_reduce_overlap * all_reduce, compute)
+        all_to_all = 0.0
+        if self.expert_parallel and graph.moe_nodes:
+            eval_steps = -(-self.val_images // self.batch_size)
+            all_to_all = (network.all_to_all_seconds(self.train_images * graph.all_to_all_train_bytes, self.nodes,
+                                                     self.devices, 4 * graph.moe_nodes * steps, machine_nodes)
+                          + network.all_to_all_seconds(self.val_images * graph.all_to_all_eval_bytes, self.nodes,
+                                                       self.devices, 2 * graph.moe_nodes * eval_steps, machine_nodes))
+        return EpochTime(compute, all_reduce, all_to_all)
 
 
 class SimulatedReplica:
@@ -380,7 +442,7 @@ class SimulatedReplica:
             folder = self.run_dir.trial_dir(trial)
             folder.mkdir(parents=True, exist_ok=True)
             os.link(graph.path, folder / "graph.json")
-            batch = 256
+            batch = model.batch_size
             patience = policy.patience_for(round_number)
             hyper = {"batch_size": batch, "kernel_size": 3, "epochs": policy.epochs_for(round_number),
                      "learning_rate": policy.learning_rate_for(batch), "patience": patience,
@@ -388,7 +450,7 @@ class SimulatedReplica:
             self._append("trial_start", t, trial=trial, round=round_number, parent=None, morph=None, hyper=hyper,
                          graph_sha256=graph.sha256)
             sim.trials_started += 1
-            epoch_s = graph.epoch_ops(model.train_images, model.val_images) / model.device_ops_per_s
+            epoch_s = model.epoch_time(graph, sim.machine_nodes).seconds
             planned = min(hyper["epochs"], model.improving_epochs + patience)
             accuracies, losses, stop = [], [], None
             for epoch in range(planned):
@@ -464,6 +526,7 @@ class SimulatedExecutor(Executor):
         self.backend = run["backend"]
         self.deadline = float(run["deadline"])
         self.stop_after_trials = run.get("stop_after_trials")
+        self.machine_nodes = int(run["replicas"]) * model.nodes  # every replica on its own nodes
         self.stop_path = run_dir.primary_dir / "stop"
         self.poll_interval_s = poll_interval_s
         self.weights_path = weights_path
