@@ -438,6 +438,21 @@ class Backend(abc.ABC):
         backend without it cannot measure a peak."""
         raise AiperfError(f"backend {self.name} cannot measure a peak")
 
+    def probe_collectives(self, layout: ReplicaLayout, collectives: tuple[str, ...], sizes: list[int],
+                          iterations: int, warmup: int, seconds_per_size: float) -> dict[str, Any] | None:
+        """Time the collectives over every rank of `layout` (each node's devices, one rank each, its
+        nodes met at layout's coordinator), with the framework's own collectives: `aiperf probe
+        network` (aiperf_core.network_probe). Called once on every node. For each collective (names
+        of network_probe.COLLECTIVES) and size in bytes, in the given order: one float32 buffer per
+        rank of network_probe.element_count elements; one warm-up collective timed, its slowest
+        rank's time read by every rank, and network_probe.iteration_plan's further warm-ups and
+        timed iterations; each timed one started together on every rank (a barrier) and lasting
+        until the rank's device has finished it. Returns on node 0 {"device": "cpu" | "cuda" | ...,
+        "hosts": [host of node 0, ...], "ranks_per_node": R, "collectives": {name: [{"bytes": the
+        buffer's bytes, "seconds": [per timed iteration, the slowest rank's]}, ...]}}, None on the
+        other nodes. Optional: a backend without it cannot probe the network."""
+        raise AiperfError(f"backend {self.name} cannot probe the network (aiperf probe network runs on torch and jax)")
+
     _probes: dict[tuple[str, str, str], bool] = {}  # (backend, device, precision) -> runs_precision
 
     def precisions(self, device: str | None = None) -> tuple[str, ...]:

@@ -15,7 +15,7 @@ from aiperf_core.errors import AiperfError
 # Subcommand modules, in the order `aiperf --help` lists them. Each defines
 # HELP, add_arguments(parser) and run(args) -> int.
 COMMANDS = ("count", "backends", "conformance", "new-backend", "morph", "data", "replica", "score", "report", "run",
-            "system", "peak", "submit", "check", "rank", "metrics", "watch")
+            "system", "peak", "probe", "submit", "check", "rank", "metrics", "watch")
 
 EXIT_USAGE = 2
 DEBUG_HELP = "show tracebacks for errors, and the frameworks' own informational log lines"

@@ -163,6 +163,12 @@ class TorchBackend(Backend):
 
         return matmul_seconds(device, precision, size, repeats)
 
+    def probe_collectives(self, layout, collectives: tuple[str, ...], sizes: list[int], iterations: int,
+                          warmup: int, seconds_per_size: float) -> dict[str, Any] | None:
+        from aiperf_backends.torch.network_probe import probe_collectives
+
+        return probe_collectives(layout, self.devices(), collectives, sizes, iterations, warmup, seconds_per_size)
+
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True, expert_parallel=True, multi_node=True,
                            notes="DistributedDataParallel, one process per device (NCCL on GPUs, gloo on CPUs), the "

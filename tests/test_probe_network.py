@@ -1,0 +1,162 @@
+"""aiperf probe network: nccl-tests' figures over a replica's ranks (aiperf_core/network_probe.py).
+
+The arithmetic (busbw factors, sizes, the iteration bound, the alpha-beta fit, the table, the record
+read back) runs in process. One run of torch across the two nodes of a namespace cluster
+(tests/netns_cluster.py), both links shaped at SHAPED_MBIT, checks that the busbw of the largest
+sizes follows the shaped rate; the refusals run without a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from aiperf_core import network_probe as probe
+from aiperf_core.cli import main
+from netns_cluster import netns_cluster  # noqa: F401 (the fixture)
+
+SHAPED_MBIT = 50
+MAX_BYTES = 2 << 20  # 2 MiB: 0.35 s per all-reduce at 50 Mbit/s, the largest three sizes well above the bucket
+RECORD_KEYS = {"kind", "version", "backend", "framework_version", "nodes", "ranks", "ranks_per_node", "hosts",
+               "device", "collectives", "fit"}
+ROW_KEYS = {"bytes", "iterations", "latency_s", "algbw_bytes_per_s", "busbw_bytes_per_s"}
+
+
+# -- in process ------------------------------------------------------------------------------------
+
+def test_bus_factors_are_nccl_tests():
+    assert probe.bus_factor("all_reduce", 2) == 1.0
+    assert probe.bus_factor("all_reduce", 8) == pytest.approx(1.75)
+    assert probe.bus_factor("all_to_all", 2) == 0.5
+    assert probe.bus_factor("all_to_all", 8) == pytest.approx(0.875)
+
+
+def test_sizes_run_from_min_to_max_and_end_at_max():
+    assert probe.probe_sizes()[0] == 8 and probe.probe_sizes()[-1] == 256 << 20 and len(probe.probe_sizes()) == 26
+    assert probe.probe_sizes(8, 100, 4) == [8, 32, 100]
+    assert probe.element_count("all_to_all", 8, 4) == 4  # one float32 per rank at least
+    assert probe.element_count("all_to_all", 1000, 3) == 249  # whole shares: 83 per rank
+    with pytest.raises(probe.ProbeError, match="--max-bytes"):
+        probe.probe_sizes(64, 64)
+
+
+def test_iteration_plan_bounds_a_slow_size_by_its_time():
+    assert probe.iteration_plan(0.001, 20, 5, 2.0) == (4, 20)
+    assert probe.iteration_plan(0.5, 20, 5, 2.0) == (1, 4)
+    assert probe.iteration_plan(30.0, 20, 5, 2.0) == (0, 1)  # 256 MB over a slow link: one timed iteration
+
+
+def _synthetic_timings(alpha, beta, ranks=2, sizes=(8, 1024, 1 << 20, 8 << 20)):
+    return {"device": "cpu", "hosts": ["node1", "node2"], "ranks_per_node": ranks // 2,
+            "collectives": {c: [{"bytes": s, "seconds": [alpha + s * probe.bus_factor(c, ranks) / beta] * 3}
+                                for s in sizes] for c in probe.COLLECTIVES}}
+
+
+def test_record_arithmetic_and_the_fit_recovers_alpha_and_beta(tmp_path):
+    alpha, beta = 50e-6, 6.25e6
+    record = probe.make_record("torch", "2.x", _synthetic_timings(alpha, beta, ranks=4), 2, 3, 2.0)
+    assert RECORD_KEYS <= set(record) and record["kind"] == "aiperf-probe-network" and record["version"] == 1
+    assert record["ranks"] == 4 and record["ranks_per_node"] == 2
+    for collective, rows in record["collectives"].items():
+        for row in rows:
+            assert ROW_KEYS <= set(row) and row["iterations"] == 3 and not row["bounded"]
+            assert row["algbw_bytes_per_s"] == pytest.approx(row["bytes"] / row["latency_s"])
+            assert row["busbw_bytes_per_s"] == pytest.approx(row["algbw_bytes_per_s"] * probe.bus_factor(collective, 4))
+        assert record["fit"][collective]["latency_s"] == pytest.approx(alpha)
+        assert record["fit"][collective]["busbw_bytes_per_s"] == pytest.approx(beta)
+    path = tmp_path / "probe.json"
+    probe.write_probe(record, path)
+    assert probe.load_probe(path) == json.loads(path.read_text())
+    with pytest.raises(probe.ProbeError, match="exists"):
+        probe.write_probe(record, path)
+    table = probe.render(record)
+    assert "all-reduce" in table and "all-to-all" in table and "busbw (GB/s)" in table
+    assert "0.0063 GB/s" in table  # the fitted beta, 6.25 MB/s
+    shown = probe.summary(record)
+    assert shown["all_reduce"]["largest_bytes"] == 8 << 20
+    assert shown["all_reduce"]["largest_busbw_bytes_per_s"] == pytest.approx(
+        (8 << 20) / (alpha + (8 << 20) * 1.5 / beta) * 1.5)
+
+
+def test_a_fit_whose_alpha_would_be_negative_takes_the_smallest_size_latency():
+    rows = [{"bytes": 8, "latency_s": 1e-4}, {"bytes": 1000, "latency_s": 1e-4}, {"bytes": 2000, "latency_s": 3e-3}]
+    fit = probe.fit_alpha_beta("all_reduce", rows, 2)
+    assert fit["latency_s"] == 1e-4
+    assert fit["busbw_bytes_per_s"] == pytest.approx((8 ** 2 + 1000 ** 2 + 2000 ** 2) / (2000 * 2.9e-3))
+
+
+def test_a_bad_record_is_one_line_naming_the_field(tmp_path):
+    record = probe.make_record("torch", "2.x", _synthetic_timings(1e-5, 1e9), 2, 20, 2.0)
+    del record["fit"]["all_to_all"]["busbw_bytes_per_s"]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(record))
+    with pytest.raises(probe.ProbeError, match=r"bad.json: fit.all_to_all.busbw_bytes_per_s: must be a number"):
+        probe.load_probe(path)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--max-bytes", "lots"], "--max-bytes"),
+    (["--nodes", "0"], "--nodes"),
+    (["--nodes", "2", "--node-rank", "2", "--coordinator", "h:1"], "--node-rank"),
+    (["--nodes", "2"], "--coordinator"),
+    (["--nodes", "2", "--coordinator", "h:99999"], "--coordinator"),
+    (["--min-bytes", "64", "--max-bytes", "8"], "--max-bytes"),
+    (["--seconds-per-size", "0"], "--seconds-per-size"),
+])
+def test_bad_input_is_one_line_naming_the_field(argv, field, capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("SLURM_STEP_NUM_NODES", raising=False)
+    assert main(["probe", "network", "--backend", "torch", "--out", str(tmp_path / "p.json"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert field in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+def test_a_backend_without_collectives_refuses_in_one_line(tmp_path):
+    answer = subprocess.run([sys.executable, "-m", "aiperf_core", "probe", "network", "--backend", "numpy",
+                             "--out", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=60)
+    assert answer.returncode == 2 and "cannot probe the network" in answer.stderr, answer.stderr
+    assert len(answer.stderr.strip().splitlines()) == 1
+
+
+# -- across two namespace nodes --------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_torch_across_two_nodes_busbw_follows_the_shaped_rate(netns_cluster, tmp_path):
+    out = tmp_path / "network-probe.json"
+    coordinator = f"{netns_cluster.address('node1')}:29517"
+    for node in netns_cluster.nodes:
+        netns_cluster.shape(node, SHAPED_MBIT)
+    try:
+        processes = [netns_cluster.run_on(node, [
+            sys.executable, "-m", "aiperf_core", "probe", "network", "--backend", "torch", "--nodes", "2",
+            "--node-rank", str(rank), "--coordinator", coordinator, "--max-bytes", str(MAX_BYTES),
+            "--seconds-per-size", "1", "--timeout", "30", "--out", str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank, node in enumerate(netns_cluster.nodes)]
+        outputs = [p.communicate(timeout=180)[0] for p in processes]
+    finally:
+        for node in netns_cluster.nodes:
+            netns_cluster.shape(node, None)
+    assert [p.returncode for p in processes] == [0, 0], outputs
+    record = json.loads(out.read_text())
+    assert RECORD_KEYS <= set(record)
+    assert (record["backend"], record["nodes"], record["ranks"], record["ranks_per_node"], record["device"]) == (
+        "torch", 2, 2, 1, "cpu")
+    assert record["hosts"] == list(netns_cluster.nodes)
+    rate = SHAPED_MBIT * 1e6 / 8  # bytes per second each way on each link
+    # Two ranks: per collective each sends its whole buffer (all-reduce) or half of it (all-to-all)
+    # over its link, busbw's bytes, so a large size's busbw is at most the link's rate. gloo's
+    # all-reduce reaches 94% of it here; its all-to-all only 50% (at 200 Mbit/s 51%), though the
+    # links carry exactly the bytes it implies, without retransmissions (docs/workflow.md, "Probing
+    # the network"): the bound below holds what was measured, not what a better collective would do.
+    lowest = {"all_reduce": 0.75, "all_to_all": 0.35}
+    for collective, rows in record["collectives"].items():
+        assert [row["bytes"] for row in rows] == probe.probe_sizes(max_bytes=MAX_BYTES)
+        largest = rows[-1]
+        assert lowest[collective] * rate < largest["busbw_bytes_per_s"] < 1.05 * rate, (collective, largest, rate)
+        fitted = record["fit"][collective]["busbw_bytes_per_s"]
+        assert lowest[collective] * rate < fitted < 1.1 * rate, (collective, record["fit"])
+    table = outputs[0]
+    assert "busbw (GB/s)" in table and f"wrote {out}" in table
+    print(probe.render(record))
