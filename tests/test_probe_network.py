@@ -120,6 +120,64 @@ def test_a_backend_without_collectives_refuses_in_one_line(tmp_path):
     assert len(answer.stderr.strip().splitlines()) == 1
 
 
+def _written_record(tmp_path, name="network-probe.json"):
+    record = probe.make_record("torch", "2.x", _synthetic_timings(50e-6, 6.25e6), 2, 20, 2.0)
+    path = tmp_path / name
+    probe.write_probe(record, path, force=True)
+    return record, path
+
+
+def test_the_simulation_reads_the_record():
+    from aiperf_core.workflow.network_model import Network
+
+    record = probe.make_record("torch", "2.x", _synthetic_timings(50e-6, 6.25e6), 2, 20, 2.0)
+    Network.from_probe(record)
+
+
+def test_system_describe_records_the_probe_beside_the_interconnect(tmp_path, capsys):
+    import tomllib
+
+    from aiperf_core.submission.system import load_system
+
+    _, path = _written_record(tmp_path)
+    out = tmp_path / "system.toml"
+    assert main(["system", "describe", "--probe-network", str(path), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.index("interconnect =") < text.index("[network_probe]") < text.index("[nodes]")
+    table = tomllib.loads(text)["network_probe"]
+    assert (table["backend"], table["nodes"], table["ranks"]) == ("torch", 2, 2)
+    assert table["all_reduce_busbw_bytes_per_s"] == pytest.approx(6.25e6)
+    assert table["all_to_all_latency_s"] == pytest.approx(50e-6)
+    assert table["all_reduce_largest_bytes"] == 8 << 20
+    load_system(out, allow_placeholders=True)  # the schema knows the table
+    out.write_text(text.replace("all_to_all_busbw_bytes_per_s = ", "all_to_all_busbw_bytes_per_s = -"))
+    with pytest.raises(Exception, match=r"network_probe.all_to_all_busbw_bytes_per_s: must be a number of bytes"):
+        load_system(out, allow_placeholders=True)
+    capsys.readouterr()
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"kind": "something else"}))
+    assert main(["system", "describe", "--probe-network", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.json: kind:" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_report_shows_a_probe_in_the_run_directory(tmp_path):
+    from aiperf_core.report import write_report
+    from test_score import standard_run
+
+    b = standard_run(tmp_path)
+    b.finish(1960)
+    html_path, summary_path = write_report(tmp_path)
+    assert json.loads(summary_path.read_text())["network_probe"] is None
+    assert "Network probe" not in html_path.read_text()
+    _written_record(tmp_path)
+    html_path, summary_path = write_report(tmp_path)
+    shown = json.loads(summary_path.read_text())["network_probe"]
+    assert shown["all_reduce"]["busbw_bytes_per_s"] == pytest.approx(6.25e6) and shown["ranks"] == 2
+    html = html_path.read_text()
+    assert "Network probe" in html and "all-to-all bus bandwidth at 8388608 bytes" in html
+
+
 # -- across two namespace nodes --------------------------------------------------------------------
 
 @pytest.mark.slow

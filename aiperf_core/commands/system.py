@@ -1,6 +1,6 @@
 """aiperf system: describe this machine for a submission (system.toml), or check a description.
 
-    aiperf system describe [--out system.toml] [--backend NAME] [--force]
+    aiperf system describe [--out system.toml] [--backend NAME] [--probe-network FILE] [--force]
     aiperf system validate FILE [--allow-placeholders]
 
 docs/submission.md, "The system description", has the schema.
@@ -25,6 +25,9 @@ def add_arguments(p) -> None:
     describe.add_argument("--backend", default=None, metavar="NAME",
                           help="also ask this backend's framework for the devices and their precisions")
     describe.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    describe.add_argument("--probe-network", default=None, metavar="FILE",
+                          help="record what `aiperf probe network` measured (its JSON) in [network_probe], beside "
+                               "the declared interconnect")
     validate = actions.add_parser("validate", help="check a system description (exit status 2 if it is bad)",
                                   description="Check a system description against its schema.")
     validate.add_argument("file", metavar="FILE")
@@ -50,7 +53,7 @@ def _describe(args) -> int:
         if Path(args.out).exists() and not args.force:
             raise SubmissionError(f"{args.out}: exists; pass --force to overwrite it")
         writable_file("--out", args.out)
-    description = describe(args.backend)
+    description = describe(args.backend, args.probe_network)
     if args.out is None:
         sys.stdout.write(to_toml(description))
         return 0

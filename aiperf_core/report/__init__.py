@@ -31,6 +31,8 @@ from aiperf_core.scoring.score import ScoreResult, epoch_ops, score_ledger
 SUMMARY_SCHEMA_VERSION = 1
 UTILISATION_BUCKETS = 240  # points per utilisation line, whatever the run's length
 REPORT_FILES = ("report.html", "summary.json")  # what write_report writes in the run directory
+# Where the report looks for `aiperf probe network`'s record (aiperf probe network --out RUN_DIR/...).
+NETWORK_PROBE_FILE = "network-probe.json"
 
 
 def write_report(run_dir: str | os.PathLike, as_of_run_end: bool = False) -> tuple[Path, Path]:
@@ -92,6 +94,7 @@ def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, 
         "compile": compile_summary(ledger),
         "expert_load": expert_load_summary(ledger),
         "communication": communication_summary(ledger, result.score_ops),
+        "network_probe": network_probe_summary(ledger.run_dir.root),
         "machine": {
             "replicas": len(nodes), "replicas_configured": run.get("replicas"),
             "devices_per_replica": run.get("devices_per_replica"), "executor": run.get("executor"),
@@ -160,6 +163,22 @@ def expert_load_summary(ledger: RunLedger) -> dict[str, Any] | None:
             "mean_max_over_mean": sum(worst_per_trial.values()) / len(worst_per_trial),
             "worst_max_over_mean": ranked[0][1],
             "least_even": [{"trial": tid, "max_over_mean": ledger.trials[tid].expert_load} for tid, _ in ranked]}
+
+
+def network_probe_summary(root: Path) -> dict[str, Any] | None:
+    """What `aiperf probe network` measured, where its record was written into the run directory
+    (NETWORK_PROBE_FILE): the fitted latency and bus bandwidth of each collective and the bus
+    bandwidth at its largest size (network_probe.summary); {"unreadable": why} for a bad record;
+    None where there is none."""
+    from aiperf_core.network_probe import ProbeError, load_probe, summary
+
+    path = Path(root) / NETWORK_PROBE_FILE
+    if not path.exists():
+        return None
+    try:
+        return summary(load_probe(path))
+    except ProbeError as exc:
+        return {"unreadable": str(exc)}
 
 
 def communication_summary(ledger: RunLedger, score_ops: float = 0.0) -> dict[str, Any] | None:

@@ -54,6 +54,7 @@ def render_page(summary: dict[str, Any], result: ScoreResult, ledger: RunLedger,
         _facts_table(summary, result),
         _validity(result),
         _communication(summary.get("communication")),
+        _network_probe(summary.get("network_probe")),
         "<h2>Score over time</h2>",
         _score_charts(result, ledger.info.run),
         "<h2>Trials per replica</h2>",
@@ -316,6 +317,30 @@ def _communication(communication: dict[str, Any] | None) -> str:
             "machine's aggregate). The network efficiency is the score over the score an ideal network would "
             "have given: the same operations in the replicas' time less their waits on communication. "
             "Reported beside the score, not part of it (docs/scoring.md).</p><table>" + "".join(rows) + "</table>")
+
+
+def _network_probe(probe: dict[str, Any] | None) -> str:
+    """What `aiperf probe network` measured between the nodes: nothing where no probe was recorded."""
+    if not probe:
+        return ""
+    if "unreadable" in probe:
+        return f"<h2>Network probe</h2><p>network-probe.json: {escape(probe['unreadable'])}</p>"
+    rows = [_row("ranks", f"{probe['ranks']} on {probe['nodes']} node(s), {escape(str(probe['backend']))} on "
+                          f"{escape(str(probe['device']))}")]
+    for collective in ("all_reduce", "all_to_all"):
+        figures = probe.get(collective)
+        if not figures:
+            continue
+        name = collective.replace("_", "-")
+        rows += [_row(f"{name} latency (fitted)", f"{figures['latency_s'] * 1e6:.4g} us"),
+                 _row(f"{name} bus bandwidth (fitted)", _rate(figures["busbw_bytes_per_s"])),
+                 _row(f"{name} bus bandwidth at {figures['largest_bytes']} bytes",
+                      _rate(figures["largest_busbw_bytes_per_s"]))]
+    return ("<h2>Network probe</h2><p>Measured between the nodes by <code>aiperf probe network</code> (its "
+            "record in the run directory, network-probe.json), as nccl-tests measures: latency and bus bandwidth "
+            "fitted to time = latency + bus bytes / bandwidth over the sizes, and the bus bandwidth at the largest "
+            "size. Compare with the declared interconnect (system.toml) and with the bandwidth the trials "
+            "reached above.</p><table>" + "".join(rows) + "</table>")
 
 
 def _power_chart(power: dict[str, list[tuple[float, float]]]) -> str:

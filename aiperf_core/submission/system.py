@@ -202,19 +202,60 @@ FIELDS = (
     Field("software.python", "the Python version", "version string", _text()),
     Field("software.aiperf", "the aiperf version", "version string", _text(), "<aiperf version>"),
 )
+
+
+def _bytes_per_second(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise _Invalid(f"must be a number of bytes per second > 0, got {_shown(value)}")
+
+
+def _seconds(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise _Invalid(f"must be a number of seconds >= 0, got {_shown(value)}")
+
+
+def _probe_fields(collective: str) -> tuple[Field, ...]:
+    name = collective.replace("_", "-")
+    return (
+        Field(f"network_probe.{collective}_latency_s", f"the {name}'s fitted latency (alpha)", "seconds", _seconds),
+        Field(f"network_probe.{collective}_busbw_bytes_per_s", f"the {name}'s fitted bus bandwidth (beta)",
+              "bytes per second", _bytes_per_second),
+        Field(f"network_probe.{collective}_largest_bytes", f"the largest {name} size measured", "bytes per rank",
+              _integer(1, "bytes")),
+        Field(f"network_probe.{collective}_largest_busbw_bytes_per_s", f"the {name}'s bus bandwidth at that size",
+              "bytes per second", _bytes_per_second),
+    )
+
+
+# The optional [network_probe] table: what `aiperf probe network` measured between the nodes, beside
+# the declared interconnect (describe --probe-network FILE; docs/submission.md).
+PROBE_FIELDS = (
+    Field("network_probe.backend", "the backend whose collectives were timed", "backend name", _text()),
+    Field("network_probe.device", "the device type the ranks ran on", "text, such as cpu or cuda", _text()),
+    Field("network_probe.nodes", "the nodes the probe ran across", "integer >= 1", _integer(1, "nodes")),
+    Field("network_probe.ranks", "the ranks the probe ran", "integer >= 1", _integer(1, "ranks")),
+    *_probe_fields("all_reduce"),
+    *_probe_fields("all_to_all"),
+)
+FIELDS = FIELDS + PROBE_FIELDS
 FIELD = {f.name: f for f in FIELDS}
 
 # Each table's keys, in file order; None: a table whose keys vary (checked by _dynamic_field).
 TABLES: dict[str, tuple[str, ...] | None] = {
     "": ("schema_version", "submitter", "site", "country", "system_name", "availability", "interconnect",
-         "shared_storage", "cooling", "notes", "nodes", "accelerators", "software"),
+         "shared_storage", "cooling", "notes", "network_probe", "nodes", "accelerators", "software"),
+    "network_probe": tuple(f.name.split(".", 1)[1] for f in PROBE_FIELDS),
     "nodes": ("count", "cpu_model", "sockets", "cores", "threads", "memory_bytes", "os"),
     "accelerators": ("kind", "model", "per_node", "memory_bytes", "driver", "peak_ops"),
     "accelerators.peak_ops": None,
     "software": ("python", "aiperf", "frameworks"),
     "software.frameworks": None,
 }
+# Keys a table may leave out.
+OPTIONAL_KEYS = {"": ("network_probe",)}
 TABLE_COMMENTS = {
+    "network_probe": "measured by `aiperf probe network` between the nodes (nccl-tests' bus bandwidth), beside "
+                     "the declared interconnect above; optional",
     "nodes": "one node of the system: every node is the same",
     "accelerators": "the compute devices of one node",
     "accelerators.peak_ops": "the vendor's dense peak of ONE device, in operations per second, per precision "
@@ -293,7 +334,7 @@ def _check_table(table: dict, name: str, fail: Callable[[str, str], None]) -> No
             if key not in keys:
                 fail(_join(name, key), f"unknown key (allowed here: {', '.join(keys)})")
     for key in keys if keys is not None else REQUIRED_DYNAMIC[name]:
-        if key not in table:
+        if key not in table and key not in OPTIONAL_KEYS.get(name, ()):
             fail(_join(name, key), "missing")
     for key, value in table.items():
         dotted = _join(name, key)
@@ -393,11 +434,26 @@ def _placeholder(name: str) -> str:
     return FIELD[name].placeholder
 
 
-def describe(backend_name: str | None = None) -> dict:
+def network_probe_table(record: dict) -> dict:
+    """The [network_probe] table of a probe record (aiperf_core.network_probe; read with load_probe)."""
+    from aiperf_core.network_probe import COLLECTIVES, summary
+
+    shown = summary(record)
+    table = {key: shown[key] for key in ("backend", "device", "nodes", "ranks")}
+    for collective in COLLECTIVES:
+        if collective not in shown:
+            raise SubmissionError(f"network probe: no {collective} measured")
+        for key, value in shown[collective].items():
+            table[f"{collective}_{key}"] = value
+    return table
+
+
+def describe(backend_name: str | None = None, probe_network: str | Path | None = None) -> dict:
     """This node's description, with placeholders for what only the site knows. Accelerators come
     from NVML; where NVML sees none and `backend_name` is given, from that backend's device query;
     else the host CPUs are the node's one device. With a backend, the peak gets one placeholder per
-    precision the device runs."""
+    precision the device runs. With `probe_network` (a file `aiperf probe network` wrote), its
+    figures go into [network_probe], beside the declared interconnect."""
     from aiperf_core import inventory
 
     cpu = inventory.host_cpu()
@@ -420,6 +476,10 @@ def describe(backend_name: str | None = None) -> dict:
     accelerators["peak_ops"] = {p: _peak_field(p).placeholder for p in PRECISIONS if p in precisions}
     description = {"schema_version": SCHEMA_VERSION}
     description.update({name: _placeholder(name) for name in PLACEHOLDER_FIELDS if "." not in name})
+    if probe_network is not None:
+        from aiperf_core.network_probe import load_probe
+
+        description["network_probe"] = network_probe_table(load_probe(probe_network))
     description.update(nodes=nodes, accelerators=accelerators, software=_software())
     return description
 
