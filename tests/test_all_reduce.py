@@ -202,10 +202,15 @@ def test_metrics_and_watch_carry_the_all_reduce_and_the_efficiency(tmp_path, cap
     assert "# TYPE aiperf_network_efficiency_ratio gauge" in text
     [line] = [x for x in text.splitlines() if x.startswith("aiperf_network_efficiency_ratio ")]
     assert float(line.split()[1]) == pytest.approx(1 - WAITED / 320)
+    [line] = [x for x in text.splitlines() if x.startswith("aiperf_network_wait_share_ratio ")]
+    share = WAITED / 4.0  # the replicas' 4 s in steps
+    assert float(line.split()[1]) == pytest.approx(share)
+    assert f"aiperf_all_reduce_inter_node_bytes_total {float(MOE_EPOCH)!r}\n" in text
     assert main(["watch", "--once", str(tmp_path)]) == 0
     forget(tmp_path)
     out = capsys.readouterr().out
-    assert f"all-reduce {total / 1e9:.3g} GB/s" in out and "2 data-parallel trials), network efficiency" in out
+    assert f"all-reduce {total / 1e9:.3g} GB/s" in out
+    assert f"2 data-parallel trials), {share:.1%} of step time waiting, network efficiency" in out
 
 
 def test_rank_shows_the_network_efficiency():

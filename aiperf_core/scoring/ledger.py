@@ -368,6 +368,7 @@ class RunLedger:
         # the bytes of the epochs whose seconds were measured, the trials that logged it.
         reduced = [t.all_reduce for t in trials if t.all_reduce is not None]
         self.all_reduce_bytes = sum(r[AR_BYTES] for r in reduced)
+        self.all_reduce_inter_node_bytes = sum(r[AR_INTER] for r in reduced)
         self.all_reduce_seconds = sum(r[AR_SECONDS] or 0.0 for r in reduced)
         self.all_reduce_timed_bytes = sum(r[AR_TIMED_BYTES] for r in reduced)
         self.all_reduce_trials = len(reduced)
@@ -539,6 +540,7 @@ class RunLedger:
             for index in (AR_BYTES, AR_INTER, AR_INTRA):
                 trial.all_reduce[index] += reduced[index]
             self.all_reduce_bytes += reduced[AR_BYTES]
+            self.all_reduce_inter_node_bytes += reduced[AR_INTER]
             if reduced[AR_SECONDS] is not None:
                 trial.all_reduce[AR_SECONDS] = (trial.all_reduce[AR_SECONDS] or 0.0) + reduced[AR_SECONDS]
                 trial.all_reduce[AR_TIMED_BYTES] += reduced[AR_BYTES]

@@ -70,11 +70,15 @@ class Progress:
     all_to_all_trials: int = 0
     # The gradient all-reduce of every epoch read that logged it (epoch_end.all_reduce): analytic bytes
     # per rank, measured seconds, the bytes of the epochs whose seconds were measured, the trials that ran
-    # data-parallel; and the network efficiency (aiperf_core.scoring.network; None before any wait).
+    # data-parallel, the bytes that left each node on its network link; and what the network cost
+    # (aiperf_core.scoring.network: the share of step time waiting on communication and the network
+    # efficiency; None before a trial communicated).
     all_reduce_bytes: int = 0
+    all_reduce_inter_node_bytes: int = 0
     all_reduce_seconds: float = 0.0
     all_reduce_timed_bytes: int = 0
     all_reduce_trials: int = 0
+    network_share: float | None = None
     network_efficiency: float | None = None
 
     @property
@@ -242,17 +246,18 @@ def _progress(live: _LiveRun, now: float) -> Progress:
         all_to_all_seconds=ledger.all_to_all_seconds, all_to_all_trials=ledger.all_to_all_trials,
         all_reduce_bytes=ledger.all_reduce_bytes, all_reduce_seconds=ledger.all_reduce_seconds,
         all_reduce_timed_bytes=ledger.all_reduce_timed_bytes, all_reduce_trials=ledger.all_reduce_trials,
-        network_efficiency=_network_efficiency(ledger))
+        all_reduce_inter_node_bytes=ledger.all_reduce_inter_node_bytes, **_network_cost(ledger))
 
 
-def _network_efficiency(ledger) -> float | None:
-    """aiperf_core.scoring.network's run efficiency, None before a trial communicated."""
+def _network_cost(ledger) -> dict[str, float | None]:
+    """aiperf_core.scoring.network's share of step time waiting and run efficiency, None before a
+    trial communicated."""
     from aiperf_core.scoring.network import efficiency, waits
 
     if not ledger.all_reduce_trials and not ledger.all_to_all_trials:
-        return None
-    waited, _, lives = waits(ledger)
-    return efficiency(waited, lives)
+        return {"network_share": None, "network_efficiency": None}
+    waited, steps, lives = waits(ledger)
+    return {"network_share": waited / steps if steps > 0 else None, "network_efficiency": efficiency(waited, lives)}
 
 
 def write_checkpoint(run_dir: str | os.PathLike, now: float | None = None) -> None:

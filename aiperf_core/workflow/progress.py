@@ -147,8 +147,9 @@ def render(progress: Any, live: Live | None = None) -> list[str]:
     bus = progress.all_reduce_bytes_per_second
     if progress.all_reduce_trials:  # a data-parallel epoch was logged: the gradient all-reduce, not scored
         rate = "not timed" if bus is None else f"{bus / 1e9:.3g} GB/s"
-        efficiency = progress.network_efficiency
-        network = "" if efficiency is None else f", network efficiency {efficiency:.1%}"
+        share, efficiency = progress.network_share, progress.network_efficiency
+        network = ("" if share is None else f", {share:.1%} of step time waiting") + (
+            "" if efficiency is None else f", network efficiency {efficiency:.1%}")
         lines.append(f"all-reduce {rate} ({progress.all_reduce_bytes / 1e9:.3g} GB per rank in "
                      f"{progress.all_reduce_seconds:.3g} s, {progress.all_reduce_trials} data-parallel trials)"
                      f"{network}, not scored")

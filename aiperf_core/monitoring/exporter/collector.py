@@ -67,6 +67,12 @@ SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
                                         "summed over replicas (epochs a backend could not time add none)"),
     "aiperf_all_reduce_bytes_per_second": ("gauge", (), "The timed epochs' all-reduce bytes per rank over their "
                                            "seconds: one replica's bus bandwidth (absent without a timed second)"),
+    "aiperf_all_reduce_inter_node_bytes_total": ("counter", (), "Analytic bytes the gradient all-reduce sent "
+                                                 "over each node's network link in those epochs (0 where every "
+                                                 "replica is one node)"),
+    "aiperf_network_wait_share_ratio": ("gauge", (), "The share of the replicas' step time spent waiting on "
+                                        "communication, all-reduce and all-to-all (absent before a trial "
+                                        "communicated); not scored"),
     "aiperf_network_efficiency_ratio": ("gauge", (), "The score over the score an ideal network would have given: 1 "
                                         "- waits on communication / replica time (absent before a trial "
                                         "communicated); not scored"),
@@ -418,9 +424,13 @@ class RunCollector:
             moved, seconds = _family("aiperf_all_reduce_bytes_total"), _family("aiperf_all_reduce_seconds_total")
             moved.add_metric([], progress.all_reduce_bytes)
             seconds.add_metric([], progress.all_reduce_seconds)
-            out += [moved, seconds]
+            inter_node = _family("aiperf_all_reduce_inter_node_bytes_total")
+            inter_node.add_metric([], progress.all_reduce_inter_node_bytes)
+            out += [moved, inter_node, seconds]
             if progress.all_reduce_bytes_per_second is not None:
                 out.append(_gauge("aiperf_all_reduce_bytes_per_second", progress.all_reduce_bytes_per_second))
+        if progress.network_share is not None:
+            out.append(_gauge("aiperf_network_wait_share_ratio", progress.network_share))
         if progress.network_efficiency is not None:
             out.append(_gauge("aiperf_network_efficiency_ratio", progress.network_efficiency))
         trials = _family("aiperf_trials")
