@@ -113,6 +113,26 @@ def test_bad_input_is_one_line_naming_the_field(argv, field, capsys, tmp_path, m
     assert field in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
+def test_under_srun_the_step_gives_nodes_rank_and_coordinator(tmp_path, monkeypatch):
+    import argparse
+    import os
+
+    from aiperf_core.commands.probe import SLURM_PORT_BASE, placement
+
+    scontrol = tmp_path / "scontrol"  # as SLURM's: the step's node list expanded, one host a line
+    scontrol.write_text("#!/bin/sh\n[ \"$3\" = 'node[1-2]' ] && printf 'node1\\nnode2\\n'\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    for name, value in (("SLURM_STEP_NUM_NODES", "2"), ("SLURM_NODEID", "1"), ("SLURM_STEP_NODELIST", "node[1-2]"),
+                        ("SLURM_JOB_ID", "12345")):
+        monkeypatch.setenv(name, value)
+    flags = argparse.Namespace(nodes=None, node_rank=None, coordinator=None)
+    assert placement(flags) == (2, 1, "node1", SLURM_PORT_BASE + 2345)
+    assert placement(argparse.Namespace(nodes=3, node_rank=0, coordinator="head:7000")) == (3, 0, "head", 7000)
+    monkeypatch.delenv("SLURM_STEP_NUM_NODES")  # a batch script's own shell: not a step across the nodes
+    assert placement(flags) == (1, 0, "127.0.0.1", 0)
+
+
 def test_a_backend_without_collectives_refuses_in_one_line(tmp_path):
     answer = subprocess.run([sys.executable, "-m", "aiperf_core", "probe", "network", "--backend", "numpy",
                              "--out", str(tmp_path / "p.json")], capture_output=True, text=True, timeout=60)
@@ -205,7 +225,7 @@ def test_torch_across_two_nodes_busbw_follows_the_shaped_rate(netns_cluster, tmp
     rate = SHAPED_MBIT * 1e6 / 8  # bytes per second each way on each link
     # Two ranks: per collective each sends its whole buffer (all-reduce) or half of it (all-to-all)
     # over its link, busbw's bytes, so a large size's busbw is at most the link's rate. gloo's
-    # all-reduce reaches 94% of it here; its all-to-all only 50% (at 200 Mbit/s 51%), though the
+    # all-reduce reaches 94% of it here; its all-to-all only 50% (at 200 Mbit/s too), though the
     # links carry exactly the bytes it implies, without retransmissions (docs/workflow.md, "Probing
     # the network"): the bound below holds what was measured, not what a better collective would do.
     lowest = {"all_reduce": 0.75, "all_to_all": 0.35}
