@@ -192,6 +192,26 @@ def test_cli_backend_from_the_environment_and_bad_precisions(tmp_path, monkeypat
     assert not (tmp_path / "q.json").exists()
 
 
+def test_cli_budget_bounds_each_device_and_a_bad_one_is_refused_before_measuring(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(peak_module.SIZES, "cpu", TINY)
+    budgets = []
+    measure = peak_module.measure_peak
+
+    def recording(*args, budget_s=None, **kwargs):
+        budgets.append(budget_s)
+        return measure(*args, budget_s=budget_s, **kwargs)
+
+    monkeypatch.setattr(peak_module, "measure_peak", recording)
+    assert main(["peak", "--backend", "numpy", "--budget", "1m30s", "--out", str(tmp_path / "p.json")]) == 0
+    assert main(["peak", "--backend", "numpy", "--out", str(tmp_path / "q.json")]) == 0
+    assert budgets == [90.0, None]  # None: BUDGET_S by kind of device
+    capsys.readouterr()
+    assert main(["peak", "--backend", "numpy", "--budget", "soon", "--out", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("aiperf: error: --budget: 'soon' is not a duration") and len(err.splitlines()) == 1
+    assert budgets == [90.0, None] and not (tmp_path / "r.json").exists()
+
+
 # -- load_peak ---------------------------------------------------------------------------------------
 GOOD = {"schema_version": 1, "kind": "aiperf-peak", "backend": "torch", "framework_version": "2.13.0",
         "host": "node01", "measured_at": "2026-11-25T15:40:00+00:00",

@@ -14,6 +14,9 @@ def add_arguments(p) -> None:
                    help="backend (default: $AIPERF_BACKEND, else the config file's 'backend', else tensorflow)")
     p.add_argument("--precision", default=None, metavar="P[,P...]",
                    help="measure only these precisions, each declared on every device (default: every declared one)")
+    p.add_argument("--budget", default=None, metavar="DURATION",
+                   help="the time one device may take over all its precisions, e.g. 10s, 2m (default: 30s on a "
+                   "CPU, 40s on an accelerator); a larger size is tried only while it fits")
     p.add_argument("--out", default="peak.json", metavar="FILE", help="where to write the peak file (default: ./peak.json)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--config", default=None, metavar="FILE",
@@ -53,18 +56,20 @@ def run(args) -> int:
     from aiperf_core.registry import load_backend, resolve_backend_name
     from aiperf_core.submission import SubmissionError
     from aiperf_core.submission.peak import measure_peak, spread_warnings, write_peak
+    from aiperf_core.workflow.duration import parse_duration
 
     out = Path(args.out)
     if out.exists() and not args.force:  # refused before minutes of measuring, and again when written
         raise SubmissionError(f"{out}: exists (give --force to overwrite it)")
     writable_file("--out", out)
     precisions = parse_precision_list(args.precision)
+    budget_s = None if args.budget is None else parse_duration(args.budget, "--budget")
     backend = load_backend(resolve_backend_name(args.backend, config=load_config(args.config)))
 
     def progress(line: str) -> None:
         print(f"  {line}", file=sys.stderr, flush=True)
 
-    record = measure_peak(backend, precisions, progress=progress)
+    record = measure_peak(backend, precisions, budget_s=budget_s, progress=progress)
     write_peak(record, out, force=args.force)
     print(render(record))
     for line in spread_warnings(record):
