@@ -248,15 +248,19 @@ class AllReduceClock:
     collectives of one process group complete in launch order. So a step's wait is from the last
     bucket's launch to its completion: the communication the backward could not hide, including what was
     still running of earlier buckets. Copying the reduced buckets back into the gradients is not counted.
+    A rank that finishes its backward first also waits there for the slower ranks to launch theirs: load
+    imbalance, which an ideal network would not take away. So a step's wait is the least of the ranks'
+    waits at that step (`take` reduces them with MIN over the default group, on every rank): the rank
+    that launches last waits only for the communication.
     On a CPU (gloo) both ends are read with time.perf_counter (the completion in the future's callback,
     which DDP waits on before backward() returns); on CUDA (NCCL) with CUDA events, one on the current
     stream at the launch and one in the callback, read once per epoch: written for it, unverified (no
     GPU here)."""
 
     def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
-        self.seconds = 0.0
-        self.steps = 0  # steps whose last bucket completed since the last take
+        self.waits: list[float] = []  # this rank's wait at each step since the last take, in step order
         self._launched = 0.0
         self._events: list = []  # CUDA: (launch, done) event pairs not yet read
 
@@ -280,21 +284,33 @@ class AllReduceClock:
                 finished.record()
                 self._events.append((launched, finished))
             else:
-                self.seconds += time.perf_counter() - self._launched
-            self.steps += 1
+                self.waits.append(time.perf_counter() - self._launched)
             return fut.value()
 
         return future.then(done)
 
     def take(self) -> float | None:
-        """The seconds since the last call (None when no step reduced), and zero them."""
+        """The steps' waits since the last call, each the least over the ranks, summed (None when no step
+        reduced), and forget them. A collective when several ranks run: call it on every rank alike (every
+        rank ran the same steps, so their lists pair up)."""
         if self._events:
             self._events[-1][1].synchronize()
-            self.seconds += sum(start.elapsed_time(end) for start, end in self._events) / 1000.0
+            self.waits += [start.elapsed_time(end) / 1000.0 for start, end in self._events]
             self._events.clear()
-        seconds = self.seconds if self.steps else None
-        self.seconds, self.steps = 0.0, 0
-        return seconds
+        waits, self.waits = self.waits, []
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # The lengths first (least and, negated, most), so that every rank sees the same and either
+            # all reduce the waits or all raise, never one left waiting in a collective the others skip.
+            counts = torch.tensor([len(waits), -len(waits)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN)
+            fewest, most = int(counts[0].item()), -int(counts[1].item())
+            if fewest != most:
+                raise RuntimeError(f"all-reduce clock: the ranks timed from {fewest} to {most} steps this epoch")
+            if waits:
+                least = torch.tensor(waits, dtype=torch.float64, device=self.device)
+                dist.all_reduce(least, op=dist.ReduceOp.MIN)
+                waits = least.tolist()
+        return sum(waits) if waits else None
 
 
 def wrap(model, device: torch.device):

@@ -387,7 +387,8 @@ def run_epochs(model, data: Dataset, config: TrainConfig, device, *, rank: int =
     over the epoch's training steps (Stepper.take_expert_load), summed over the ranks. An expert-parallel
     model reports the seconds its all-to-all exchanges took in the epoch's training and evaluation, rank 0's
     figure on rank 0 (each rank reports its own; expert_parallel.ExchangeClock); a data-parallel one the
-    seconds its steps waited on the gradient all-reduce, rank 0's (distributed.AllReduceClock)."""
+    seconds its steps waited on the gradient all-reduce, at each step the least of the ranks' waits, the same
+    figure on every rank (distributed.AllReduceClock)."""
     device = resolved(device)
     if stepper is None:
         stepper = Stepper(model, device, config,
