@@ -191,6 +191,12 @@ class JaxBackend(Backend):
 
         return matmul_seconds(device, precision, size, repeats)
 
+    def probe_collectives(self, layout: ReplicaLayout, collectives: tuple[str, ...], sizes: list[int],
+                          iterations: int, warmup: int, seconds_per_size: float) -> dict[str, Any] | None:
+        from aiperf_backends.jax.network_probe import probe_collectives
+
+        return probe_collectives(layout, self.devices(), collectives, sizes, iterations, warmup, seconds_per_size)
+
     def parallelism(self) -> Parallelism:
         return Parallelism(data_parallel=True, synchronized_batch_norm=True, expert_parallel=True, multi_node=True,
                            notes="the batch axis sharded over a mesh of the training devices in one jitted step; "
