@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -184,8 +185,17 @@ def run(args) -> int:
         print(f"probing {', '.join(probe.COLLECTIVES)} over {layout.world} rank(s) on {nodes} node(s), "
               f"{probe.format_bytes(sizes[0])} to {probe.format_bytes(sizes[-1])}, at most {args.iterations} "
               f"iterations or {args.seconds_per_size:g} s per size", file=sys.stderr, flush=True)
-    timings = backend.probe_collectives(layout, probe.COLLECTIVES, sizes, args.iterations, args.warmup,
-                                        args.seconds_per_size)
+    try:
+        timings = backend.probe_collectives(layout, probe.COLLECTIVES, sizes, args.iterations, args.warmup,
+                                            args.seconds_per_size)
+    except AiperfError:
+        raise
+    except Exception as exc:  # the framework's own error: a peer that never came, or was lost (--timeout)
+        if getattr(args, "debug", False):
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise probe.ProbeError(f"node {node_rank} ({socket.gethostname()}): the collectives failed with "
+                               f"{nodes} node(s) meeting at {addr}:{port}: {first}") from None
     if node_rank != 0:
         return 0
     record = probe.make_record(backend.name, backend.framework_version(), timings, nodes, args.iterations,
