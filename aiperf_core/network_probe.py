@@ -24,7 +24,9 @@ calibration. The residuals are absolute seconds, so the large sizes, where the b
 beta: relative residuals would weigh the many small sizes as much, and on a link shaped by a token
 bucket those under its burst cross at the unshaped rate (measured: beta twice the shaped rate). Where
 the best alpha is below zero, alpha is the smallest size's latency (the latency-bound end) and beta
-the least-squares fit given it.
+the least-squares fit given it. Where the times do not grow with the size at all (every size
+latency-bound, or noise), the fit is marked "flat": alpha the median latency, beta the fastest busbw
+measured.
 
 The record (JSON; written atomically by write_probe), version 1:
     {"kind": "aiperf-probe-network", "version": 1, "backend": "torch", "framework_version": "2.5.1",
@@ -33,6 +35,7 @@ The record (JSON; written atomically by write_probe), version 1:
                                      "busbw_bytes_per_s": ..., "bounded": false}, ...],
                      "all_to_all": [...]},
      "fit": {"all_reduce": {"latency_s": alpha, "busbw_bytes_per_s": beta}, "all_to_all": {...}},
+              (and "flat": true in a collective's fit where the times did not grow with the size)
      "measured_at": "2026-12-07T01:40:00+00:00", "seconds_per_size": 2.0}
 """
 
@@ -140,7 +143,11 @@ def fit_alpha_beta(collective: str, rows: Sequence[dict[str, Any]], ranks: int) 
         alpha = points[0][1]
         g = sum(x * (t - alpha) for x, t in points) / sum(x * x for x, _ in points)
     if not g > 0:
-        raise ProbeError(f"{collective}: the times do not grow with the size: no bandwidth to fit")
+        # Latency-bound over every size (small sizes on a fast link, or noise on a busy machine): no
+        # slope to read a bandwidth from. The fit says so, and gives the fastest busbw measured, a
+        # bound the link reached, rather than fail a probe whose rows are all sound.
+        return {"latency_s": float(statistics.median(t for _, t in points)),
+                "busbw_bytes_per_s": float(max(row["busbw_bytes_per_s"] for row in rows)), "flat": True}
     return {"latency_s": float(alpha), "busbw_bytes_per_s": float(1.0 / g)}
 
 
@@ -198,7 +205,8 @@ def render(record: dict[str, Any]) -> str:
         lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in [header, *table]]
         fit = record["fit"][collective]
         lines.append(f"fit: time = {fit['latency_s'] * 1e6:.1f} us + bus bytes / {format_rate(fit['busbw_bytes_per_s'])} "
-                     f"GB/s")
+                     f"GB/s" + (" (the times do not grow with the size: the median latency and the fastest busbw; "
+                                "probe larger sizes for a bandwidth)" if fit.get("flat") else ""))
     if bounded:
         lines += ["", f"* fewer iterations than asked: the size's iterations were bounded by "
                       f"{record.get('seconds_per_size', SECONDS_PER_SIZE):g} s (--seconds-per-size)"]

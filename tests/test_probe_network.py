@@ -88,6 +88,12 @@ def test_a_fit_whose_alpha_would_be_negative_takes_the_smallest_size_latency():
     assert fit["busbw_bytes_per_s"] == pytest.approx((8 ** 2 + 1000 ** 2 + 2000 ** 2) / (2000 * 2.9e-3))
 
 
+def test_times_that_do_not_grow_with_the_size_make_a_flat_fit_not_a_failure():
+    rows = [probe.entry("all_to_all", size, [t], 2, 1) for size, t in ((8, 3e-4), (64, 1e-4), (512, 2e-4))]
+    fit = probe.fit_alpha_beta("all_to_all", rows, 2)
+    assert fit == {"latency_s": 2e-4, "busbw_bytes_per_s": pytest.approx(512 / 2e-4 / 2), "flat": True}
+
+
 def test_a_bad_record_is_one_line_naming_the_field(tmp_path):
     record = probe.make_record("torch", "2.x", _synthetic_timings(1e-5, 1e9), 2, 20, 2.0)
     del record["fit"]["all_to_all"]["busbw_bytes_per_s"]
@@ -196,6 +202,24 @@ def test_the_report_shows_a_probe_in_the_run_directory(tmp_path):
     assert shown["all_reduce"]["busbw_bytes_per_s"] == pytest.approx(6.25e6) and shown["ranks"] == 2
     html = html_path.read_text()
     assert "Network probe" in html and "all-to-all bus bandwidth at 8388608 bytes" in html
+
+
+@pytest.mark.slow
+def test_torch_two_ranks_on_one_node_run_as_spawned_processes(tmp_path):
+    # A node with several devices (a GPU node's path) runs one spawned process per device; here two
+    # CPU devices, meeting on the loopback. Not beside the namespace tests: it would share the cores
+    # with their measurement.
+    import os
+
+    out = tmp_path / "p.json"
+    answer = subprocess.run([sys.executable, "-m", "aiperf_core", "probe", "network", "--backend", "torch",
+                             "--max-bytes", "64K", "--step-factor", "8", "--seconds-per-size", "0.2", "--out", str(out)],
+                            env={**os.environ, "AIPERF_CPU_DEVICES": "2"}, capture_output=True, text=True, timeout=180)
+    assert answer.returncode == 0, answer.stdout + answer.stderr
+    record = json.loads(out.read_text())
+    assert (record["nodes"], record["ranks"], record["ranks_per_node"], len(record["hosts"])) == (1, 2, 2, 1)
+    assert [row["bytes"] for row in record["collectives"]["all_to_all"]] == [8, 64, 512, 4096, 32768, 65536]
+    assert "all-to-all" in answer.stdout and f"wrote {out}" in answer.stdout
 
 
 # -- across two namespace nodes --------------------------------------------------------------------
