@@ -111,6 +111,7 @@ def test_a_bad_record_is_one_line_naming_the_field(tmp_path):
     (["--nodes", "2", "--coordinator", "h:99999"], "--coordinator"),
     (["--min-bytes", "64", "--max-bytes", "8"], "--max-bytes"),
     (["--seconds-per-size", "0"], "--seconds-per-size"),
+    (["--out", "/proc/nope/out"], "--out"),  # refused before the backend loads and the nodes meet
 ])
 def test_bad_input_is_one_line_naming_the_field(argv, field, capsys, tmp_path, monkeypatch):
     monkeypatch.delenv("SLURM_STEP_NUM_NODES", raising=False)
