@@ -442,10 +442,10 @@ class Backend(abc.ABC):
                           iterations: int, warmup: int, seconds_per_size: float) -> dict[str, Any] | None:
         """Time the collectives over every rank of `layout` (each node's devices, one rank each, its
         nodes met at layout's coordinator), with the framework's own collectives: `aiperf probe
-        network` (aiperf_core.network_probe). Called once on every node. For each collective (names
-        of network_probe.COLLECTIVES) and size in bytes, in the given order: one float32 buffer per
-        rank of network_probe.element_count elements; one warm-up collective timed, its slowest
-        rank's time read by every rank, and network_probe.iteration_plan's further warm-ups and
+        network` (aiperf_core.network.probe). Called once on every node. For each collective (names
+        of network.probe.COLLECTIVES) and size in bytes, in the given order: one float32 buffer per
+        rank of network.probe.element_count elements; one warm-up collective timed, its slowest
+        rank's time read by every rank, and network.probe.iteration_plan's further warm-ups and
         timed iterations; each timed one started together on every rank (a barrier) and lasting
         until the rank's device has finished it. Returns on node 0 {"device": "cpu" | "cuda" | ...,
         "hosts": [host of node 0, ...], "ranks_per_node": R, "collectives": {name: [{"bytes": the

@@ -11,7 +11,7 @@ opcount.communication).
 
 The machine: nodes of 8 H100s, each at DEVICE_OPS_PER_S in the paper's count (0.45, the LM step's MFU
 goal in docs/backends/gpu.md, of the 748 TOPS bf16 GEMM peak measured on the project's H100), NVLink
-inside a node (network_model.NVLINK_*), and the network of each column (network_model.Network).
+inside a node (network.model.NVLINK_*), and the network of each column (network.model.Network).
 
 Parts:
 - `figures`: the score per node, ops of an epoch over the replica's epoch time (ReplicaModel.epoch_time:
@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 from _common import benchmark_folder, report  # noqa: E402
-from aiperf_core.workflow.network_model import Network  # noqa: E402
+from aiperf_core.network.model import Network  # noqa: E402
 from aiperf_core.workflow.simulation import ReplicaModel, write_graph_pool, write_weights_stand_in  # noqa: E402
 
 EXPERTS, TOP_K = 16, 2

@@ -1,4 +1,4 @@
-"""The scale simulation's network (aiperf_core.workflow.network_model, issue #48 item 6): the collectives'
+"""The scale simulation's network (aiperf_core.network.model, issue #48 item 6): the collectives'
 prices against hand-computed values, the fat tree's oversubscription, the calibration from a probe's JSON,
 and a simulated run on a slow network scoring less per node than the same run without one."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from aiperf_core.errors import AiperfError
-from aiperf_core.workflow.network_model import Network
+from aiperf_core.network.model import Network
 
 # Round numbers: 1 GB/s and 10 us between nodes, 10 GB/s and 1 us inside one.
 NET = Network(injection_bytes_per_s=1e9, latency_s=1e-5, intra_node_bytes_per_s=1e10, intra_node_latency_s=1e-6,

@@ -1,4 +1,4 @@
-"""aiperf probe network: nccl-tests' figures over a replica's ranks (aiperf_core/network_probe.py).
+"""aiperf probe network: nccl-tests' figures over a replica's ranks (aiperf_core/network/probe.py).
 
 The arithmetic (busbw factors, sizes, the iteration bound, the alpha-beta fit, the table, the record
 read back) runs in process. One run of torch across the two nodes of a namespace cluster
@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from aiperf_core import network_probe as probe
+from aiperf_core.network import probe
 from aiperf_core.cli import main
 from netns_cluster import netns_cluster  # noqa: F401 (the fixture)
 
@@ -155,7 +155,7 @@ def _written_record(tmp_path, name="network-probe.json"):
 
 
 def test_the_simulation_reads_the_record():
-    from aiperf_core.workflow.network_model import Network
+    from aiperf_core.network.model import Network
 
     record = probe.make_record("torch", "2.x", _synthetic_timings(50e-6, 6.25e6), 2, 20, 2.0)
     Network.from_probe(record)

@@ -4,7 +4,7 @@
     srun -N2 --ntasks-per-node=1 aiperf probe network        (SLURM's step gives nodes, rank, coordinator)
 
 Start it once on every node, as a replica's nodes are started; node 0 prints the table and writes
-the record (aiperf_core/network_probe.py has the figures and the schema). docs/workflow.md,
+the record (aiperf_core/network/probe.py has the figures and the schema). docs/workflow.md,
 "Probing the network", tells the rest.
 """
 
@@ -29,7 +29,7 @@ _SIZE = re.compile(r"(\d+)\s*([KMG]i?B?|B)?", re.IGNORECASE)
 
 
 def add_arguments(p) -> None:
-    from aiperf_core import network_probe as probe
+    from aiperf_core.network import probe
     from aiperf_core.replica_layout import NODE_TIMEOUT_S
 
     sub = p.add_subparsers(dest="probe_command", metavar="WHAT", parser_class=type(p))
@@ -155,7 +155,7 @@ def run(args) -> int:
     from dataclasses import replace
     from pathlib import Path
 
-    from aiperf_core import network_probe as probe
+    from aiperf_core.network import probe
     from aiperf_core.backend import Backend
     from aiperf_core.commands.options import writable_file
     from aiperf_core.config_file import load_config

@@ -168,9 +168,9 @@ def expert_load_summary(ledger: RunLedger) -> dict[str, Any] | None:
 def network_probe_summary(root: Path) -> dict[str, Any] | None:
     """What `aiperf probe network` measured, where its record was written into the run directory
     (NETWORK_PROBE_FILE): the fitted latency and bus bandwidth of each collective and the bus
-    bandwidth at its largest size (network_probe.summary); {"unreadable": why} for a bad record;
+    bandwidth at its largest size (network.probe.summary); {"unreadable": why} for a bad record;
     None where there is none."""
-    from aiperf_core.network_probe import ProbeError, load_probe, summary
+    from aiperf_core.network.probe import ProbeError, load_probe, summary
 
     path = Path(root) / NETWORK_PROBE_FILE
     if not path.exists():

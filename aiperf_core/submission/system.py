@@ -435,8 +435,8 @@ def _placeholder(name: str) -> str:
 
 
 def network_probe_table(record: dict) -> dict:
-    """The [network_probe] table of a probe record (aiperf_core.network_probe; read with load_probe)."""
-    from aiperf_core.network_probe import COLLECTIVES, summary
+    """The [network_probe] table of a probe record (aiperf_core.network.probe; read with load_probe)."""
+    from aiperf_core.network.probe import COLLECTIVES, summary
 
     shown = summary(record)
     table = {key: shown[key] for key in ("backend", "device", "nodes", "ranks")}
@@ -477,7 +477,7 @@ def describe(backend_name: str | None = None, probe_network: str | Path | None =
     description = {"schema_version": SCHEMA_VERSION}
     description.update({name: _placeholder(name) for name in PLACEHOLDER_FIELDS if "." not in name})
     if probe_network is not None:
-        from aiperf_core.network_probe import load_probe
+        from aiperf_core.network.probe import load_probe
 
         description["network_probe"] = network_probe_table(load_probe(probe_network))
     description.update(nodes=nodes, accelerators=accelerators, software=_software())

@@ -16,7 +16,7 @@ records. Graphs come from a small pool of real IR graphs (ResNet-50 and morphs o
 once and hard-linked into each trial's folder, as a run full of repeated architectures would have
 them; scoring still reads and hashes every trial's graph.json.
 
-The network (issue #48 item 6): given a `Network` (aiperf_core.workflow.network_model), a replica
+The network (issue #48 item 6): given a `Network` (aiperf_core.network.model), a replica
 of `nodes` nodes also waits, every optimiser step, on its ring all-reduce of the graph's gradients
 and, under expert parallelism, on its experts' all-to-all, priced by the network's latency and
 bandwidth terms (ReplicaModel.epoch_time). The communication is exposed: it adds to the epoch's
@@ -57,7 +57,7 @@ from aiperf_core.ir import Graph
 from aiperf_core.policy import Policy
 from aiperf_core.rundir import EventLog, RunDir, read_events, sha256_bytes, sha256_file, trial_id
 from aiperf_core.workflow.executors.base import Executor, ProcessEnd, ReplicaCommand, ReplicaHandle
-from aiperf_core.workflow.network_model import Network
+from aiperf_core.network.model import Network
 from aiperf_core.workflow.plan import WatchSettings, run_record
 
 IMAGENET = {"name": "imagenet", "path": "/simulated/imagenet", "layout": "simulated", "classes": 1000,

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from aiperf_core.network_probe import element_count, iteration_plan
+from aiperf_core.network.probe import element_count, iteration_plan
 from aiperf_core.replica_layout import ReplicaLayout
 
 HOST_NAME_BYTES = 255  # a host name travels as a fixed row of bytes (process_allgather gathers arrays)

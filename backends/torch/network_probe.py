@@ -20,7 +20,7 @@ import socket
 import time
 from typing import Any
 
-from aiperf_core.network_probe import element_count, iteration_plan
+from aiperf_core.network.probe import element_count, iteration_plan
 from aiperf_core.replica_layout import ReplicaLayout
 
 
