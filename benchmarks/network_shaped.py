@@ -8,10 +8,12 @@ counters beside the analytic bytes.
     sudo .venv/bin/python benchmarks/network_shaped.py --rates 20 200 --backends torch jax [--json FILE]
 
 The run (SHAPED_LM): seed gpt_small (0.47 M parameters: G = 1.87 MB of float32 gradients, all-reduced on
-every optimiser step) over sequences of 32 bytes, 8 steps of 8 sequences, one epoch, one trial, one
+every optimiser step) over sequences of 32 bytes, 8 steps of 4 sequences, one epoch, one trial, one
 device on each of 2 nodes (a ring of 2 ranks: each node sends G and receives G per step over its link).
 At 20 Mbit/s a step's all-reduce takes about 0.75 s, several times what the two busy cores add to a
-step's wait; at 200 Mbit/s about 0.075 s. Only the network differs between the runs of a backend.
+step's wait; at 200 Mbit/s about 0.075 s. Batches this small keep the steps' computation, whose time
+the machine's load varies most, small beside the transfers. Only the network differs between the runs
+of a backend.
 
 Output: a table on stdout, and with --json FILE a JSON list, one object per run (the schema, for the
 network simulation, workflow/simulation.py, to be checked against):
@@ -56,12 +58,12 @@ SHAPED_LM = """workload = "lm"
 initial_architecture = "gpt_small"
 precision = "fp32"
 seq_len = 32
-epoch_tokens = 2048
+epoch_tokens = 1024
 val_tokens = 256
 max_epochs = 1
 warmup_epochs = [1]
-batch_size = 8
-reference_batch_size = 8
+batch_size = 4
+reference_batch_size = 4
 node_timeout_s = 60
 """
 

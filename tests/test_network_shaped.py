@@ -31,6 +31,8 @@ def _link_bytes_per_second(rate_mbit: float) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "jax"])
 def test_the_all_reduce_and_the_score_follow_the_link(netns_cluster, tmp_path, backend):
+    from torch.distributed import _DEFAULT_FIRST_BUCKET_BYTES as DDP_FIRST_BUCKET
+
     try:
         slow = run_shaped(netns_cluster, backend, SLOW_MBIT, tmp_path / "slow")
         fast = run_shaped(netns_cluster, backend, FAST_MBIT, tmp_path / "fast")
@@ -42,8 +44,14 @@ def test_the_all_reduce_and_the_score_follow_the_link(netns_cluster, tmp_path, b
         link = _link_bytes_per_second(run["rate_mbit"])
         # No all-reduce outruns its link: each node sends (and receives) the per-rank bytes through a
         # token bucket at the rate; 10% above it is left for the bucket's burst (64 KiB against 1.87 MB a
-        # step) and the timer's edges.
-        assert run["all_reduce_bytes_per_second"] <= 1.1 * link, run
+        # step) and the timer's edges. jax times the whole collective apart from the steps. torch's figure
+        # is the steps' exposed wait, from the launch of DDP's last bucket (docs/backends/torch.md): DDP
+        # launches its first bucket (at most 1 MiB) during the backward, where the transfer can hide
+        # behind the rest of it (on this busy machine, 200 Mbit/s measured up to 1.18 times the rate), so
+        # only the bytes of the later buckets, G less 1 MiB, are sure to be waited on.
+        exposed = 1.0 if backend == "jax" else run["gradient_bytes_per_step"] / (
+            run["gradient_bytes_per_step"] - DDP_FIRST_BUCKET)
+        assert run["all_reduce_bytes_per_second"] <= 1.1 * link * exposed, run
         assert run["inter_node_bytes"] == run["all_reduce_bytes"] == run["steps"] * run["gradient_bytes_per_step"]
         # Every step's bytes crossed each node's link. Beside them the links carried: TCP/IP and frame
         # headers (4.6% at a 1500-byte MTU), the trial's start and end (torch's DDP broadcasts the weights
@@ -58,7 +66,8 @@ def test_the_all_reduce_and_the_score_follow_the_link(netns_cluster, tmp_path, b
     assert slow["all_reduce_bytes_per_second"] >= 0.5 * _link_bytes_per_second(SLOW_MBIT), slow
     assert fast["all_reduce_bytes_per_second"] >= 4 * slow["all_reduce_bytes_per_second"], (slow, fast)
     # 8 steps x 0.68 s more on the slow link, against a run of 15 to 25 s: the score drops by a fifth or
-    # more, while the noise between two runs on this busy machine is a few seconds.
+    # more, while the noise between two runs on this busy machine is a few seconds (small batches keep
+    # the computation, which the load varies most, short).
     assert slow["score_ops"] < fast["score_ops"], (slow, fast)
     assert slow["network_efficiency"] < fast["network_efficiency"], (slow, fast)
     # Compute is the same, so the scores an ideal network would have given agree (the issue's 15%): the
