@@ -98,3 +98,18 @@ def test_the_summary_and_report_say_whether_a_network_was_loaded():
     assert _replica_nodes({"nodes_per_replica": 1, "network_loaded": False}) == "1: no network was loaded"
     assert _replica_nodes({"nodes_per_replica": 2, "network_loaded": False, "executor": "local"}) == \
         "2 processes on one machine: no network was loaded"
+
+
+def test_aiperf_run_resolves_auto_against_the_hostfile_and_says_so(tmp_path, capsys):
+    from aiperf_core.cli import main
+
+    (tmp_path / "hosts").write_text("node0 slots=1\nnode1 slots=1\n")
+    (tmp_path / "lm.toml").write_text('executor = "hosts"\nworkload = "lm"\n')
+    # numpy trains one device in one process: the two nodes auto gives are refused, in one line after the note.
+    assert main(["run", "--config", str(tmp_path / "lm.toml"), "--backend", "numpy", "--hostfile",
+                 str(tmp_path / "hosts"), "--run-dir", str(tmp_path / "run")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "nodes_per_replica auto: 2, the machine has 2 nodes (executor hosts)",
+        "aiperf: error: --nodes-per-replica 2: backend numpy does not train a replica across nodes: the reference "
+        "executor trains on one CPU device, in one process"]
+    assert not (tmp_path / "run").exists()

@@ -154,8 +154,17 @@ def _prepare_fresh(args, config, request):
         dataset = (describe_in_image(container, name, path, policy) if container else
                    plan.describe_dataset(name, path, policy))
         facts = probe.facts(auto=plan.auto_request(policy, dataset) if local else None)
-    policy["nodes_per_replica"] = nodes = plan.resolve_nodes_per_replica(
-        policy["nodes_per_replica"], lambda: _executor_class(executor_kind).machine_nodes(watch))
+    machine_nodes = []  # asked only for auto
+
+    def count_machine_nodes() -> int:
+        machine_nodes.append(_executor_class(executor_kind).machine_nodes(watch))
+        return machine_nodes[0]
+
+    policy["nodes_per_replica"] = nodes = plan.resolve_nodes_per_replica(policy["nodes_per_replica"],
+                                                                         count_machine_nodes)
+    if machine_nodes and nodes > 1:  # so that a refusal naming --nodes-per-replica N is understood
+        print(f"nodes_per_replica auto: {nodes}, the machine has {machine_nodes[0]} nodes (executor {executor_kind})",
+              file=sys.stderr)
     replicas, devices_per_replica, environments = _layout(executor_kind, facts.devices, request.replicas,
                                                           request.devices_per_replica, watch, nodes)
     plan.check_parallelism(backend_name, facts, devices_per_replica,
