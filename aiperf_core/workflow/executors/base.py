@@ -169,7 +169,12 @@ class NodeProcessesHandle(ReplicaHandle):
 def end_processes(handles: list[ReplicaHandle], grace_s: float) -> None:
     """SIGTERM to every running node process of the handles' replicas (their sessions), SIGKILL to
     those still running after grace_s."""
-    running = [p for h in handles if isinstance(h, NodeProcessesHandle) for p in h.processes if p.poll() is None]
+    stop_processes([p for h in handles if isinstance(h, NodeProcessesHandle) for p in h.processes], grace_s)
+
+
+def stop_processes(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM to each running process's session, SIGKILL to those still running after grace_s."""
+    running = [p for p in processes if p.poll() is None]
     for process in running:
         signal_group(process.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -227,5 +232,10 @@ def describe_exit_code(code: int) -> ProcessEnd:
 def replica_argv(run_dir: Path, replica: int) -> list[str]:
     """The command every executor runs: this Python, this aiperf, the same run directory. Unbuffered
     (-u), so that what a replica printed last is in replica.log even when it dies by a signal."""
-    return [sys.executable, "-u", "-m", "aiperf_core", "replica", "--run-dir", str(run_dir), "--replica-id",
-            str(replica)]
+    return aiperf_argv("replica", "--run-dir", str(run_dir), "--replica-id", str(replica))
+
+
+def aiperf_argv(*words: str) -> list[str]:
+    """`aiperf WORDS...` as this Python runs it (unbuffered), for a process started on this host or,
+    through a launcher, on another with the same paths."""
+    return [sys.executable, "-u", "-m", "aiperf_core", *words]

@@ -76,6 +76,16 @@ def check_launcher(template: str) -> str:
     return template
 
 
+def launcher_argv(template: str, host: str, argv: list[str], env: dict[str, str]) -> list[str]:
+    """The argv, run here, that starts `argv` on `host` through the launcher template, with `env` set
+    by `env` on the far side (ssh does not carry the variables)."""
+    remote = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv]
+    launcher = [part.replace("{host}", host) for part in shlex.split(template)]
+    # A launcher joins the words after it into one shell line on the host, as ssh does: each
+    # word is quoted so that it arrives as given.
+    return [*launcher, *(shlex.quote(part) for part in remote)]
+
+
 def hostfile_hosts(watch) -> list[Host]:
     """The hosts of the run's --hostfile (`watch`: its WatchSettings)."""
     if not watch.hosts.get("hostfile"):
@@ -121,11 +131,7 @@ class HostsExecutor(Executor):
         hosts = self.placement[command.replica]
         env = {**command.node_env(replicas_per_node=1), HOSTS_ENV: ",".join(h.name for h in hosts)}
         argv, env = launch_command(self.container, command.node_argv(node), env)
-        remote = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv]
-        launcher = [part.replace("{host}", hosts[node].name) for part in shlex.split(self.launcher)]
-        # A launcher joins the words after it into one shell line on the host, as ssh does: each
-        # word is quoted so that it arrives as given.
-        return [*launcher, *(shlex.quote(part) for part in remote)]
+        return launcher_argv(self.launcher, hosts[node].name, argv, env)
 
     def launch(self, command: ReplicaCommand) -> HostsHandle:
         launchers = []
