@@ -2,12 +2,15 @@
 
 The arithmetic (busbw factors, sizes, the iteration bound, the alpha-beta fit, the table, the record
 read back) runs in process. One run of torch across the two nodes of a namespace cluster
-(tests/netns_cluster.py), both links shaped at SHAPED_MBIT, checks that the busbw of the largest
-sizes follows the shaped rate; the refusals run without a cluster.
+(tests/netns_cluster.py), started from here through the cluster's launcher (--hostfile), and one of
+jax, started on each node with its place given, both links shaped at SHAPED_MBIT, check that the
+busbw of the largest sizes follows the shaped rate; the refusals, and --hostfile's launching with a
+stand-in launcher, run without a cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -120,11 +123,90 @@ def test_bad_input_is_one_line_naming_the_field(argv, field, capsys, tmp_path, m
     assert field in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "3"], "--nodes 3: the hostfile"),
+    (["--node-rank", "1"], "--node-rank: not with --hostfile"),
+    (["--coordinator", "a:7000"], "--coordinator: not with --hostfile"),
+    (["--launcher", "ssh"], "--launcher 'ssh': give a command with {host}"),
+    (["--coordinator-port", "0"], "--coordinator-port"),
+])
+def test_bad_hostfile_input_is_one_line_naming_the_flag(argv, message, capsys, tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("a slots=1\nb slots=1\n")
+    assert main(["probe", "network", "--backend", "torch", "--hostfile", str(hostfile), "--out",
+                 str(tmp_path / "p.json"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("flag", ["--launcher", "--coordinator-port"])
+def test_launcher_flags_without_a_hostfile_are_refused(flag, capsys, tmp_path):
+    assert main(["probe", "network", "--backend", "torch", flag, "7000", "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: only with --hostfile" in err and len(err.strip().splitlines()) == 1, err
+
+
+def _fake_launcher(tmp_path, behaviour):
+    """A launcher template, `launch {host}`, that records the words it was given per host (as ssh
+    would run them: joined into one shell line) and then does what `behaviour` (shell) says."""
+    script = tmp_path / "launch"
+    script.write_text(f'#!/bin/sh\nhost="$1"; shift\nprintf "%s" "$*" > {tmp_path}/"$host".argv\n'
+                      f'echo $$ > {tmp_path}/"$host".pid\n{behaviour}\n')
+    script.chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("a slots=1\nb slots=1  # the second\nc slots=1\n")
+    return f"{script} {{host}}", hostfile
+
+
+def test_a_hostfile_starts_each_node_through_the_launcher_with_its_place(tmp_path, monkeypatch, capsys):
+    import shlex
+
+    launcher, hostfile = _fake_launcher(tmp_path, "exit 0")
+    monkeypatch.chdir(tmp_path)
+    assert main(["probe", "network", "--backend", "torch", "--hostfile", str(hostfile), "--launcher", launcher,
+                 "--nodes", "2", "--coordinator-port", "29600", "--max-bytes", "64K", "--seconds-per-size", "0.5",
+                 "--out", "probe.json"]) == 0
+    assert "starting the probe on 2 host(s) (a, b), meeting at a:29600" in capsys.readouterr().err
+    assert not (tmp_path / "c.argv").exists()  # --nodes 2: the first two hosts
+    for rank, host in enumerate("ab"):
+        words = shlex.split((tmp_path / f"{host}.argv").read_text())
+        assert words[:5] == ["env", sys.executable, "-u", "-m", "aiperf_core"]
+        flags = dict(zip(words[7::2], words[8::2]))
+        assert words[5:7] == ["probe", "network"] and flags["--node-rank"] == str(rank)
+        assert (flags["--nodes"], flags["--coordinator"], flags["--backend"]) == ("2", "a:29600", "torch")
+        assert (flags["--max-bytes"], flags["--seconds-per-size"], flags["--out"]) == (
+            str(64 << 10), "0.5", str(tmp_path / "probe.json"))
+
+
+@pytest.mark.parametrize("behaviour, timeout, named", [
+    ('[ "$host" = b ] && { echo "ssh: connect to host b: No route to host" >&2; exit 255; }; exec sleep 30', "30",
+     "node 1 (b) failed (exit code 255): ssh: connect to host b: No route to host"),
+    ('[ "$host" = b ] && exec sleep 30; exit 0', "0.5", "node 1 (b) still ran 0.5 s (--timeout) after node 0 (a)"),
+])
+def test_a_node_that_fails_or_outstays_is_named_and_the_others_stopped(behaviour, timeout, named, tmp_path, capsys):
+    import os
+    import time
+
+    launcher, hostfile = _fake_launcher(tmp_path, behaviour)
+    started = time.monotonic()
+    assert main(["probe", "network", "--backend", "torch", "--hostfile", str(hostfile), "--launcher", launcher,
+                 "--timeout", timeout, "--out", str(tmp_path / "p.json")]) == 2
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err.strip().splitlines()
+    assert named in err[-1] and err[0].startswith("starting the probe on 3 host(s)") and len(err) == 2, err
+    # Every launcher has ended: the sleeping ones were stopped (one stopped at once may not have
+    # written its pid yet).
+    for path in tmp_path.glob("*.pid"):
+        if path.read_text().strip():
+            with pytest.raises(ProcessLookupError):
+                os.kill(int(path.read_text()), 0)
+
+
 def test_under_srun_the_step_gives_nodes_rank_and_coordinator(tmp_path, monkeypatch):
     import argparse
     import os
 
-    from aiperf_core.commands.probe import SLURM_PORT_BASE, placement
+    from aiperf_core.commands.probe import PORT_BASE, placement
 
     scontrol = tmp_path / "scontrol"  # as SLURM's: the step's node list expanded, one host a line
     scontrol.write_text("#!/bin/sh\n[ \"$3\" = 'node[1-2]' ] && printf 'node1\\nnode2\\n'\n")
@@ -134,7 +216,7 @@ def test_under_srun_the_step_gives_nodes_rank_and_coordinator(tmp_path, monkeypa
                         ("SLURM_JOB_ID", "12345")):
         monkeypatch.setenv(name, value)
     flags = argparse.Namespace(nodes=None, node_rank=None, coordinator=None)
-    assert placement(flags) == (2, 1, "node1", SLURM_PORT_BASE + 2345)
+    assert placement(flags) == (2, 1, "node1", PORT_BASE + 2345)
     assert placement(argparse.Namespace(nodes=3, node_rank=0, coordinator="head:7000")) == (3, 0, "head", 7000)
     monkeypatch.delenv("SLURM_STEP_NUM_NODES")  # a batch script's own shell: not a step across the nodes
     assert placement(flags) == (1, 0, "127.0.0.1", 0)
@@ -225,20 +307,28 @@ def test_torch_two_ranks_on_one_node_run_as_spawned_processes(tmp_path):
 
 # -- across two namespace nodes --------------------------------------------------------------------
 
-def _probe_across(cluster, out, backend, *options):
-    """`aiperf probe network` on both nodes, both links shaped at SHAPED_MBIT: node 0's output."""
-    coordinator = f"{cluster.address('node1')}:29517"
+@contextlib.contextmanager
+def _shaped(cluster):
+    """Both links of the cluster shaped at SHAPED_MBIT, for the block."""
     for node in cluster.nodes:
         cluster.shape(node, SHAPED_MBIT)
     try:
+        yield
+    finally:
+        for node in cluster.nodes:
+            cluster.shape(node, None)
+
+
+def _probe_across(cluster, out, backend, *options):
+    """`aiperf probe network` started on each node with its place given, both links shaped at
+    SHAPED_MBIT: node 0's output."""
+    coordinator = f"{cluster.address('node1')}:29517"
+    with _shaped(cluster):
         processes = [cluster.run_on(node, [
             sys.executable, "-m", "aiperf_core", "probe", "network", "--backend", backend, "--nodes", "2",
             "--node-rank", str(rank), "--coordinator", coordinator, "--timeout", "30", "--out", str(out), *options],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank, node in enumerate(cluster.nodes)]
         outputs = [p.communicate(timeout=180)[0] for p in processes]
-    finally:
-        for node in cluster.nodes:
-            cluster.shape(node, None)
     assert [p.returncode for p in processes] == [0, 0], outputs
     return outputs[0]
 
@@ -265,12 +355,23 @@ def _check_across(record, cluster, backend, sizes, fit_checked=True):
 
 
 @pytest.mark.slow
-def test_torch_across_two_nodes_busbw_follows_the_shaped_rate(netns_cluster, tmp_path):
+def test_torch_across_two_nodes_through_a_hostfile_busbw_follows_the_shaped_rate(netns_cluster, tmp_path):
+    # One command here starts both nodes through the cluster's launcher, as ssh would; --out is
+    # relative to this folder and reaches node 0 as an absolute path.
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(netns_cluster.hostfile())
     out = tmp_path / "network-probe.json"
-    printed = _probe_across(netns_cluster, out, "torch", "--max-bytes", str(MAX_BYTES), "--seconds-per-size", "0.5")
+    with _shaped(netns_cluster):
+        answer = subprocess.run([
+            sys.executable, "-m", "aiperf_core", "probe", "network", "--hostfile", str(hostfile), "--launcher",
+            netns_cluster.launcher_template(), "--backend", "torch", "--timeout", "30", "--out", out.name,
+            "--max-bytes", str(MAX_BYTES), "--seconds-per-size", "0.5"], cwd=tmp_path, env=netns_cluster.env,
+            capture_output=True, text=True, timeout=180)
+    assert answer.returncode == 0, answer.stdout + answer.stderr
     record = json.loads(out.read_text())
     _check_across(record, netns_cluster, "torch", probe.probe_sizes(max_bytes=MAX_BYTES))
-    assert "busbw (GB/s)" in printed and f"wrote {out}" in printed
+    assert "busbw (GB/s)" in answer.stdout and f"wrote {out}" in answer.stdout  # node 0's table, relayed
+    assert "meeting at node1:" in answer.stderr and "over 2 rank(s) on 2 node(s)" in answer.stderr, answer.stderr
     print(probe.render(record))
 
 

@@ -1,11 +1,14 @@
 """aiperf probe network: nccl-tests' all-reduce and all-to-all over the ranks of one or more nodes.
 
+    aiperf probe network --hostfile FILE [--launcher TEMPLATE] [--nodes N] [--max-bytes 64M] [--out FILE]
     aiperf probe network --nodes N --node-rank K --coordinator HOST:PORT [--max-bytes 64M] [--out FILE]
     srun -N2 --ntasks-per-node=1 aiperf probe network        (SLURM's step gives nodes, rank, coordinator)
 
-Start it once on every node, as a replica's nodes are started; node 0 prints the table and writes
-the record (aiperf_core/network/probe.py has the figures and the schema). docs/workflow.md,
-"Probing the network", tells the rest.
+Every node runs it once, as a replica's nodes do; node 0 prints the table and writes the record
+(aiperf_core/network/probe.py has the figures and the schema). With --hostfile the command, run on
+the submit host, starts it on the first N hosts itself through the hosts executor's launcher
+(aiperf_core/workflow/executors/hosts.py), relays node 0's output and waits for every node.
+docs/workflow.md, "Probing the network", tells the rest.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 from aiperf_core.errors import AiperfError
 
@@ -23,13 +28,21 @@ HELP = ("measure the network between nodes, as nccl-tests does: all-reduce and a
         "over every rank of the nodes, with the backend's own collectives (aiperf probe network)")
 DEFAULT_OUT = "network-probe.json"
 # Under SLURM the coordinator's port is derived from the job id, so that every node of a step computes
-# the same one without talking, and two jobs sharing a node rarely collide.
-SLURM_PORT_BASE, SLURM_PORT_SPAN = 20000, 10000
+# the same one without talking, and two jobs sharing a node rarely collide. With --hostfile the submit
+# host picks it for every node, from its own process id in the same range: two probes started at
+# once from one host (or several) rarely take the same port.
+PORT_BASE, PORT_SPAN = 20000, 10000
+# The flags that shape the measurement, given to every node started from a hostfile as given here.
+MEASUREMENT_FLAGS = ("--min-bytes", "--max-bytes", "--step-factor", "--iterations", "--warmup", "--seconds-per-size",
+                     "--timeout")
+STOP_GRACE_S = 5.0  # how long a node's launcher has to end after SIGTERM, before SIGKILL
+POLL_S = 0.2
 _SIZE = re.compile(r"(\d+)\s*([KMG]i?B?|B)?", re.IGNORECASE)
 
 
 def add_arguments(p) -> None:
     from aiperf_core.network import probe
+    from aiperf_core.workflow.executors.hosts import DEFAULT_LAUNCHER
     from aiperf_core.replica_layout import NODE_TIMEOUT_S
 
     sub = p.add_subparsers(dest="probe_command", metavar="WHAT", parser_class=type(p))
@@ -37,14 +50,24 @@ def add_arguments(p) -> None:
     n = sub.add_parser("network", help="all-reduce and all-to-all latency, algbw and busbw per size, over every "
                                        "rank of the nodes (nccl-tests' figures); node 0 writes the record",
                        description="Run on every node (the same command; under srun SLURM gives the place of "
-                                   "each). Node 0 prints latency, algbw and busbw per size and writes the JSON "
-                                   "record, with the alpha-beta fit of each collective.")
+                                   "each), or once on the submit host with --hostfile, which starts it on the "
+                                   "hosts through --launcher. Node 0 prints latency, algbw and busbw per size and "
+                                   "writes the JSON record, with the alpha-beta fit of each collective.")
     n.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks for errors")
     n.add_argument("--backend", default=None, metavar="NAME",
                    help="backend (default: $AIPERF_BACKEND, else the config file's 'backend', else tensorflow); "
                         "torch and jax can probe")
+    n.add_argument("--hostfile", default=None, metavar="FILE",
+                   help="start the probe on the first --nodes hosts of FILE ('HOST slots=K' a line, as "
+                        "--executor hosts reads it) through --launcher, from this host; the first host coordinates")
+    n.add_argument("--launcher", default=None, metavar="TEMPLATE",
+                   help=f"with --hostfile: what starts a node's command on {{host}} (default {DEFAULT_LAUNCHER!r})")
+    n.add_argument("--coordinator-port", type=_port, default=None, metavar="PORT",
+                   help=f"with --hostfile: the port on the first host where the nodes meet (default "
+                        f"{PORT_BASE} + this process's id modulo {PORT_SPAN})")
     n.add_argument("--nodes", type=_whole(1), default=None, metavar="N",
-                   help="nodes taking part (default: SLURM_STEP_NUM_NODES under srun, else 1)")
+                   help="nodes taking part (default: every host of --hostfile, SLURM_STEP_NUM_NODES under srun, "
+                        "else 1)")
     n.add_argument("--node-rank", type=_whole(0), default=None, metavar="K",
                    help="this node's place, 0 to N-1; node 0 leads (default: SLURM_NODEID under srun, else 0)")
     n.add_argument("--coordinator", default=None, metavar="HOST:PORT",
@@ -83,6 +106,12 @@ def _whole(minimum: int):
             raise argparse.ArgumentTypeError(f"must be a whole number >= {minimum}, got {text!r}")
         return value
     return parse
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise argparse.ArgumentTypeError(f"must be a port 1-65535, got {text!r}")
+    return int(text)
 
 
 def _size(text: str) -> int:
@@ -130,7 +159,17 @@ def _slurm_coordinator(step: dict[str, str]) -> tuple[str, int]:
     if listed.returncode != 0 or not hosts:
         raise AiperfError(f"--coordinator: not given, and scontrol could not name the step's first node "
                           f"({(listed.stderr.strip().splitlines() or ['no output'])[0]}): give --coordinator HOST:PORT")
-    return hosts[0], SLURM_PORT_BASE + int(step["SLURM_JOB_ID"]) % SLURM_PORT_SPAN
+    return hosts[0], PORT_BASE + int(step["SLURM_JOB_ID"]) % PORT_SPAN
+
+
+def _check_out(out, force: bool) -> None:
+    """Refuse, before the nodes meet, a record that cannot be written (node 0 checks again when it writes)."""
+    from aiperf_core.commands.options import writable_file
+    from aiperf_core.network import probe
+
+    if out.exists() and not force:
+        raise probe.ProbeError(f"{out}: exists (give --force to overwrite it)")
+    writable_file("--out", out)
 
 
 def placement(args) -> tuple[int, int, str, int]:
@@ -157,18 +196,21 @@ def run(args) -> int:
 
     from aiperf_core.network import probe
     from aiperf_core.backend import Backend
-    from aiperf_core.commands.options import writable_file
     from aiperf_core.config_file import load_config
     from aiperf_core.registry import load_backend, resolve_backend_name
     from aiperf_core.replica_layout import ReplicaLayout
 
+    if args.hostfile is not None:
+        return run_on_hosts(args)
+    for flag, value in (("--launcher", args.launcher), ("--coordinator-port", args.coordinator_port)):
+        if value is not None:
+            raise AiperfError(f"{flag}: only with --hostfile (without it, start the probe on every node with "
+                              f"--coordinator HOST:PORT)")
     nodes, node_rank, addr, port = placement(args)
     sizes = probe.probe_sizes(args.min_bytes, args.max_bytes, args.step_factor)
     out = Path(args.out)
-    if node_rank == 0:  # refused before the nodes meet, and again when written
-        if out.exists() and not args.force:
-            raise probe.ProbeError(f"{out}: exists (give --force to overwrite it)")
-        writable_file("--out", out)
+    if node_rank == 0:
+        _check_out(out, args.force)
     backend = load_backend(resolve_backend_name(args.backend, config=load_config(args.config)))
     if type(backend).probe_collectives is Backend.probe_collectives:
         backend.probe_collectives(None, (), [], 1, 1, 1.0)  # the contract's one-line refusal, before the nodes meet
@@ -204,3 +246,96 @@ def run(args) -> int:
     print(probe.render(record))
     print(f"wrote {out}")
     return 0
+
+
+def run_on_hosts(args) -> int:
+    """--hostfile: start the probe on each of the first --nodes hosts through the launcher, the first
+    host coordinating; node 0's output comes out here. Ends when every node has: AiperfError naming
+    the first node that failed, or one still running --timeout after another ended (the rest stopped)."""
+    from pathlib import Path
+
+    from aiperf_core.config_file import load_config
+    from aiperf_core.network import probe
+    from aiperf_core.registry import resolve_backend_name
+    from aiperf_core.workflow.executors.base import aiperf_argv, stop_processes
+    from aiperf_core.workflow.executors.hosts import DEFAULT_LAUNCHER, check_launcher, launcher_argv, read_hostfile
+
+    for flag, value in (("--node-rank", args.node_rank), ("--coordinator", args.coordinator)):
+        if value is not None:
+            raise AiperfError(f"{flag}: not with --hostfile, which gives every node its place (the first host "
+                              f"coordinates, at --coordinator-port)")
+    launcher = check_launcher(args.launcher if args.launcher is not None else DEFAULT_LAUNCHER)
+    hosts = read_hostfile(args.hostfile)
+    nodes = args.nodes if args.nodes is not None else len(hosts)
+    if nodes > len(hosts):
+        raise AiperfError(f"--nodes {nodes}: the hostfile {args.hostfile} names {len(hosts)} host(s)")
+    hosts = hosts[:nodes]
+    probe.probe_sizes(args.min_bytes, args.max_bytes, args.step_factor)  # refused here, not on every node
+    out = Path(os.path.abspath(args.out))  # node 0 writes it: the same path on a shared filesystem
+    _check_out(out, args.force)
+    backend = resolve_backend_name(args.backend, config=load_config(args.config))
+    port = args.coordinator_port if args.coordinator_port is not None else PORT_BASE + os.getpid() % PORT_SPAN
+    coordinator = f"{hosts[0].name}:{port}"
+    shared = ["--backend", backend, "--nodes", str(nodes), "--coordinator", coordinator, "--out", str(out),
+              *(word for flag in MEASUREMENT_FLAGS for word in (flag, str(getattr(args, flag[2:].replace("-", "_"))))),
+              *(["--force"] if args.force else []), *(["--debug"] if getattr(args, "debug", False) else [])]
+    print(f"starting the probe on {nodes} host(s) ({', '.join(h.name for h in hosts)}), meeting at {coordinator}",
+          file=sys.stderr, flush=True)
+    processes: list[subprocess.Popen] = []
+    with tempfile.TemporaryDirectory(prefix="aiperf-probe-") as folder:
+        logs = [Path(folder, f"node-{rank}.log") for rank in range(nodes)]
+        try:
+            for rank, host in enumerate(hosts):
+                argv = launcher_argv(launcher, host.name, aiperf_argv(
+                    "probe", "network", "--node-rank", str(rank), *shared), {})
+                # Node 0's output is the probe's: its stdout and stderr are this command's. The
+                # others' go to a log, whose last line names what went wrong on a node that fails.
+                log = open(logs[rank], "wb") if rank else None
+                try:
+                    processes.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                                      stderr=subprocess.STDOUT if log else None,
+                                                      start_new_session=True))
+                except OSError as exc:
+                    raise AiperfError(f"--launcher {launcher!r}: cannot start it for {host.name}: "
+                                      f"{exc.strerror or exc}") from None
+                finally:
+                    if log is not None:
+                        log.close()
+            _wait_for_nodes(processes, [h.name for h in hosts], logs, args.timeout)
+        finally:
+            stop_processes(processes, STOP_GRACE_S)
+    return 0
+
+
+def _wait_for_nodes(processes: list[subprocess.Popen], hosts: list[str], logs: list, timeout_s: float) -> None:
+    """Return once every node's launcher has ended well; ProbeError naming the first that failed, or
+    one still running timeout_s after another ended (a node waits that long on the others itself)."""
+    from aiperf_core.network import probe
+    from aiperf_core.workflow.executors.base import describe_exit_code
+
+    first_end = None
+    while True:
+        codes = [process.poll() for process in processes]
+        for rank, code in enumerate(codes):
+            if code not in (None, 0):
+                said = _last_line(logs[rank]) if rank else ""
+                ended = describe_exit_code(code).description
+                raise probe.ProbeError(f"--hostfile: node {rank} ({hosts[rank]}) failed ({ended})"
+                                       f"{': ' + said if said else ''}; the other nodes were stopped")
+        if all(code == 0 for code in codes):
+            return
+        if first_end is None and 0 in codes:
+            first_end = time.monotonic()
+        if first_end is not None and time.monotonic() - first_end > timeout_s:
+            rank = codes.index(None)
+            raise probe.ProbeError(f"--hostfile: node {rank} ({hosts[rank]}) still ran {timeout_s:g} s (--timeout) "
+                                   f"after node {codes.index(0)} ({hosts[codes.index(0)]}) ended; it was stopped")
+        time.sleep(POLL_S)
+
+
+def _last_line(path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1].strip()[:400] if lines else ""
