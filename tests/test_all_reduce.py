@@ -213,13 +213,14 @@ def test_metrics_and_watch_carry_the_all_reduce_and_the_efficiency(tmp_path, cap
     assert f"2 data-parallel trials), {share:.1%} of step time waiting, network efficiency" in out
 
 
-def test_rank_shows_the_network_efficiency():
-    with_network = dict(verdict("a.tar.gz", score=2e12), network_efficiency=0.875)
+def test_rank_shows_the_network_share_and_efficiency():
+    with_network = dict(verdict("a.tar.gz", score=2e12), network_share=0.0625, network_efficiency=0.875)
     ranking = rank([with_network, verdict("b.tar.gz", system_name="B", score=1e12)])  # b: none recorded
     lines = render_text(ranking).splitlines()
     header = next(line for line in lines if line.startswith("rank"))
-    assert "network efficiency" in header
-    assert "87.5%" in next(line for line in lines if "Alpha" in line)
+    assert header.index("network share") < header.index("network efficiency")
+    row = next(line for line in lines if "Alpha" in line)
+    assert row.index("6.2%") < row.index("87.5%")
 
 
 # --- aiperf score --verify ------------------------------------------------------------------------------

@@ -214,7 +214,7 @@ def test_csv_has_every_column_and_one_row_per_entry():
     assert rows[0] == [
         "rank", "system", "site", "country", "submitter", "nodes", "accelerators", "backend", "precision",
         "score (OPS)", "declared peak (OPS)", "efficiency vs declared peak", "efficiency vs measured peak",
-        "regulated score (OPS)", "best accuracy", "run length (h)", "network efficiency", "OPS per watt",
+        "regulated score (OPS)", "best accuracy", "run length (h)", "network share", "network efficiency", "OPS per watt",
         "power level", "date", "official", "submission id", "workload"]
     assert len(rows) == 1 + 2
     first = dict(zip(rows[0], rows[1]))

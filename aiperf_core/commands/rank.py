@@ -76,6 +76,6 @@ def refused_verdict(path: str, reason: str) -> dict[str, Any]:
             "backend": None, "framework_version": None, "precisions": [], "score_ops": None, "regulated_ops": None,
             "best_accuracy": None, "elapsed_s": None, "start_time": None, "date": None, "declared_peak_ops": None,
             "measured_peak_ops": None, "efficiency_declared": None, "efficiency_measured": None,
-            "network_efficiency": None,
+            "network_share": None, "network_efficiency": None,
             "energy": {"measured": False, "joules": None, "ops_per_watt": None, "node_coverage": None,
                        "time_coverage": None, "level": None, "statement": "not measured"}}

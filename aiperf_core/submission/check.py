@@ -73,6 +73,7 @@ class Verdict:
     energy: dict[str, Any] = field(default_factory=lambda: not_measured("not checked"))
     # The score over the score an ideal network would have given (aiperf_core.scoring.network); None where
     # no trial communicated. Reported, not scored.
+    network_share: float | None = None  # of step time waiting on communication (aiperf_core.scoring.network)
     network_efficiency: float | None = None
 
     @property
@@ -106,7 +107,8 @@ class Verdict:
             "declared_peak_ops": self.declared_peak_ops, "measured_peak_ops": self.measured_peak_ops,
             "efficiency_declared": _ratio(self.score_ops, self.declared_peak_ops),
             "efficiency_measured": _ratio(self.score_ops, self.measured_peak_ops),
-            "energy": dict(self.energy), "network_efficiency": self.network_efficiency,
+            "energy": dict(self.energy), "network_share": self.network_share,
+            "network_efficiency": self.network_efficiency,
         }
 
     def render(self) -> str:
@@ -128,7 +130,8 @@ class Verdict:
                 lines.append(f"  efficiency {data[key]:.2%} of the {label} peak")
         lines.append(f"  energy     {self.energy['statement']}")
         if self.network_efficiency is not None:
-            lines.append(f"  network    efficiency {self.network_efficiency:.2%} (reported, not scored)")
+            share = "" if self.network_share is None else f", {self.network_share:.2%} of step time waiting"
+            lines.append(f"  network    efficiency {self.network_efficiency:.2%}{share} (reported, not scored)")
         lines += [f"  finding: {finding}" for finding in self.findings]
         lines.append(self.headline())
         lines += [f"  - {reason}" for reason in self.reasons]
@@ -269,6 +272,7 @@ def _check_run(verdict: Verdict, run_root: Path) -> _Run:
     verdict.best_accuracy, verdict.workload = result.best_accuracy, result.workload
     verdict.rule_reasons = list(result.reasons)
     network = run_network(ledger, result.score_ops)
+    verdict.network_share = None if network is None else network["share"]
     verdict.network_efficiency = None if network is None else network["efficiency"]
     verdict.precisions = sorted({str(t.precision) for t in ledger.trials.values()})
     _compare_stored(verdict, run_root, result)

@@ -234,6 +234,7 @@ COLUMNS = (
     Column("best accuracy", lambda e: e["best_accuracy"], _percent, numeric=True),
     Column("run length (h)", _hours, lambda h: f"{h:.2f}", numeric=True),
     # Reported, not scored (docs/scoring.md, "What the network cost"); a verdict from before it has none.
+    Column("network share", lambda e: e.get("network_share"), _percent, numeric=True),
     Column("network efficiency", lambda e: e.get("network_efficiency"), _percent, numeric=True),
     Column("OPS per watt", lambda e: e["energy"]["ops_per_watt"], _ops_per_watt, numeric=True),
     Column("power level", _power_level),
