@@ -157,6 +157,19 @@ def process_group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def join_ranks(processes) -> None:
+    """Wait for spawned ranks (torch.multiprocessing's context) to end; raises if one failed."""
+    while not processes.join(timeout=1):
+        pass
+
+
+def terminate_ranks(processes) -> None:
+    """Stop the spawned ranks still alive: after a failure, none may be left waiting on a collective."""
+    for p in processes.processes:
+        if p.is_alive():
+            p.terminate()
+
+
 def init_process_group(rank: int, world: int, device: torch.device, master_addr: str, master_port: int,
                        timeout_s: float | None = None) -> None:
     # torch.distributed.nn.functional binds group.WORLD as the default argument of its functions
@@ -517,12 +530,9 @@ def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list
                 replies_q.put(stop)
             elif kind == "weights":
                 weights = payload
-        while not processes.join(timeout=1):
-            pass
+        join_ranks(processes)
     except BaseException:
-        for p in processes.processes:
-            if p.is_alive():
-                p.terminate()
+        terminate_ranks(processes)
         raise
     finally:
         for q in (reports_q, replies_q):

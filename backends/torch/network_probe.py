@@ -102,7 +102,7 @@ def _spawned_rank(local_rank: int, job: dict[str, Any]) -> None:
 def probe_collectives(layout: ReplicaLayout, devices: list[str], collectives: tuple[str, ...], sizes: list[int],
                       iterations: int, warmup: int, seconds_per_size: float) -> dict[str, Any] | None:
     """Backend.probe_collectives on torch; `devices` this node's."""
-    from aiperf_backends.torch.distributed import MASTER_ADDR, free_port
+    from aiperf_backends.torch.distributed import MASTER_ADDR, free_port, join_ranks, terminate_ranks
 
     if layout.multi_node:
         meeting = {"world": layout.world, "first_rank": layout.global_rank(0), "master_addr": layout.coordinator_addr,
@@ -128,12 +128,9 @@ def probe_collectives(layout: ReplicaLayout, devices: list[str], collectives: tu
             except queue.Empty:
                 if processes.join(timeout=0):  # raises if a rank failed
                     break
-        while not processes.join(timeout=1):
-            pass
+        join_ranks(processes)
     except BaseException:
-        for p in processes.processes:
-            if p.is_alive():
-                p.terminate()
+        terminate_ranks(processes)
         raise
     finally:
         results.close()
