@@ -72,3 +72,16 @@ def write_bytes_atomic(path, data: bytes, exclusive: bool = False) -> None:
 
 def write_text_atomic(path, text: str, exclusive: bool = False) -> None:
     write_bytes_atomic(path, text.encode("utf-8"), exclusive)
+
+
+def read_small_file(path, max_bytes: int, what: str, error: type[Exception]) -> bytes:
+    """A file that should be small, read whole: `error` in one line naming the file when it cannot be
+    read or is larger than `max_bytes` (then it is not `what`), so a wrong path never fills memory."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise error(f"{path}: cannot read: {exc.strerror or exc}") from None
+    if len(data) > max_bytes:
+        raise error(f"{path}: larger than {max_bytes} bytes: not {what}")
+    return data

@@ -272,13 +272,9 @@ def validate_probe(record: Any, source: str = "probe") -> dict[str, Any]:
 
 def load_probe(path: str | os.PathLike) -> dict[str, Any]:
     """Read and check a probe record (ProbeError, one line, naming the file)."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ProbeError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise ProbeError(f"{path}: larger than {MAX_FILE_BYTES} bytes: not a probe record")
+    from aiperf_core.atomic import read_small_file
+
+    data = read_small_file(path, MAX_FILE_BYTES, "a probe record", ProbeError)
     try:
         record = json.loads(data)
     except (UnicodeDecodeError, ValueError) as exc:

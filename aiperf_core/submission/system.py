@@ -383,13 +383,9 @@ def _check_across(d: dict, fail: Callable[[str, str], None]) -> None:
 
 def load_system(path, allow_placeholders: bool = False) -> dict:
     """Read and validate a system description file (SubmissionError, one line, naming the file)."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise SubmissionError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise SubmissionError(f"{path}: larger than {MAX_FILE_BYTES} bytes: not a system description")
+    from aiperf_core.atomic import read_small_file
+
+    data = read_small_file(path, MAX_FILE_BYTES, "a system description", SubmissionError)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
