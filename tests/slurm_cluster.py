@@ -13,6 +13,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,6 +21,17 @@ from apt_packages import apt_install
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 NODE_CPUS = 8  # declared, not real: config_overrides lets slurmd accept more than the machine has
+# The SLURM executor asks squeue every 5 s (SlurmExecutor.poll_interval_s), which spares a real cluster's
+# controller; against this one a test's primary asks every second, so that it sees a job end (or crash)
+# within a second, not up to 5 s later: the same decisions, sooner.
+TEST_POLL_S = 1.0
+
+
+def aiperf_argv(*args: str, poll_s: float = TEST_POLL_S) -> list[str]:
+    """`python -m aiperf_core ARGS...` whose SLURM executor polls every `poll_s` seconds."""
+    code = ("import sys; from aiperf_core.workflow.executors.slurm import SlurmExecutor; "
+            f"SlurmExecutor.poll_interval_s = {float(poll_s)!r}; from aiperf_core.cli import main; sys.exit(main())")
+    return [sys.executable, "-c", code, *args]
 
 
 class SlurmSetupError(RuntimeError):

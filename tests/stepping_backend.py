@@ -4,10 +4,13 @@ counted with StepClock.count(), as a real backend's steps are. Its behaviour com
 environment variable BEHAVIOUR (JSON), so that replica processes started by a real primary get it:
 
     {"step_s": 0.2, "steps": 5,
-     "hang": {"trial": 2, "epoch": 1, "step": 1, "marker": "/tmp/x/hung"}}
+     "hang": {"trial": 2, "epoch": 1, "step": 1, "marker": "/tmp/x/hung"},
+     "gate": {"trial": 2, "file": "/tmp/x/go"}}
 
 `hang`: the step given (of the process's trial number `trial`, 1-based) never ends, once per
 marker file: the first process to get there creates the marker and hangs, later ones go on.
+`gate`: the process's trial number `trial` waits before its first step until the file exists, so
+that a test holds a run in training while it checks something, then lets it go on to its end.
 
 `install(folder)` writes an installed-distribution record there that registers the backend as
 `stepping` in the `aiperf.backends` entry-point group; a process whose PYTHONPATH holds that
@@ -38,6 +41,10 @@ class SteppingBackend(NumpyBackend):
         behaviour = json.loads(os.environ.get(BEHAVIOUR, "{}"))
         step_s, steps = float(behaviour.get("step_s", 0.05)), int(behaviour.get("steps", 4))
         hang = behaviour.get("hang") or {}
+        gate = behaviour.get("gate") or {}
+        if gate.get("trial") == _trials:
+            while not Path(gate["file"]).exists():
+                time.sleep(0.05)
         clock = StepClock()
         reports = []
         for epoch in range(config.epochs):

@@ -196,14 +196,16 @@ def stepping(tmp_path):
     return config, environment(tmp_path / "site", step_s=0.1, steps=4)
 
 
-@pytest.mark.slow  # a real run waited out to its 12 s deadline
+@pytest.mark.slow  # a real run, held in its second trial while a second primary is refused
 def test_a_second_primary_is_refused_and_the_run_stays_intact(tmp_path, stepping):
-    config, env = stepping
-    run_dir = tmp_path / "run"
-    # The budget is waited out (the run must end by itself, exit 0): long enough for the replica's start
-    # (about 4 s on a loaded 2-core machine) and the second primary's refusal, with room to spare.
-    first = _aiperf(["run", "--backend", NAME, "--data", "digits", "--config", str(config), "--time-budget", "12s",
-                     "--run-dir", str(run_dir)], env)
+    config, _ = stepping
+    run_dir, gate = tmp_path / "run", tmp_path / "go"
+    # The run must end by itself (exit 0), and be running while the second primary is refused: its replica
+    # trains a first trial, then holds before the second's first step (stepping_backend's gate) until the
+    # refusal has been checked, and stops after that trial.
+    env = environment(tmp_path / "site", step_s=0.1, steps=4, gate={"trial": 2, "file": str(gate)})
+    first = _aiperf(["run", "--backend", NAME, "--data", "digits", "--config", str(config), "--time-budget", "5m",
+                     "--run-dir", str(run_dir), "--stop-after-trials", "2"], env)
     try:
         _wait_for(lambda: _trained(run_dir), 120, "the first primary's replica to train")
         second = subprocess.run([sys.executable, "-m", "aiperf_core", "run", "--resume", str(run_dir)], env=env,
@@ -212,6 +214,8 @@ def test_a_second_primary_is_refused_and_the_run_stays_intact(tmp_path, stepping
         assert second.stderr == (f"aiperf: error: --resume {run_dir}: in use by the primary on host "
                                  f"{os.uname().nodename}, pid {first.pid}, which is running\n")
         assert second.stdout == ""
+        assert first.poll() is None  # the first primary was running all along
+        gate.touch()
         output, errors = first.communicate(timeout=180)
     finally:
         if first.poll() is None:

@@ -22,6 +22,7 @@ import pytest
 from aiperf_core.ir import Graph
 from aiperf_core.rundir import read_events
 from netns_cluster import netns_cluster  # noqa: F401 (the fixture)
+from slurm_cluster import aiperf_argv
 
 NODE_TIMEOUT_S = 20
 # The fault tests' bound: each lost node is noticed at about twice it (a collective's timeout, then the
@@ -46,9 +47,9 @@ def _run(tmp_path, backend, *extra, env=None, trials=2, budget="4m", wait=True, 
     config = tmp_path / "tiny-lm.toml"
     config.write_text(TINY_LM.format(timeout=timeout))
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "aiperf_core", "run", "--backend", backend, "--nodes-per-replica", "2",
-            "--config", str(config), "--run-dir", str(run_dir), "--time-budget", budget,
-            "--stop-after-trials", str(trials), *extra]
+    # aiperf_argv: `python -m aiperf_core`, its SLURM executor polling squeue every second, not every 5 s.
+    argv = aiperf_argv("run", "--backend", backend, "--nodes-per-replica", "2", "--config", str(config),
+                       "--run-dir", str(run_dir), "--time-budget", budget, "--stop-after-trials", str(trials), *extra)
     primary = subprocess.Popen(argv, env={**(env or os.environ), "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     if not wait:
@@ -111,7 +112,9 @@ def _nothing_left(run_dir):
 
 @pytest.mark.slow
 def test_a_replica_of_two_local_nodes_meets_over_tcp(tmp_path):
-    output, run_dir = _run(tmp_path, "torch")
+    # One trial: what this checks (the two node processes, their ranks and address, the verified run,
+    # nothing left) is all there after the first; the tests below train a morph child on the nodes.
+    output, run_dir = _run(tmp_path, "torch", trials=1)
     assert "1 replica(s) x 2 device(s)" in output
     nodes = _events(run_dir, "replica_start")[-1]["nodes"]
     assert [n["node_rank"] for n in nodes] == [0, 1] and all(n["addr"] == "127.0.0.1" for n in nodes)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from aiperf_core.rundir import read_events, verify_chain
-from slurm_cluster import SlurmCluster
+from slurm_cluster import SlurmCluster, aiperf_argv
 from test_workflow import TINY_POLICY
 
 ADOPT_TRIALS = 6  # one-epoch trials of each replica in the adoption test
@@ -33,8 +33,9 @@ def cluster(tmp_path_factory):
 
 
 def _aiperf(args, env, **kwargs):
-    return subprocess.Popen([sys.executable, "-m", "aiperf_core", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, **kwargs)
+    # aiperf_argv: `python -m aiperf_core`, its SLURM executor polling squeue every second, not every 5 s.
+    return subprocess.Popen(aiperf_argv(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, **kwargs)
 
 
 def _start_two_replicas(cluster, tmp_path, *extra):
