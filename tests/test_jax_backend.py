@@ -163,30 +163,34 @@ def test_counter_raises_on_a_cost_of_minus_one(monkeypatch):
 # -- training ---------------------------------------------------------------------------------------
 
 
-def test_train_counts_images_exactly_with_a_short_last_batch(monkeypatch):
+@pytest.fixture(scope="module")
+def trained():
+    """resnet_small trained 3 epochs on 23 images in batches of 8 (8, 8, 7): (model, data, reports, the images
+    each StepClock.count was given during the training). One training run, shared by the tests of its image
+    counts and of its traces (each its own run before: the same compiled shapes)."""
     counted, real_count = [], StepClock.count
-    monkeypatch.setattr(StepClock, "count", lambda self, images: (counted.append(images), real_count(self, images)))
-    backend = JaxBackend()
-    graph = resnet_small((8, 8, 3), 3)
-    x, y = _data(graph, 23, 0)
-    model = backend.lower(graph)
-    reports = backend.train(model, Dataset(x, y, x[:5], y[:5], 3),
-                            TrainConfig(epochs=2, batch_size=8, schedule=Schedule(initial=0.01)))
-    assert [r.train_images for r in reports] == [23, 23]
-    assert [r.val_images for r in reports] == [5, 5]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(StepClock, "count", lambda self, images: (counted.append(images), real_count(self, images)))
+        backend = JaxBackend()
+        graph = resnet_small((8, 8, 3), 3)
+        x, y = _data(graph, 23, 1)
+        data = Dataset(x, y, x[:5], y[:5], 3)
+        model = backend.lower(graph)
+        reports = backend.train(model, data, TrainConfig(epochs=3, batch_size=8, schedule=Schedule(initial=0.01)))
+    return model, data, reports, list(counted)
+
+
+def test_train_counts_images_exactly_with_a_short_last_batch(trained):
+    _, _, reports, counted = trained
+    assert [r.train_images for r in reports] == [23, 23, 23]
+    assert [r.val_images for r in reports] == [5, 5, 5]
     assert all(np.isfinite(r.loss) for r in reports)
     # live progress: one count per step, the images of its batch
-    assert counted == [8, 8, 7, 8, 8, 7]
+    assert counted == [8, 8, 7] * 3
 
 
-def test_train_step_never_retraces_per_batch_or_epoch():
-    backend = JaxBackend()
-    graph = resnet_small((8, 8, 3), 3)
-    x, y = _data(graph, 23, 1)
-    data = Dataset(x, y, x[:5], y[:5], 3)
-    config = TrainConfig(epochs=3, batch_size=8, schedule=Schedule(initial=0.01))
-    model = backend.lower(graph)
-    reports = backend.train(model, data, config)
+def test_train_step_never_retraces_per_batch_or_epoch(trained):
+    model, data, reports, _ = trained
     step = model.cache[("train", "fp32", 0.9, 0.0)]
     evaluate = model.cache[("eval", 0.0)]
     # 3 epochs x (8, 8, 7): one trace for the full batches, one more for the short last one
@@ -194,7 +198,7 @@ def test_train_step_never_retraces_per_batch_or_epoch():
     assert reports[0].compile_seconds > 0 and [r.compile_seconds for r in reports[1:]] == [0.0, 0.0]
     assert all(r.compile_seconds <= r.step_seconds for r in reports)
     # the next trial of the same model (a new schedule, the same shapes) compiles nothing
-    again = backend.train(model, data, TrainConfig(epochs=1, batch_size=8, schedule=Schedule(initial=0.05)))
+    again = JaxBackend().train(model, data, TrainConfig(epochs=1, batch_size=8, schedule=Schedule(initial=0.05)))
     assert step.traces == 2 and again[0].compile_seconds == 0.0
 
 

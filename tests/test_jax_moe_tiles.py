@@ -5,11 +5,13 @@ every-expert formula's."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
 from test_jax_llama import _backend
-from test_jax_moe import assert_routed_matches_every_expert
+from test_jax_moe import _every_expert
 
 
 @pytest.mark.parametrize("assignments,experts", [(64, 8), (800, 4), (2048, 8), (8192, 8), (8192, 64), (3, 2),
@@ -33,6 +35,7 @@ def test_the_levels_hold_the_padded_rows_of_tiles_of_b_in_fewer_tiles(assignment
 def _routed_against_formula(router_bias, top_k: int, mlp: str = "gelu", experts: int = 4, tokens: int = 400):
     """The routed mixture's output and gradients against the every-expert formula's, the router's logits
     shifted by `router_bias` (E,) so that the routing is as skewed as wanted."""
+    import jax
     import jax.numpy as jnp
 
     from aiperf_backends.jax.lowering import moe_tile_levels, moe_tile_rows
@@ -50,8 +53,30 @@ def _routed_against_formula(router_bias, top_k: int, mlp: str = "gelu", experts:
     params = {name: jnp.asarray(value, jnp.float32) for name, value in params.items()}
     x = np.concatenate([rng.normal(size=(2, tokens // 2, d)), np.ones((2, tokens // 2, 1))], axis=-1)
     x = jnp.asarray(x, jnp.float32)
-    attrs = {"experts": experts, "top_k": top_k, "units": f, "mlp": mlp}
-    assert_routed_matches_every_expert(x, params, attrs, jnp.asarray(rng.normal(size=x.shape), jnp.float32))
+    probe = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+    routed, formula = (fn(x, params, probe) for fn in _value_and_grads(mlp, top_k, experts, f))
+    for got, want in zip(jax.tree.leaves(routed), jax.tree.leaves(formula)):  # test_jax_moe's tolerance
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0,
+                                   atol=2e-6 * scale * (x.shape[0] * x.shape[1]) ** 0.5)
+
+
+@functools.cache
+def _value_and_grads(mlp: str, top_k: int, experts: int, units: int):
+    """The jitted value and gradients (to x and every parameter) of sum(moe(x) * probe), routed and by the
+    every-expert formula (test_jax_moe.assert_routed_matches_every_expert, with the probe an argument): one
+    compilation each for every routing of the same shapes, the routing being the router's values."""
+    import jax
+    import jax.numpy as jnp
+
+    from aiperf_backends.jax.lowering import mixture_of_experts
+
+    attrs = {"experts": experts, "top_k": top_k, "units": units, "mlp": mlp}
+
+    def compiled(fn):
+        return jax.jit(jax.value_and_grad(lambda x, p, probe: jnp.sum(fn(x, p, attrs) * probe), (0, 1)))
+
+    return compiled(mixture_of_experts), compiled(_every_expert)
 
 
 @pytest.mark.parametrize("name,bias,top_k", [

@@ -130,9 +130,10 @@ def test_checkpointed_blocks_give_the_same_gradients_and_recompute_each_block():
     assert len(kept_products) == len(plain_products) + 2 * 7
     assert all("precision = [HIGHEST, HIGHEST]" in line for line in kept_products)
 
-    # train(): the same weights with and without, AdamW (what the LM trains with)
+    # train(): the same weights with and without, AdamW (what the LM trains with); one batch of 3 an epoch,
+    # so one step compiled per model
     data = Dataset(np.asarray(x), np.asarray(y), np.asarray(x), np.asarray(y), 13)
-    config = dict(epochs=2, batch_size=2, optimizer="adamw", schedule=Schedule(initial=1e-2))
+    config = dict(epochs=2, batch_size=3, optimizer="adamw", schedule=Schedule(initial=1e-2))
     plain_model, plain_reports = _train(graph, weights, data, **config)
     kept_model, kept_reports = _train(graph, weights, data, checkpoint_blocks=True, **config)
     assert _largest_difference(kept_model.export_canonical(), plain_model.export_canonical()) < 1e-5
@@ -193,7 +194,7 @@ _TWO_DEVICES = """
     import numpy as np
     from aiperf_backends.jax import JaxBackend
     from aiperf_backends.jax.distributed import Placement
-    from aiperf_backends.jax.training import make_micro_step, make_update, zero_accumulator
+    from aiperf_backends.jax.training import zero_accumulator
     from aiperf_core.backend import Schedule, TrainConfig
     from aiperf_core.builders import gpt
     from aiperf_core.data.text_corpus import embedded_corpus
@@ -213,26 +214,32 @@ _TWO_DEVICES = """
                                                            grad_clip=1.0, devices=devices, micro_batch=micro))
         runs[name] = {"weights": backend.export_weights(model), "loss": [r.loss for r in reports],
                       "val": [r.val_loss for r in reports], "seqs": [[r.train_images, r.val_images] for r in reports],
-                      "sharded": sorted(k[-1] for k in model.cache if k[0] == "update")}
+                      "sharded": sorted(k[-1] for k in model.cache if k[0] == "update"), "model": model}
     one, two = runs["one"]["weights"], runs["two"]["weights"]
     worst = max(float(np.max(np.abs(one[n][p] - two[n][p]))) for n in one for p in one[n])
 
-    # what crosses between devices: nothing in a micro step, one all-reduce in the update
+    # what crosses between devices: nothing in a micro step, one all-reduce in the update. The split
+    # batches' micro step and update that the two-device training ran, read back from jax's cache (the
+    # same arguments' layouts lower to the same computation: nothing traced or compiled again).
+    trained = runs["two"].pop("model").cache
+    (micro_step,) = [fn for key, fn in trained.items() if key[0] == "micro" and key[-1] is not None]
+    (update_step,) = [fn for key, fn in trained.items() if key[0] == "update" and key[-1] is True]
+    traces = micro_step.traces + update_step.traces
     placement = Placement.named(["cpu:0", "cpu:1"])
     model = backend.lower(graph, weights)
     params, state = placement.replicate((model.params, model.state))
     acc = zero_accumulator(placement, params, True)
     x, y = placement.put_batch(np.zeros((6, 16), np.int32), np.zeros((6, 16), np.int32))
-    micro = make_micro_step(graph, "fp32", 0.0, False, placement.mesh).jitted.lower(
+    micro = micro_step.jitted.lower(
         params, state, acc, x, y, np.int32(0), 1, np.float32(96), placement.replicate(jax.random.PRNGKey(0)),
         np.int32(0), np.int32(0), np.bool_(True)).compile().as_text()
-    update = make_update(0.9, None, 1.0, True).jitted.lower(params, params, acc, np.float32(0.1),
-                                                         np.int32(0)).compile().as_text()
+    update = update_step.jitted.lower(params, params, acc, np.float32(0.1), np.int32(0)).compile().as_text()
     collectives = r"(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)\\("
     print(json.dumps({"devices": backend.devices(), "worst": worst, "loss": [runs[k]["loss"] for k in runs],
                       "val": [runs[k]["val"] for k in runs], "seqs": [runs[k]["seqs"] for k in runs],
                       "sharded": runs["two"]["sharded"], "micro": re.findall(collectives, micro),
-                      "update": re.findall(collectives, update)}))
+                      "update": re.findall(collectives, update),
+                      "retraced": micro_step.traces + update_step.traces - traces}))
 """
 
 
@@ -264,6 +271,7 @@ def test_two_host_devices_accumulating_on_a_token_stream_equal_one_device(two_de
     np.testing.assert_allclose(r["loss"][1], r["loss"][0], rtol=1e-5)
     np.testing.assert_allclose(r["val"][1], r["val"][0], rtol=1e-5)
     assert r["micro"] == [] and r["update"] == ["all-reduce"], r
+    assert r["retraced"] == 0  # the steps the training ran, read back
 
 
 # -- device memory -------------------------------------------------------------------------------
