@@ -54,6 +54,13 @@ def _data(graph) -> Dataset:
     return Dataset(x[:TRAIN], y[:TRAIN], x[TRAIN:], y[TRAIN:], graph.vocab)
 
 
+def _config(devices: tuple, micro_batch: int | None = None) -> TrainConfig:
+    return TrainConfig(epochs=2, batch_size=BATCH, seed=0, devices=devices,
+                       schedule=Schedule(initial=0.01, final_fraction=0.1, warmup_epochs=1, shape="cosine"),
+                       optimizer="adamw", weight_decay=0.1, grad_clip=0.05, moe_aux_loss=0.01,
+                       expert_parallel=True, micro_batch=micro_batch)
+
+
 def _train(devices: tuple, micro_batch: int | None = None, graph=None):
     """(backend, model, reports, exported weights) of the lm policy's step with expert_parallel on."""
     from aiperf_conformance.cases import trained_looking_weights
@@ -62,11 +69,7 @@ def _train(devices: tuple, micro_batch: int | None = None, graph=None):
     backend = load_backend("jax")
     graph = graph or _graph()
     model = backend.lower(graph, trained_looking_weights(graph, 0))
-    config = TrainConfig(epochs=2, batch_size=BATCH, seed=0, devices=devices,
-                         schedule=Schedule(initial=0.01, final_fraction=0.1, warmup_epochs=1, shape="cosine"),
-                         optimizer="adamw", weight_decay=0.1, grad_clip=0.05, moe_aux_loss=0.01,
-                         expert_parallel=True, micro_batch=micro_batch)
-    reports = backend.train(model, _data(graph), config)
+    reports = backend.train(model, _data(graph), _config(devices, micro_batch))
     return backend, model, reports, backend.export_weights(model)
 
 
@@ -108,7 +111,7 @@ def run_against_one_device(micro_batch: int | None, one: tuple | None = None) ->
     graph = model.graph
     difference, where = _largest_difference(two_weights, one_weights, key_biases(graph))
     out = {"difference": difference, "where": where, "one": _records(one_reports), "two": _records(two_reports),
-           "one_run": (one_reports, one_weights)}
+           "one_run": (one_reports, one_weights), "two_model": model}
     moe = _moe(graph)
     out["layout"] = {name: {"spec": list(value.sharding.spec), "shards": [list(s.data.shape) for s in value.addressable_shards],
                             "devices": len(value.sharding.device_set)}
@@ -141,56 +144,72 @@ def run_refusal() -> dict:
     return {"refused": None}
 
 
-def run_compiled_exchanges() -> dict:
-    """The all-to-alls in the compiled training step (plain and with checkpointed blocks) and evaluation
-    of a split batch of 8 sequences, against those the epoch loop counts (expert_parallel.exchanges)."""
+def run_compiled_exchanges(model=None) -> dict:
+    """The all-to-alls in the compiled training steps (plain and with checkpointed blocks) and evaluation,
+    against those the epoch loop counts (expert_parallel.exchanges). The plain step and the evaluation are
+    the executables the two-device training of `model` ran (its batches of 16, 8 sequences a device, and its
+    validation batch padded to 8, 4 a device), read back from jax's cache: the same arguments' layouts lower
+    to the same computation, so nothing is traced or compiled again. `model`: the fused case's two-device
+    model, trained here when that case did not run."""
     import re
 
     import jax
 
     from aiperf_backends.jax import expert_parallel, training
     from aiperf_backends.jax.distributed import Placement
-    from aiperf_core.weights import init_weights
 
-    jax_backend().devices()  # initialises jax with AIPERF_CPU_DEVICES
-    graph = _graph()
+    backend = jax_backend()
+    devices = tuple(backend.devices())  # initialises jax with AIPERF_CPU_DEVICES
+    if model is None:
+        model = _train(devices)[1]
+    graph = model.graph
+    config = _config(devices)
     placement = Placement(jax.local_devices()[:2])
-    model = jax_backend().lower(graph, init_weights(graph, seed=0))
-    params = jax.device_put(model.params, expert_parallel.param_shardings(graph, model.params, placement.mesh))
-    slots = jax.device_put(training.initial_optimizer_state(params, None),
-                           expert_parallel.param_shardings(graph, params, placement.mesh))
-    tokens = np.zeros((8, SIZES["seq_len"]), np.int32)
-    x, y, valid = placement.put_batch(tokens, tokens, np.ones(8, bool))
+    shardings = expert_parallel.param_shardings(graph, model.params, placement.mesh)
+    adamw = training.adamw_of(config)
+    params = jax.device_put(model.params, shardings)
+    slots = tuple(jax.device_put(s, shardings) for s in training.initial_optimizer_state(params, adamw))
+    state = placement.replicate(model.state)
+    tokens = np.zeros((BATCH, SIZES["seq_len"]), np.int32)
+    x, y = placement.put_batch(tokens, tokens)
+    rng_key = placement.replicate(jax.random.PRNGKey(config.seed))
+    tokens = tokens[:8]
+    x_val, y_val, valid = placement.put_batch(tokens, tokens, np.ones(8, bool))
 
     def compiled(lowered) -> int:
         return len(re.findall(r"\ball-to-all\(", lowered.compile().as_text()))
 
     out = {}
-    for checkpoint in (False, True):
-        step = training.make_train_step(graph, "fp32", 0.9, 0.0, checkpoint_blocks=checkpoint,
-                                        expert_mesh=placement.mesh)
-        lowered = step.jitted.lower(params, model.state, slots, x, y, np.float32(0.1), jax.random.PRNGKey(0),
-                                    np.int32(0))
+    trained = model.cache[training.step_key(config, placement.mesh)]
+    checkpointed = training.make_train_step(graph, "fp32", float(config.momentum), 0.0, adamw, config.grad_clip,
+                                            checkpoint_blocks=True, moe_aux_loss=config.moe_aux_loss,
+                                            expert_mesh=placement.mesh)
+    for checkpoint, step in ((False, trained), (True, checkpointed)):
+        traces = step.traces
+        lowered = step.jitted.lower(params, state, slots, x, y, np.float32(0.1), rng_key, np.int32(0))
         out[f"train checkpoint={checkpoint}"] = [
-            compiled(lowered), len(expert_parallel.exchanges(graph, 4, 2, "fp32", True, checkpoint))]
+            compiled(lowered), len(expert_parallel.exchanges(graph, BATCH // 2, 2, "fp32", True, checkpoint))]
+        out[f"train checkpoint={checkpoint} traced"] = step.traces - traces
     evaluate = training.eval_fn(model, 0.0, placement.mesh)
-    out["eval"] = [compiled(evaluate.jitted.lower(params, model.state, x, y, valid)),
+    traces = evaluate.traces
+    out["eval"] = [compiled(evaluate.jitted.lower(params, state, x_val, y_val, valid)),
                    len(expert_parallel.exchanges(graph, 4, 2, "fp32", False))]
+    out["eval traced"] = evaluate.traces - traces
     return out
 
 
 def run_all(cases: list[str]) -> dict:
     """The named two-device cases (fused, micro, exchanges, refusal) in one subprocess: one jax start, and
     the one-device reference trained once for the whole-batch and the micro-batch comparisons."""
-    out, one = {}, None
+    out, one, two = {}, None, None
     if "fused" in cases:
         out["fused"] = run_against_one_device(None)
-        one = out["fused"].pop("one_run")
+        one, two = out["fused"].pop("one_run"), out["fused"].pop("two_model")
     if "micro" in cases:
         out["micro"] = run_against_one_device(2, one=one)
-        out["micro"].pop("one_run")
+        out["micro"].pop("one_run"), out["micro"].pop("two_model")
     if "exchanges" in cases:
-        out["exchanges"] = run_compiled_exchanges()
+        out["exchanges"] = run_compiled_exchanges(two)
     if "refusal" in cases:
         out["refusal"] = run_refusal()
     return out
@@ -275,7 +294,11 @@ def test_the_export_is_the_whole_model_and_morphs_grow_from_it(fused):
 
 @pytest.mark.slow
 def test_the_exchanges_counted_for_all_to_all_seconds_are_those_of_the_compiled_steps(cases):
-    counts = cases["exchanges"]
+    counts = dict(cases["exchanges"])
+    # the plain step and the evaluation are the trained model's executables, not traced again; the
+    # checkpointed step is new
+    traced = {name: counts.pop(name) for name in list(counts) if name.endswith(" traced")}
+    assert traced == {"train checkpoint=False traced": 0, "train checkpoint=True traced": 1, "eval traced": 0}
     # per moe node: rows out, their expert index, outputs back; training adds the 2 reverse exchanges,
     # and checkpointed blocks recompute the 3 forward ones
     assert counts == {"train checkpoint=False": [5, 5], "train checkpoint=True": [8, 8], "eval": [3, 3]}
