@@ -20,6 +20,7 @@ against, and what the vendor guide's check table is generated from.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import os
 import signal
@@ -200,7 +201,7 @@ def catalogue_ids() -> list[str]:
 
 
 # -- child processes -----------------------------------------------------------------------------
-# A level that runs work in a child process (parallel) starts it with run_child. Every Python
+# A level that runs work in a child process (parallel) starts it with ChildRun (or run_child). Every Python
 # process in that tree (the child, and what it spawns: torch's ranks) has faulthandler on, so one
 # that dies of a signal prints its Python stack on stderr; stderr goes to a file, and a death is
 # reported with its exit status or signal, the tail of stderr and those stacks (child_account).
@@ -258,19 +259,43 @@ def child_account(stderr: str, returncode: int | None = None) -> str:
     return "\n".join(parts)
 
 
-def run_child(args: list[str], env: dict, timeout: float, stderr_path: str, what: str) -> None:
-    """Run `args` (a Python child of the kit) with faulthandler on and stderr into `stderr_path`;
-    ChildProcessFailed, naming `what` with child_account, if it times out or does not exit 0."""
-    env = dict(env, **{FAULTHANDLER_ENV: "1"})
-    with open(stderr_path, "wb") as err:
+class ChildRun:
+    """A Python child of the kit (`args`), started now with faulthandler on and stderr into
+    `stderr_path`, and awaited by `wait`: a level may start its child before the kit reaches it,
+    so that the child's work runs beside the levels before it. A child still running when this
+    process exits is killed."""
+
+    def __init__(self, args: list[str], env: dict, timeout: float, stderr_path: str, what: str):
+        self.timeout, self.stderr_path, self.what = timeout, stderr_path, what
+        self.started = time.monotonic()
+        with open(stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(args, env=dict(env, **{FAULTHANDLER_ENV: "1"}), stdin=subprocess.DEVNULL,
+                                         stdout=subprocess.DEVNULL, stderr=err)
+        atexit.register(self._kill)
+
+    def wait(self) -> None:
+        """Until the child exits; ChildProcessFailed, naming `what` with child_account, if it runs
+        past `timeout` seconds from its start or does not exit 0."""
         try:
-            proc = subprocess.run(args, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
-                                  timeout=timeout)
+            returncode = self.proc.wait(timeout=max(self.timeout - (time.monotonic() - self.started), 0.0))
         except subprocess.TimeoutExpired:
-            raise ChildProcessFailed(f"{what} did not finish in {timeout:g} s\n"
-                                     + child_account(read_text(stderr_path))) from None
-    if proc.returncode != 0:
-        raise ChildProcessFailed(f"{what} failed\n" + child_account(read_text(stderr_path), proc.returncode))
+            self._kill()
+            raise ChildProcessFailed(f"{self.what} did not finish in {self.timeout:g} s\n"
+                                     + child_account(read_text(self.stderr_path))) from None
+        finally:
+            atexit.unregister(self._kill)
+        if returncode != 0:
+            raise ChildProcessFailed(f"{self.what} failed\n" + child_account(read_text(self.stderr_path), returncode))
+
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def run_child(args: list[str], env: dict, timeout: float, stderr_path: str, what: str) -> None:
+    """Run `args` to its end (ChildRun, awaited at once)."""
+    ChildRun(args, env, timeout, stderr_path, what).wait()
 
 
 def read_text(path: str, start: int = 0, end: int | None = None) -> str:
@@ -358,7 +383,12 @@ def run_conformance(backend: Backend, levels: str | Iterable[str] = LEVELS, *, s
                     device_model=backend.device_model(ctx.device),
                     precisions=list(ctx.precisions), quick=quick, expectations=ctx.expectations.to_dict(),
                     workload_scope=workloads)
-    for result in iter_results(ctx, [c for c in collect(ctx, levels) if c.workload in workloads]):
+    checks = [c for c in collect(ctx, levels) if c.workload in workloads]
+    if any(c.level == "parallel" for c in checks):
+        from aiperf_conformance.levels.parallel import start_early
+
+        start_early(ctx)
+    for result in iter_results(ctx, checks):
         report.results.append(result)
         if progress:
             progress(result)

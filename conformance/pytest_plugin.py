@@ -77,6 +77,20 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     items.extend(ConformanceItem.from_parent(session, name=str(case), case=case) for case in cases)
 
 
+def pytest_collection_finish(session) -> None:
+    """Hand the selected conformance cases (this plugin's items, and a test file's `case`
+    parameters) to pytest_support.will_run, so that a backend's parallel level, if selected, starts
+    its child process when the backend's first case runs."""
+    import sys
+
+    support = sys.modules.get("aiperf_conformance.pytest_support")
+    if support is None:  # nothing collected made a case
+        return
+    cases = (getattr(item, "case", None) or getattr(getattr(item, "callspec", None), "params", {}).get("case")
+             for item in session.items)
+    support.will_run(case for case in cases if isinstance(case, support.Case))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if config.getoption("aiperf_backend") and config.getoption("aiperf_quick"):
         from aiperf_conformance.results import QUICK_NOTE

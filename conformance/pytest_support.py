@@ -22,6 +22,9 @@ from aiperf_conformance.kit import LEVELS, Check, Context, collect, make_context
 from aiperf_conformance.results import BAD, UNSUPPORTED, XFAIL
 
 _contexts: dict[tuple, Context] = {}
+# The contexts whose parallel checks the session will run: their first case to run starts the
+# level's child process (parallel.start_early), so that it trains beside the other levels' cases.
+_parallel_ahead: set[tuple] = set()
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,19 @@ def conformance_cases(backend_names: Iterable[str], levels: str | Iterable[str] 
     return cases
 
 
+def will_run(cases: Iterable[Case]) -> None:
+    """Note the session's selected cases (after -k and -m): a context with parallel checks among them
+    starts the level's child when its first case runs (the plugin calls this for every session)."""
+    _parallel_ahead.update(case.context_key for case in cases if case.check.level == "parallel")
+
+
 def run_case(case: Case) -> None:
-    result = run_check(_context(case.context_key), case.check)
+    ctx = _context(case.context_key)
+    if case.context_key in _parallel_ahead:
+        from aiperf_conformance.levels.parallel import start_early
+
+        start_early(ctx)
+    result = run_check(ctx, case.check)
     if result.status in BAD:
         raise AssertionError(f"{case}: {result.status}: {result.message}")
     if result.status == XFAIL:

@@ -247,3 +247,49 @@ def test_a_scenario_two_checks_compare_with_one_device_is_trained_on_one_device_
     gpt = parallel.scenario_of("gpt_matches_one_device", True)
     assert backend.alone.count((parallel._gpt().name, gpt.train, gpt.epochs)) == 1
     assert len(backend.alone) == len(set(backend.alone)) == len(results) - 2  # less the refusal and the shared one
+
+
+def test_a_kit_run_starts_the_levels_child_before_its_first_check(monkeypatch):
+    """run_conformance starts the parallel level's child with the run (start_early): it trains while
+    the levels before it run, and the level's checks read its outcomes."""
+    from aiperf_conformance import kit
+
+    monkeypatch.delenv(CPU_DEVICES_ENV, raising=False)
+    running = []
+    real = kit.run_check
+
+    def spy(ctx, check):
+        child = ctx.cache.get("parallel_child")
+        running.append((check.level, child is not None and child.run.proc.poll() is None))
+        return real(ctx, check)
+
+    monkeypatch.setattr(kit, "run_check", spy)
+    report = kit.run_conformance(ReadsCpuDevices(), "op,parallel", quick=True)
+    assert running[0] == ("op", True)  # started before the kit's first check, running beside it
+    parallel = [r for r in report.results if r.level == "parallel"]
+    assert parallel and all(r.status == "pass" for r in parallel), [(r.name, r.message) for r in parallel]
+    assert {r.device for r in parallel} == {f"child process with {CPU_DEVICES_ENV}=2: cpu:0, cpu:1"}
+
+
+def test_pytest_cases_start_the_child_only_where_parallel_checks_are_selected(monkeypatch):
+    """The pytest path: a context whose parallel checks the session selected (will_run, from the
+    plugin's collection hook) starts the child at its first case; one without them never does."""
+    from aiperf_conformance import pytest_support
+
+    monkeypatch.delenv(CPU_DEVICES_ENV, raising=False)
+    cases = {}
+    for key in ("selected", "not selected"):
+        ctx = Context(ReadsCpuDevices(), Expectations(), quick=True, device="cpu")
+        monkeypatch.setitem(pytest_support._contexts, (key,), ctx)
+        cases[key] = [pytest_support.Case("readscpudevices", check, (key,)) for check in collect(ctx, ["op", "parallel"])]
+    monkeypatch.setattr(pytest_support, "_parallel_ahead", set())
+    pytest_support.will_run(cases["selected"] + [c for c in cases["not selected"] if c.check.level != "parallel"])
+    for key, expected in (("selected", True), ("not selected", False)):
+        first = cases[key][0]
+        assert first.check.level == "op"
+        pytest_support.run_case(first)
+        assert ("parallel_child" in pytest_support._contexts[(key,)].cache) is expected
+    for case in cases["selected"]:
+        if case.check.level == "parallel":
+            pytest_support.run_case(case)  # reads the early child's outcomes: every check passes
+    assert "parallel_child" not in pytest_support._contexts[("selected",)].cache

@@ -45,7 +45,9 @@ one visible device is an accelerator; the child writes its outcomes as JSON and 
 them. With two or more devices visible (GPUs), the work runs in this process. The child runs with
 faulthandler on (it and the processes it spawns, a backend's ranks) and its stderr in a file: a
 scenario that raised there, or a child that died, is reported with how it ended, the last lines of
-that stderr and the Python stacks faulthandler wrote (aiperf_conformance.kit.run_child).
+that stderr and the Python stacks faulthandler wrote (aiperf_conformance.kit.ChildRun). A kit run
+that will reach the level starts the child when it starts (start_early), so that the child trains
+beside the levels before it, whose work is mostly one thread (tracing, compiling, small ops).
 
 A backend that declares no data parallelism is certified as single-device:
 
@@ -101,8 +103,8 @@ from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph, Node
 from aiperf_core.replica_layout import ReplicaLayout
 from aiperf_conformance.cases import trained_looking_weights
-from aiperf_conformance.kit import (Check, ChildProcessFailed, Context, Outcome, child_account, new_ops,
-                                    output_size, read_text, relative_error, run_child)
+from aiperf_conformance.kit import (Check, ChildProcessFailed, ChildRun, Context, Outcome, child_account, new_ops,
+                                    output_size, read_text, relative_error)
 from aiperf_conformance.levels.op import key_biases
 from aiperf_conformance.multi_node import ADDR, NODES, NodesTrained, run_nodes
 
@@ -621,34 +623,67 @@ def _is_accelerator(device: str) -> bool:
     return device.split(":")[0].split(" ")[0].lower() != "cpu"
 
 
-def _in_child(ctx: Context) -> dict:
-    """Run the level in a child process that sees CHILD_DEVICES CPU devices; its outcomes come back
-    as JSON (the frameworks print to stdout and stderr, so the results travel in a file), each
-    error with the account of its scenario's stderr."""
-    env = dict(os.environ, **{CPU_DEVICES_ENV: str(CHILD_DEVICES)})
-    if _is_accelerator(ctx.device or ""):
-        env["CUDA_VISIBLE_DEVICES"] = ""  # one accelerator cannot train on two: certify the path on CPUs
-    what = f"the child process ({CPU_DEVICES_ENV}={CHILD_DEVICES})"
-    with tempfile.TemporaryDirectory(prefix="aiperf-parallel-") as tmp:
-        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "outcomes.json")
-        stderr_path = os.path.join(tmp, "stderr.txt")
-        spec = {"backend_class": _class_path(ctx.backend), "seed": ctx.seed, "quick": ctx.quick,
-                "tolerance": ctx.tolerance("parallel"), "sys_path": [p for p in sys.path if p], "stderr": stderr_path,
-                "workloads": None if ctx.workloads is None else list(ctx.workloads)}
+class _Child:
+    """The level's work in a child process that sees CHILD_DEVICES CPU devices, started when made;
+    `outcomes` awaits it. Its outcomes come back as JSON (the frameworks print to stdout and stderr,
+    so the results travel in a file), each error with the account of its scenario's stderr."""
+
+    def __init__(self, ctx: Context):
+        env = dict(os.environ, **{CPU_DEVICES_ENV: str(CHILD_DEVICES)})
+        if _is_accelerator(ctx.device or ""):
+            env["CUDA_VISIBLE_DEVICES"] = ""  # one accelerator cannot train on two: certify the path on CPUs
+        self.what = f"the child process ({CPU_DEVICES_ENV}={CHILD_DEVICES})"
+        backend_class = _class_path(ctx.backend)
+        self.tmp = tempfile.TemporaryDirectory(prefix="aiperf-parallel-")
+        spec_path, self.out_path = os.path.join(self.tmp.name, "spec.json"), os.path.join(self.tmp.name, "outcomes.json")
+        self.stderr_path = os.path.join(self.tmp.name, "stderr.txt")
+        spec = {"backend_class": backend_class, "seed": ctx.seed, "quick": ctx.quick,
+                "tolerance": ctx.tolerance("parallel"), "sys_path": [p for p in sys.path if p],
+                "stderr": self.stderr_path, "workloads": None if ctx.workloads is None else list(ctx.workloads)}
         with open(spec_path, "w") as f:
             json.dump(spec, f)
         code = "import sys; from aiperf_conformance.levels.parallel import child_main; sys.exit(child_main(sys.argv[1:]))"
-        run_child([sys.executable, "-c", code, spec_path, out_path], env, CHILD_TIMEOUT, stderr_path, what)
-        if not os.path.exists(out_path):
-            raise ChildProcessFailed(f"{what} exited 0 without writing its outcomes\n"
-                                     + child_account(read_text(stderr_path)))
-        with open(out_path) as f:
-            found = json.load(f)
-        for outcome in found["outcomes"].values():
-            span = outcome.pop("stderr", None)
-            if span is not None:
-                outcome["account"] = child_account(read_text(stderr_path, *span))
-        return found
+        try:
+            self.run = ChildRun([sys.executable, "-c", code, spec_path, self.out_path], env, CHILD_TIMEOUT,
+                                self.stderr_path, self.what)
+        except BaseException:
+            self.tmp.cleanup()
+            raise
+
+    def outcomes(self) -> dict:
+        try:
+            self.run.wait()
+            if not os.path.exists(self.out_path):
+                raise ChildProcessFailed(f"{self.what} exited 0 without writing its outcomes\n"
+                                         + child_account(read_text(self.stderr_path)))
+            with open(self.out_path) as f:
+                found = json.load(f)
+            for outcome in found["outcomes"].values():
+                span = outcome.pop("stderr", None)
+                if span is not None:
+                    outcome["account"] = child_account(read_text(self.stderr_path, *span))
+            return found
+        finally:
+            self.tmp.cleanup()
+
+
+def _needs_child(backend) -> bool:
+    return backend.parallelism().data_parallel and len(backend.devices()) < CHILD_DEVICES
+
+
+def start_early(ctx: Context) -> None:
+    """Start the level's child process now, for a kit run that will reach the level later: its
+    training then runs beside the levels before it (their work is mostly one thread: compiling,
+    small ops), not after them. Nothing starts where the level runs in this process (two devices
+    visible) or was started already; a backend whose class the child cannot import reports that
+    when the level runs."""
+    if ctx.backend is None or "parallel" in ctx.cache or "parallel_child" in ctx.cache:
+        return
+    try:
+        if _needs_child(ctx.backend):
+            ctx.cache["parallel_child"] = _Child(ctx)
+    except AiperfError:
+        pass  # _outcomes meets it again and reports it as every check's error
 
 
 def backend_from_spec(spec: dict):
@@ -685,8 +720,8 @@ def _outcomes(ctx: Context) -> dict:
     if "parallel" not in ctx.cache:
         backend = ctx.backend
         try:
-            if backend.parallelism().data_parallel and len(backend.devices()) < CHILD_DEVICES:
-                found = _in_child(ctx)
+            if _needs_child(backend):
+                found = (ctx.cache.pop("parallel_child", None) or _Child(ctx)).outcomes()
                 where = f"child process with {CPU_DEVICES_ENV}={CHILD_DEVICES}: {', '.join(found['devices'])}"
                 ctx.cache["parallel"] = (found["outcomes"], where)
             else:
