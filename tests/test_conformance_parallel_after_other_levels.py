@@ -7,8 +7,10 @@ its teardown fails its training (backends/torch/distributed.py, end_process_grou
 parallel check fails every time the fault is there, not one time in five.
 
 tests/test_conformance.py runs the kit that way: one pytest item per check, in kit order, in one
-process, so torch's parallel checks (its data-parallel trainings in the level's child) run after
-every other level of torch's kit, all through one context. This file used to run `aiperf conformance
+process, so torch's parallel checks run after every other level of torch's kit, all through one
+context. Their data-parallel trainings run in the level's child, which starts with torch's first
+check and trains beside the other levels (parallel.start_early), so the ranks' teardown is checked
+on a machine busier than the failing runs' was. This file used to run `aiperf conformance
 --level count,parallel --quick` for torch in a subprocess of its own (about a minute), a repeat of
 what test_conformance.py does with the whole kit before the level. What it checks now is that the
 guarantee holds, cheaply: test_conformance.py's parametrisation, and the session's order of its
