@@ -5,9 +5,7 @@ unofficial: digits is not ImageNet) and ranked, with the list's order and effici
 
 It takes a few minutes: two runs and two kits, each every level of the checks that certify the CNN
 workload these runs train (`--workload cnn`: the certification a CNN submission needs, no quick run;
-tests/test_conformance.py runs the transformer and model-zoo checks), the two backends side by side, and
-each kit beside its backend's run: a run's budget is wall time, a kit's checks are work, so the kits (the
-longest part, jax's above all) start at once and work while the runs' budgets pass."""
+tests/test_conformance.py runs the transformer and model-zoo checks), the two backends side by side."""
 
 import csv
 import io
@@ -31,9 +29,7 @@ BACKENDS = ("torch", "jax")
 # Different budgets, so that the two runs' scores differ even when both count the same epochs of the same
 # graph (side by side on one core each they did: 1.3665e9 OPS both) and the list's order is by score. jax
 # gets the shorter one: its kit takes longer than torch's (97 s against 62 s here), so the two sides end
-# closer together. Each kit works beside its run (submit): a run takes its budget whatever CPU it gets, so
-# it counts fewer epochs than alone (jax's first, with its compilation, ends some 10 s in on a quiet
-# machine, 30 s on two busy cores), and the kits, the longest part, are done that much sooner.
+# closer together.
 BUDGETS = {"torch": "50s", "jax": "40s"}
 # A declared peak per device (the node's 2 cores), per precision, at or above what 2 cores of a current
 # x86 CPU can do at 3.5 GHz: 2 AVX-512 FMA units (64 fp32 ops a cycle a core), and AMX's 1,024 bf16
@@ -42,37 +38,13 @@ BUDGETS = {"torch": "50s", "jax": "40s"}
 DECLARED = {"fp32": 4.5e11, "tf32": 4.5e11, "bf16": 1.45e13, "fp16": 1.45e13}
 
 
-def _argv(args) -> list[str]:
-    return [sys.executable, "-m", "aiperf_core", *map(str, args)]
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
 def aiperf(*args, cwd, timeout=900, check=True):
-    result = subprocess.run(_argv(args), cwd=cwd, capture_output=True, text=True, timeout=timeout, env=_env())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "aiperf_core", *map(str, args)], cwd=cwd, capture_output=True,
+                            text=True, timeout=timeout, env=env)
     if check:
         assert result.returncode == 0, f"aiperf {' '.join(map(str, args))}: {result.stdout}\n{result.stderr}"
     return result
-
-
-def start(*args, cwd) -> subprocess.Popen:
-    """aiperf ARGS in the background, its output to a file beside it (a pipe nobody reads could fill)."""
-    with open(cwd / f"{args[0]}.out", "wb") as out:
-        return subprocess.Popen(_argv(args), cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=_env())
-
-
-def finish(process: subprocess.Popen, cwd, timeout=900) -> None:
-    """Wait for a start()ed command; it must have exited 0."""
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        raise
-    output = (cwd / f"{process.args[3]}.out").read_text()
-    assert process.returncode == 0, f"aiperf {' '.join(process.args[3:])}: {output}"
 
 
 def describe(folder, name) -> dict:
@@ -88,22 +60,13 @@ def describe(folder, name) -> dict:
 def submit(backend, folder) -> dict:
     """A real run, its description, kit, peak and package, in `folder`."""
     (folder / "tiny.toml").write_text(TINY_POLICY)
-    # The kit certifies the backend on this CPU at every precision it declares here, whatever the run
-    # trains at (the check then asks it for the run's): it needs nothing from the run, so it starts first
-    # and works while the run's budget passes.
-    kit = start("conformance", "--backend", backend, "--workload", "cnn", "--report", "kit.json", cwd=folder)
-    try:
-        aiperf("run", "--backend", backend, "--data", "digits", "--config", "tiny.toml", "--run-dir", "run",
-               "--time-budget", BUDGETS[backend], "--stop-grace", "30s", "--seed", "3", cwd=folder)
-        score = json.loads(aiperf("score", "--json", "run", cwd=folder).stdout)
-        precisions = sorted({t["hyper"]["precision"] for t in map(
-            lambda p: json.loads(p.read_text()), (folder / "run/trials").glob("*/trial.json"))})
-        description = describe(folder, f"ci-{backend}")
-    except BaseException:
-        kit.kill()  # the run's failure is the one to see
-        kit.wait()
-        raise
-    finish(kit, folder)
+    aiperf("run", "--backend", backend, "--data", "digits", "--config", "tiny.toml", "--run-dir", "run",
+           "--time-budget", BUDGETS[backend], "--stop-grace", "30s", "--seed", "3", cwd=folder)
+    score = json.loads(aiperf("score", "--json", "run", cwd=folder).stdout)
+    precisions = sorted({t["hyper"]["precision"] for t in map(
+        lambda p: json.loads(p.read_text()), (folder / "run/trials").glob("*/trial.json"))})
+    description = describe(folder, f"ci-{backend}")
+    aiperf("conformance", "--backend", backend, "--workload", "cnn", "--report", "kit.json", cwd=folder)
     # A short budget: the list needs a measured peak, not the node's best one (the declared peak is above it).
     aiperf("peak", "--backend", backend, "--precision", ",".join(precisions), "--budget", "6s", "--out", "peak.json",
            cwd=folder)
