@@ -201,7 +201,7 @@ def catalogue_ids() -> list[str]:
 
 
 # -- child processes -----------------------------------------------------------------------------
-# A level that runs work in a child process (parallel) starts it with ChildRun (or run_child). Every Python
+# A level that runs work in a child process (parallel) starts it with ChildRun. Every Python
 # process in that tree (the child, and what it spawns: torch's ranks) has faulthandler on, so one
 # that dies of a signal prints its Python stack on stderr; stderr goes to a file, and a death is
 # reported with its exit status or signal, the tail of stderr and those stacks (child_account).
@@ -291,11 +291,6 @@ class ChildRun:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-
-
-def run_child(args: list[str], env: dict, timeout: float, stderr_path: str, what: str) -> None:
-    """Run `args` to its end (ChildRun, awaited at once)."""
-    ChildRun(args, env, timeout, stderr_path, what).wait()
 
 
 def read_text(path: str, start: int = 0, end: int | None = None) -> str:

@@ -13,12 +13,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 from aiperf_core.backend import CPU_DEVICES_ENV, Parallelism
 from aiperf_numpy.backend import NumpyBackend
 from aiperf_conformance.expectations import Expectations
-from aiperf_conformance.kit import (STDERR_TAIL_LINES, ChildProcessFailed, Context, child_account, collect,
-                                    exit_description, fault_stacks, run_check, run_child)
+from aiperf_conformance.kit import (STDERR_TAIL_LINES, ChildProcessFailed, ChildRun, Context, child_account,
+                                    collect, exit_description, fault_stacks, run_check)
 from aiperf_conformance.levels.parallel import DATA_PARALLEL_CHECKS, EXPERT_PARALLEL_REFUSED, MULTI_NODE_REFUSED
 
 # A rank that prints 50 numbered lines, then aborts inside a named function.
@@ -114,23 +115,28 @@ def test_a_child_that_aborts_is_reported_with_its_signal_stderr_and_stack(monkey
         assert "in _abort_in_the_child" in result.message and "in train_checked" in result.message
 
 
-def test_run_child_reports_an_exit_status_and_a_timeout(tmp_path):
+def test_a_child_run_reports_an_exit_status_and_a_timeout_counted_from_its_start(tmp_path):
     err = str(tmp_path / "stderr.txt")
     try:
-        run_child([sys.executable, "-c", "import sys; print('bad input', file=sys.stderr); sys.exit(3)"],
-                  dict(os.environ), 60, err, "the helper")
+        ChildRun([sys.executable, "-c", "import sys; print('bad input', file=sys.stderr); sys.exit(3)"],
+                 dict(os.environ), 60, err, "the helper").wait()
     except ChildProcessFailed as exc:
         assert str(exc) == ("the helper failed\nthe child process ended with exit status 3\n"
                             "stderr (last 1 of 1 lines):\nbad input")
     else:
         raise AssertionError("a child that exits 3 must fail")
+    # Started, then awaited later (as the parallel level's child is): its bound runs from its start. A
+    # child of 3 s with a bound of 1.5 s, awaited 2 s in: a bound counted from the wait would let it finish.
+    sleeper = ChildRun([sys.executable, "-c", "import time; print('waiting', flush=True); time.sleep(3)"],
+                       dict(os.environ), 1.5, err, "the sleeper")
+    time.sleep(2.0)
     try:
-        run_child([sys.executable, "-c", "import time; print('waiting', flush=True); time.sleep(60)"],
-                  dict(os.environ), 0.5, err, "the sleeper")
+        sleeper.wait()
     except ChildProcessFailed as exc:
-        assert str(exc).startswith("the sleeper did not finish in 0.5 s\n")
+        assert str(exc).startswith("the sleeper did not finish in 1.5 s\n")
     else:
         raise AssertionError("a child that overruns must fail")
+    assert sleeper.proc.returncode is not None  # stopped, not left running
 
 
 def test_exit_descriptions_and_stacks():
