@@ -25,27 +25,15 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/aiperf run --config examples/quick.toml
 
-# A tier runs in two pytest sessions: first its tests spread over TEST_WORKERS pytest-xdist processes, a
-# test file or a backend's kit whole in one (tests/conftest.py); then, alone, those marked `serial`, which
-# start a cluster of nodes or time the benchmark's own run. Both always run; the tier fails if either does.
-# TEST_WORKERS=0 runs the first session in one process too. $(1): the tier's tests, $(2): slowest listed.
-TEST_WORKERS ?= 2
-define two_sessions
-	rc=0; \
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m '($(1)) and not serial' --durations=$(2) || rc=$$?; \
-	$(BIN)/python -m pytest -q -m '($(1)) and serial' --durations=$(2) || { r=$$?; [ $$r -eq 5 ] || rc=$$r; }; \
-	exit $$rc
-endef
-
-# The whole suite, as CI runs it. Each session ends with its 25 slowest tests: CI must stay under 40 minutes
-# on its slowest machine (AMD Zen 3, 2 vCPU), and this shows where it goes.
+# The whole suite, as CI runs it. The 25 slowest tests close the output: CI must stay under 40 minutes on
+# its slowest machine (AMD Zen 3, 2 vCPU), and this shows where it goes.
 test: $(STAMP)
-	$(call two_sessions,not gpu and not container,25)
+	$(BIN)/python -m pytest -q --durations=25
 
 # The quick tier, for developers: the suite without the tests marked `slow` (the kit's full runs and the long
 # end-to-end tests, DEVELOPERS.md "Test tiers"), under 10 minutes on 2 cores. `make test` runs them all.
 test-quick: $(STAMP)
-	$(call two_sessions,not gpu and not container and not slow,10)
+	$(BIN)/python -m pytest -q -m 'not gpu and not container and not slow' --durations=10
 
 # The GPU tier, on a CUDA machine: the tests marked `gpu`, then the kit at every declared precision for
 # every backend that sees the accelerator. It runs in the current Python environment (no .venv, no

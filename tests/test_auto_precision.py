@@ -25,9 +25,6 @@ from aiperf_core.workflow import auto_precision, plan
 from aiperf_numpy.backend import NumpyBackend
 from test_workflow import TINY_POLICY
 
-# make test runs these tests alone, after the rest (serial): it times a backend's steps to pick a precision.
-pytestmark = pytest.mark.serial
-
 AMX = {"amx_bf16", "amx_tile", "avx512f"}
 STEP_S_ENV = "AIPERF_TEST_STEP_S"  # {"fp32": seconds, "bf16": seconds}: how long a step sleeps
 

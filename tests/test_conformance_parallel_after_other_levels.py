@@ -7,15 +7,14 @@ its teardown fails its training (backends/torch/distributed.py, end_process_grou
 parallel check fails every time the fault is there, not one time in five.
 
 tests/test_conformance.py runs the kit that way: one pytest item per check, in kit order, in one
-process (one pytest-xdist worker in make test), so torch's parallel checks run after every other
-level of torch's kit, all through one context. Their data-parallel trainings run in the level's
-child, which starts with torch's first check and trains beside the other levels
-(parallel.start_early), so the ranks' teardown is checked on a machine busier than the failing runs'
-was. This file used to run `aiperf conformance --level count,parallel --quick` for torch in a
-subprocess of its own (about a minute), a repeat of what test_conformance.py does with the whole kit
-before the level. What it checks now is that the guarantee holds, cheaply: test_conformance.py's
-parametrisation, and the session's order of its items where this session collected them, put torch's
-parallel checks after its other levels.
+process, so torch's parallel checks run after every other level of torch's kit, all through one
+context. Their data-parallel trainings run in the level's child, which starts with torch's first
+check and trains beside the other levels (parallel.start_early), so the ranks' teardown is checked
+on a machine busier than the failing runs' was. This file used to run `aiperf conformance
+--level count,parallel --quick` for torch in a subprocess of its own (about a minute), a repeat of
+what test_conformance.py does with the whole kit before the level. What it checks now is that the
+guarantee holds, cheaply: test_conformance.py's parametrisation, and the session's order of its
+items where this session collected them, put torch's parallel checks after its other levels.
 """
 
 from __future__ import annotations
@@ -50,16 +49,9 @@ def test_conformance_runs_torchs_parallel_checks_after_its_other_levels_in_one_p
     assert len({case.context_key for case in torch_cases}) == 1
     backend = _context(torch_cases[0].context_key).backend
     assert backend.parallelism().data_parallel and len(backend.devices()) < CHILD_DEVICES
-    # Nothing spreads or reorders the items: one process, in collection order. make test spreads the
-    # suite over pytest-xdist's workers with --dist loadgroup, which sends a group whole to one worker,
-    # in collection order; tests/conftest.py makes each backend's kit one group.
+    # Nothing spreads or reorders the items: one process, in collection order.
+    assert not request.config.pluginmanager.hasplugin("xdist"), "pytest-xdist would split the kit across processes"
     assert not request.config.pluginmanager.hasplugin("randomly"), "pytest-randomly would reorder the kit's items"
-    dist = getattr(request.config.option, "dist", "no")
-    assert dist in ("no", "loadgroup"), f"--dist {dist} would split torch's kit across processes"
-    if dist == "loadgroup":
-        groups = {mark.args for item in request.session.items if item.name.startswith("test_conformance[torch:")
-                  for mark in item.iter_markers("xdist_group")}
-        assert groups == {("kit-torch",)}, groups
     session = [item.name for item in request.session.items if item.path.name == "test_conformance.py"]
     in_session = [name for name in session if name.startswith("test_conformance[torch:")]
     # Where this session runs them too (`make test`), it runs them in the parametrised order.

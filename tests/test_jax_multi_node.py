@@ -30,9 +30,6 @@ import pytest
 from aiperf_core.backend import CPU_DEVICES_ENV, BackendError, EpochReport
 from aiperf_core.replica_layout import ReplicaLayout
 
-# make test runs these tests alone, after the rest (serial): jax's processes meeting as the nodes of one replica.
-pytestmark = pytest.mark.serial
-
 ADDR = "127.0.0.1"
 NODES = 2
 TIMEOUT_S = 60.0  # each node's bound on its peer (ReplicaLayout.timeout_s)

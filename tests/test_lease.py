@@ -20,9 +20,6 @@ from aiperf_core.rundir import EventLog, Lease, LeaseHeld, LeaseLost, RunDir, re
 from stepping_backend import NAME, environment, install
 from test_workflow import TINY_POLICY
 
-# make test runs these tests alone, after the rest (serial): leases that expire on the clock.
-pytestmark = pytest.mark.serial
-
 HOLD = """
 import sys, time
 from aiperf_core.rundir import Lease

@@ -26,9 +26,6 @@ from apt_packages import apt_install
 
 from test_workflow import TINY_POLICY
 
-# make test runs these tests alone, after the rest (serial): an exporter scraped while a run goes on, within bounds.
-pytestmark = pytest.mark.serial
-
 PACKAGES = ("prometheus",)
 INSTALL = "apt-get install -y --no-install-recommends " + " ".join(PACKAGES)
 

@@ -20,9 +20,6 @@ pytest.importorskip("mindspore")
 
 from test_mindspore_step_memory import _close  # noqa: E402
 
-# make test runs these tests alone, after the rest (serial): a MindSpore cluster's ranks, which must stop within 10 s.
-pytestmark = pytest.mark.serial
-
 ROOT = Path(__file__).resolve().parents[1]
 
 _CLUSTER_SCRIPT = """

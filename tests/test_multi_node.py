@@ -24,9 +24,6 @@ from aiperf_core.rundir import read_events
 from netns_cluster import netns_cluster  # noqa: F401 (the fixture)
 from slurm_cluster import aiperf_argv
 
-# make test runs these tests alone, after the rest (serial): a replica across network-namespace nodes, under bounds on its run.
-pytestmark = pytest.mark.serial
-
 NODE_TIMEOUT_S = 20
 # The fault tests' bound: each lost node is noticed at about twice it (a collective's timeout, then the
 # teardown), so a short one keeps them short; joining and the slowest step of a healthy trial take well

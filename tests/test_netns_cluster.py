@@ -18,9 +18,6 @@ import pytest
 
 from netns_cluster import STATE, NetnsCluster, netns_cluster, start_or_skip  # noqa: F401 (the fixture)
 
-# make test runs these tests alone, after the rest (serial): network-namespace nodes that must answer within bounds.
-pytestmark = pytest.mark.serial
-
 NUMEL = 2_000_000  # float32: 8 MB a rank, 0.3 s an all-reduce at 200 Mbit/s
 SHAPED_MBIT = 200
 RENDEZVOUS_PORT = 29500  # on node1, whose namespace only this module's processes use

@@ -1,8 +1,4 @@
 """Issue 48, item 5: the interconnect shows on this machine. The same LM run (benchmarks/network_shaped.py's
-
-# make test runs these tests alone, after the rest (serial): it measures the share of a shaped link that a step's all-reduce gets.
-pytestmark = pytest.mark.serial
-
 SHAPED_LM: 8 steps of gpt_small, G = 1.87 MB of gradients a step) across the two nodes of a
 network-namespace cluster (tests/netns_cluster.py), their links shaped by tc to 20 and to 200 Mbit/s
 (one cluster, re-shaped between the runs), with torch and with jax: the all-reduce's measured bytes per

@@ -21,9 +21,6 @@ from aiperf_core.network import probe
 from aiperf_core.cli import main
 from netns_cluster import netns_cluster  # noqa: F401 (the fixture)
 
-# make test runs these tests alone, after the rest (serial): network-namespace nodes, and the probe's timeouts.
-pytestmark = pytest.mark.serial
-
 SHAPED_MBIT = 50
 MAX_BYTES = 2 << 20  # 2 MiB: 0.35 s per all-reduce at 50 Mbit/s, the largest three sizes well above the bucket
 RECORD_KEYS = {"kind", "version", "backend", "framework_version", "nodes", "ranks", "ranks_per_node", "hosts",

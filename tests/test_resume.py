@@ -23,9 +23,6 @@ from aiperf_core.scoring import score_run
 from aiperf_opcount import count
 from test_workflow import TINY_POLICY
 
-# make test runs these tests alone, after the rest (serial): a killed primary's replicas, resumed within bounds.
-pytestmark = pytest.mark.serial
-
 SEED = 20261122
 KILL_POINTS = 22
 # The longest pause before a kill. The seeded draws are the same at any scale; 2.5 s still spans a

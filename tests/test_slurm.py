@@ -19,9 +19,6 @@ from aiperf_core.rundir import read_events, verify_chain
 from slurm_cluster import SlurmCluster, aiperf_argv
 from test_workflow import TINY_POLICY
 
-# make test runs these tests alone, after the rest (serial): a SLURM cluster's daemons, and runs against a time budget.
-pytestmark = pytest.mark.serial
-
 ADOPT_TRIALS = 6  # one-epoch trials of each replica in the adoption test
 
 

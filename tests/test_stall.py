@@ -19,9 +19,6 @@ from aiperf_core.workflow import primary as primary_module
 from stepping_backend import NAME, environment, install
 from test_workflow import ScriptedExecutor, _primary, _primary_events
 
-# make test runs these tests alone, after the rest (serial): stall timeouts of 0.3 s.
-pytestmark = pytest.mark.serial
-
 STALL_POLICY = """
 [policy]
 initial_architecture = "resnet_small"

@@ -23,8 +23,7 @@ from aiperf_core.submission.system import to_toml, validate_system
 from test_workflow import TINY_POLICY
 
 # Every test here reads the module's two real runs and two kits (minutes): the quick tier leaves them out.
-# make test runs these tests alone, after the rest (serial): each backend's run counts the epochs its time budget holds.
-pytestmark = [pytest.mark.slow, pytest.mark.serial]
+pytestmark = pytest.mark.slow
 
 BACKENDS = ("torch", "jax")
 # Different budgets, so that the two runs' scores differ even when both count the same epochs of the same

@@ -32,10 +32,6 @@ from cpu_devices import run_on_cpu_devices  # noqa: E402
 # then across ranks, gradients averaged by DDP). On this network float32 itself is ~5e-6 away from
 # the float64 reference (conformance train/gradients_match_reference), hence ~1e-5 between two
 # float32 computations.
-
-# make test runs these tests alone, after the rest (serial): torch's ranks meeting, each on its share of the cores.
-pytestmark = pytest.mark.serial
-
 TOL = 2e-5
 # Every GPU where there are several, else two CPU processes.
 DEVICES = ([f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.device_count() >= 2

@@ -17,9 +17,6 @@ from aiperf_core.scoring import progress, score_run
 from aiperf_core.workflow.plan import CONFIG_KEYS, config_sha256
 from test_workflow import TINY_POLICY
 
-# make test runs these tests alone, after the rest (serial): runs against a 10 s deadline.
-pytestmark = pytest.mark.serial
-
 RUN_JSON_KEYS = {"schema_version", "run_id", "created", "start_time", "time_budget_s", "deadline", "backend",
                  "executor", "replicas", "devices_per_replica", "seed", "model", "dataset", "policy",
                  "policy_overridden_fixed", "config_sha256"}
