@@ -474,7 +474,10 @@ def test_candidates_of_a_300_node_graph_with_weights():
         graph = M.random_morph(graph, None, rng, ops=("skip",)).graph
     weights = init_weights(graph, 0)
     results = M.generate_candidates(graph, weights, 8, seed=1)
-    assert len(results) == 8 and all(r.weights is not None and len(r.graph) >= 300 for r in results)
+    assert len(results) == 8 and len({signature_hash(r.graph) for r in results}) == 8  # distinct architectures
+    for r in results:  # every child's weights fit its graph, every parameter of it and nothing else
+        assert len(r.graph) >= len(graph)
+        validate_weights(r.graph, r.weights)
 
 
 # ---------------------------------------------------------------------------
