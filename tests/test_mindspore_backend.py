@@ -1,7 +1,8 @@
 """The MindSpore backend beyond the conformance kit: lazy import, precisions, exact image counts
 and live progress, early stopping, an unchanged model after loss_and_grads, the mixed-precision
 path, uint8 pixels normalised on the device, synthetic data made on the device, and data
-parallelism over two CPU workers (MindSpore's MCCL, AIPERF_CPU_DEVICES=2) equal to one process.
+parallelism over two CPU workers (MindSpore's MCCL, AIPERF_CPU_DEVICES=2) equal to one process, and
+MindSpore's oneDNN never running a convolution with its reference kernel (onednn.py's cap on AVX-512).
 """
 
 from __future__ import annotations
@@ -268,3 +269,49 @@ def test_data_parallel_two_cpu_workers_matches_one_process(data_parallel):
     assert result["worst"] < 1e-4, result["worst"]
     np.testing.assert_allclose(result["two_loss"], result["one_loss"], rtol=1e-5)
     np.testing.assert_allclose(result["two_val_accuracy"], result["one_val_accuracy"])
+
+
+_ONEDNN_SCRIPT = """
+import numpy as np
+from aiperf_core.builders import resnet_small
+from aiperf_backends.mindspore import MindSporeBackend
+from aiperf_backends.mindspore import onednn
+
+backend = MindSporeBackend()
+graph = resnet_small((16, 16, 3), 3)
+model = backend.lower(graph)
+x = np.random.default_rng(0).normal(0, 1, (2, 16, 16, 3)).astype(np.float32)
+backend.predict(model, x)
+backend.loss_and_grads(model, x, np.array([0, 2]), 0.0)
+print("capped", onednn.capped, flush=True)
+"""
+
+
+def _onednn_run(**environ) -> tuple[bool, list[str]]:
+    """(whether the backend capped MindSpore's oneDNN, the convolutions oneDNN ran) for a forward and a
+    backward of a small ResNet in a fresh process with ONEDNN_VERBOSE on."""
+    env = {**os.environ, "ONEDNN_VERBOSE": "1", **environ}
+    out = subprocess.run([sys.executable, "-c", _ONEDNN_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    convs = [line for line in out.stdout.splitlines() if line.startswith("onednn_verbose") and ",exec," in line
+             and ",convolution," in line]
+    (capped,) = [line.split()[1] == "True" for line in out.stdout.splitlines() if line.startswith("capped ")]
+    return capped, convs
+
+
+def test_mindspore_convolutions_never_run_onednn_reference_kernel():
+    # MindSpore 2.10's oneDNN runs an NCHW conv with its reference kernel on any AVX-512 CPU, 74 times
+    # slower than the gemm kernel it picks at AVX2 (backends/mindspore/onednn.py).
+    from aiperf_core.backend import cpu_flags
+
+    capped, convs = _onednn_run()
+    assert capped == ("avx512f" in cpu_flags())
+    directions = {line.split(",")[7] for line in convs}
+    assert directions == {"forward_training", "backward_data", "backward_weights"}, directions
+    assert convs and not [line for line in convs if "ref:" in line], convs[:3]
+
+
+def test_a_users_onednn_isa_is_left_to_onednn():
+    capped, convs = _onednn_run(ONEDNN_MAX_CPU_ISA="AVX2")
+    assert not capped and convs and not [line for line in convs if "ref:" in line]
