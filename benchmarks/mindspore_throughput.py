@@ -13,8 +13,8 @@ whole train step compiled by ``ms.jit`` (graph mode); the lowered one is compare
 the two, so an execution-mode choice cannot flatter the ratio. The timed steps come in pairs (one
 step of each model, in alternating order) and the ratio is the median of the pairs' ratios, as in
 torch_throughput.py: a pair's two steps see the same machine load. AIPERF_BENCH_STEPS sets the
-number of pairs (default 4: on 2 busy CPU cores one ResNet-50 step takes minutes in MindSpore
-2.10, and the first steps, graph compilation included, about ten).
+number of pairs (default 4: on 2 CPU cores one ResNet-50 step takes about 2 s since the backend caps
+MindSpore's oneDNN at AVX2 on AVX-512 CPUs, where it took a minute; the first graph-mode step compiles).
 
 Goal: lowered / hand-written images per second >= 0.97. Item e: the lowered model's achieved
 analytic OPS against MindSpore's own 2048x2048 fp32 matrix product (_common.report_peak_fraction).
