@@ -47,7 +47,7 @@ import socket
 import time
 from dataclasses import asdict
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -157,10 +157,27 @@ def process_group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def join_ranks(processes) -> None:
-    """Wait for spawned ranks (torch.multiprocessing's context) to end; raises if one failed."""
-    while not processes.join(timeout=1):
-        pass
+# How long a parent waits on its ranks' queue before it looks whether they have ended: the most a trial's
+# end waits for its ranks' exit to be seen (it was 0.5 s, up to a second a trial with the teardown's).
+RANK_POLL_S = 0.05
+
+
+def rank_messages(processes, messages) -> Iterator[Any]:
+    """What spawned ranks put on the queue `messages`, as it comes, until every rank has ended; raises
+    if one failed. Read while the ranks run: a rank flushes its queue before it ends, and a reader
+    after the join would leave it waiting on a full pipe. What a rank put just before it ended is
+    still read after the end is seen."""
+    while True:
+        try:
+            yield messages.get(timeout=RANK_POLL_S)
+        except queue_module.Empty:
+            if processes.join(timeout=0):  # raises if a rank failed
+                break
+    while True:
+        try:
+            yield messages.get(block=False)
+        except queue_module.Empty:
+            return
 
 
 def terminate_ranks(processes) -> None:
@@ -516,13 +533,7 @@ def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list
     reports: list[EpochReport] = []
     weights = None
     try:
-        while True:
-            try:
-                kind, payload = reports_q.get(timeout=0.5)
-            except queue_module.Empty:
-                if processes.join(timeout=0):  # raises if a rank failed
-                    break
-                continue
+        for kind, payload in rank_messages(processes, reports_q):
             if kind == "epoch":
                 report = EpochReport(**payload)
                 reports.append(report)
@@ -530,7 +541,6 @@ def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list
                 replies_q.put(stop)
             elif kind == "weights":
                 weights = payload
-        join_ranks(processes)
     except BaseException:
         terminate_ranks(processes)
         raise

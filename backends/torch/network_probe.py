@@ -15,7 +15,6 @@ GPU).
 
 from __future__ import annotations
 
-import queue
 import socket
 import time
 from typing import Any
@@ -102,7 +101,7 @@ def _spawned_rank(local_rank: int, job: dict[str, Any]) -> None:
 def probe_collectives(layout: ReplicaLayout, devices: list[str], collectives: tuple[str, ...], sizes: list[int],
                       iterations: int, warmup: int, seconds_per_size: float) -> dict[str, Any] | None:
     """Backend.probe_collectives on torch; `devices` this node's."""
-    from aiperf_backends.torch.distributed import MASTER_ADDR, free_port, join_ranks, terminate_ranks
+    from aiperf_backends.torch.distributed import MASTER_ADDR, free_port, rank_messages, terminate_ranks
 
     if layout.multi_node:
         meeting = {"world": layout.world, "first_rank": layout.global_rank(0), "master_addr": layout.coordinator_addr,
@@ -120,15 +119,8 @@ def probe_collectives(layout: ReplicaLayout, devices: list[str], collectives: tu
     processes = mp.start_processes(_spawned_rank, args=(job,), nprocs=len(devices), join=False, start_method="spawn")
     timings = None
     try:
-        # Read while the ranks run: rank 0 flushes its queue before it ends, and a reader after the
-        # join would leave it waiting on a full pipe.
-        while True:
-            try:
-                timings = results.get(timeout=0.5)
-            except queue.Empty:
-                if processes.join(timeout=0):  # raises if a rank failed
-                    break
-        join_ranks(processes)
+        for timings in rank_messages(processes, results):  # rank 0's one message
+            pass
     except BaseException:
         terminate_ranks(processes)
         raise
