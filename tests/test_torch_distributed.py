@@ -22,7 +22,8 @@ assert dist.is_available() and dist.is_gloo_available(), "torch.distributed with
 from aiperf_core.backend import Dataset, Schedule, TrainConfig  # noqa: E402
 from aiperf_core.builders import resnet_small  # noqa: E402
 from aiperf_backends.torch import TorchBackend  # noqa: E402
-from aiperf_backends.torch.distributed import make_job, run_rank_steps  # noqa: E402
+from aiperf_backends.torch.distributed import (make_job, rank_messages, rank_queue, run_rank_steps,  # noqa: E402
+                                               start_ranks)
 from aiperf_backends.torch.training import Stepper, device_of  # noqa: E402
 from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
 
@@ -59,14 +60,11 @@ def setup():
     return graph, weights, x, y
 
 
-def spawn(fn, job: dict, world: int):
-    import torch.multiprocessing as mp
-
-    processes = mp.start_processes(fn, args=(job,), nprocs=world, join=False, start_method="spawn")
-    results = [job["results"].get(timeout=300) for _ in range(world)]
-    while not processes.join(timeout=60):
-        pass
-    return sorted(results, key=lambda r: r[0])
+def run_ranks(fn, job: dict, world: int) -> list:
+    """Run `fn` (run_rank_steps or a wrapper) on `world` ranks started as the backend starts its own
+    (start_ranks); what they put on job["results"] (a rank_queue), by rank. A rank that fails fails the
+    test at once (the join raises), not at a timeout."""
+    return sorted(rank_messages(start_ranks(fn, job, world), job["results"]), key=lambda r: r[0])
 
 
 def one_device_steps(backend, graph, weights, config: TrainConfig, batches) -> tuple[list, list, dict]:
@@ -84,8 +82,6 @@ def one_device_steps(backend, graph, weights, config: TrainConfig, batches) -> t
 
 @pytest.mark.slow
 def test_ddp_steps_match_single_process(setup):
-    import torch.multiprocessing as mp
-
     graph, weights, x, y = setup
     config = TrainConfig(epochs=1, batch_size=16, schedule=Schedule(initial=0.05), momentum=0.9,
                          label_smoothing=0.1)
@@ -98,10 +94,9 @@ def test_ddp_steps_match_single_process(setup):
     backend = TorchBackend()
     single_losses, single_grads, single_weights = one_device_steps(backend, graph, weights, config, global_batches)
 
-    ctx = mp.get_context("spawn")
-    job = make_job(backend.lower(graph, weights), config, DEVICES, batches=global_batches, results=ctx.Queue(),
-                   threads_after=ctx.Queue())
-    results = spawn(run_rank_steps, job, WORLD)
+    job = make_job(backend.lower(graph, weights), config, DEVICES, batches=global_batches, results=rank_queue(),
+                   threads_after=rank_queue())
+    results = run_ranks(run_rank_steps, job, WORLD)
     # Each rank ends its process group in order: none of its threads outlives the teardown (a
     # rank that exited with gloo's threads running aborted now and then, docs/backends/torch.md).
     left = sorted(job["threads_after"].get(timeout=60) for _ in range(WORLD))
@@ -169,3 +164,32 @@ def test_train_over_cpu_devices_matches_one_device():
                  for run in (both, one)]
     err, where = worst(*as_arrays)
     assert err <= TOL, f"weight {where} differs by {err:.3g} after data-parallel training"
+
+
+def _report_start(local_rank: int, job: dict) -> None:
+    import os
+
+    job["results"].put((local_rank, os.getppid(), os.environ.get(job["variable"])))
+    job["results"].close()
+    job["results"].join_thread()
+
+
+def test_ranks_fork_from_one_server_and_take_the_environment_of_their_start(monkeypatch):
+    """Ranks are forks of the process's one forkserver, which imported torch once (start_ranks), and each
+    takes this process's environment as it is when they start, not the one the server started with."""
+    import os
+
+    variable = "AIPERF_TEST_RANK_START"
+    seen = []
+    for value in ("first", "second", None):
+        if value is None:
+            monkeypatch.delenv(variable)
+        else:
+            monkeypatch.setenv(variable, value)
+        job = {"results": rank_queue(), "variable": variable}
+        started = start_ranks(_report_start, job, 2)
+        seen.append(sorted(rank_messages(started, job["results"])))
+    servers = {parent for starts in seen for _, parent, _ in starts}
+    assert len(servers) == 1 and os.getpid() not in servers, seen  # one forkserver, started once
+    assert [[(rank, value) for rank, _, value in starts] for starts in seen] == [
+        [(0, "first"), (1, "first")], [(0, "second"), (1, "second")], [(0, None), (1, None)]]

@@ -19,7 +19,7 @@ import torch.distributed as dist  # noqa: E402
 assert dist.is_available() and dist.is_gloo_available(), "torch.distributed with gloo is not available"
 
 from aiperf_backends.torch import TorchBackend  # noqa: E402
-from aiperf_backends.torch.distributed import make_job, run_rank_steps  # noqa: E402
+from aiperf_backends.torch.distributed import make_job, rank_queue, run_rank_steps  # noqa: E402
 from aiperf_backends.torch.expert_parallel import ShardedExperts, ignored_parameter_names, shard_experts  # noqa: E402
 from aiperf_backends.torch.training import Stepper, device_of  # noqa: E402
 from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
@@ -29,7 +29,7 @@ from aiperf_core.builders import gpt  # noqa: E402
 from aiperf_core.morph import transformer as transformer_morph  # noqa: E402
 
 from cpu_devices import run_on_cpu_devices  # noqa: E402
-from test_torch_distributed import one_device_steps  # noqa: E402
+from test_torch_distributed import one_device_steps, run_ranks  # noqa: E402
 
 TOL = 2e-5
 SEQ, VOCAB = 8, 32
@@ -55,25 +55,6 @@ def rel_err(a, b) -> float:
 
 def worst(got: dict, want: dict, skip: frozenset = frozenset()) -> tuple[float, str]:
     return max((rel_err(got[n][p], want[n][p]), f"{n}/{p}") for n in want for p in want[n] if (n, p) not in skip)
-
-
-def spawn_steps(fn, job: dict) -> list:
-    """Run `fn` (run_rank_steps or a wrapper) on 2 spawned ranks; their results by rank. A rank that fails
-    fails the test at once (torch's join raises), not at the queue's timeout."""
-    import queue
-
-    import torch.multiprocessing as mp
-
-    processes = mp.start_processes(fn, args=(job,), nprocs=2, join=False, start_method="spawn")
-    results = []
-    while len(results) < 2:
-        try:
-            results.append(job["results"].get(timeout=1))
-        except queue.Empty:
-            processes.join(timeout=0)
-    while not processes.join(timeout=60):
-        pass
-    return sorted(results, key=lambda r: r[0])
 
 
 def test_torch_declares_expert_parallelism():
@@ -111,8 +92,6 @@ def test_steps_gradients_match_one_device():
     momentum, whose update is linear in the gradient: AdamW would turn the rounding of a near-zero gradient
     element of the zero-initialised expert biases into a step of the learning rate (the epoch tests below
     train with AdamW)."""
-    import torch.multiprocessing as mp
-
     graph, weights = upcycled()
     config = TrainConfig(epochs=1, batch_size=16, optimizer="sgd-momentum", momentum=0.9, grad_clip=0.05,
                          moe_aux_loss=0.01, schedule=Schedule(initial=0.05), expert_parallel=True)
@@ -126,9 +105,8 @@ def test_steps_gradients_match_one_device():
     backend = TorchBackend()
     single_losses, single_grads, single_weights = one_device_steps(backend, graph, weights, config, batches)
 
-    ctx = mp.get_context("spawn")
-    job = make_job(backend.lower(graph, weights), config, ["cpu", "cpu"], batches=batches, results=ctx.Queue())
-    results = spawn_steps(run_rank_steps, job)
+    job = make_job(backend.lower(graph, weights), config, ["cpu", "cpu"], batches=batches, results=rank_queue())
+    results = run_ranks(run_rank_steps, job, 2)
     skip = key_biases(graph)
     for rank, losses, grads, final in results:
         for step, (got, want) in enumerate(zip(grads, single_grads)):
@@ -262,8 +240,6 @@ def test_grouped_products_of_local_experts_match_one_device(monkeypatch):
     """The local experts as torch._grouped_mm over the segments that arrived (int32 local offsets, biases by
     local expert), forced on this CPU at fp32 on both sides: one step on a global batch of 7 and one of 1
     (rank 1 receives rows but sends none) give one device's gradients. CUDA's kernel itself is unverified."""
-    import torch.multiprocessing as mp
-
     from aiperf_backends.torch import lowering
 
     monkeypatch.setattr(lowering, "grouped_mm_fits", lambda *args: True)
@@ -284,9 +260,8 @@ def test_grouped_products_of_local_experts_match_one_device(monkeypatch):
         stepper.step(xb, yb, len(yb))
         single_grads.append(model.canonical_grads())
 
-    ctx = mp.get_context("spawn")
-    job = make_job(backend.lower(graph, weights), config, ["cpu", "cpu"], batches=batches, results=ctx.Queue())
-    results = spawn_steps(grouped_rank_steps, job)
+    job = make_job(backend.lower(graph, weights), config, ["cpu", "cpu"], batches=batches, results=rank_queue())
+    results = run_ranks(grouped_rank_steps, job, 2)
     for rank, _, grads, _ in results:
         for step, (got, want) in enumerate(zip(grads, single_grads)):
             err, where = worst(got, want, key_biases(graph))

@@ -1,6 +1,7 @@
 """Data parallelism over the local devices with torch.distributed (NCCL on GPUs, gloo on CPUs).
 
-`train_data_parallel` spawns one process per device. Every process lowers the same graph with the
+`train_data_parallel` starts one process per device (start_ranks: a fork of a forkserver that has
+imported torch once). Every process lowers the same graph with the
 same weights, wraps it in DistributedDataParallel and runs training.run_epochs with its rank: each
 global batch of `config.batch_size` images is cut into contiguous shards, one per rank, and the
 gradients are all-reduced synchronously after every step. Every rank then takes the same training
@@ -157,13 +158,50 @@ def process_group_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _rank_context():
+    """The forkserver context the ranks start from. multiprocessing's forkserver is started once per
+    process, with this module (so torch) imported, and every rank after is a fork of it: a spawned
+    rank imported torch afresh, about 2 s of CPU a rank at every trial (the kit's parallel level on 2
+    CPU devices: 34.7 s with spawn, 23.7 s forked). Where a worker pool (aiperf_core.data.stream)
+    started the forkserver first, without this module, a rank imports it itself, as a spawned one did.
+    Forking before CUDA is initialised is safe: the forkserver never touches a device."""
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
+
+
+def rank_queue():
+    """A queue between this process and its ranks (start_ranks)."""
+    return _rank_context().Queue()
+
+
+def start_ranks(entry: Callable[[int, dict], None], job: dict, nprocs: int):
+    """`nprocs` ranks running entry(local_rank, job), forked from the forkserver (_rank_context), not
+    joined. The forkserver keeps the environment of the moment it started; each rank takes this
+    process's environment of now (a replica sets its progress file's path for its ranks, and an
+    auto-precision probe unsets it for its own)."""
+    import torch.multiprocessing as mp
+
+    _rank_context()
+    return mp.start_processes(_in_parent_environment, args=(entry, job, dict(os.environ)), nprocs=nprocs,
+                              join=False, start_method="forkserver")
+
+
+def _in_parent_environment(local_rank: int, entry: Callable[[int, dict], None], job: dict, environ: dict) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    entry(local_rank, job)
+
+
 # How long a parent waits on its ranks' queue before it looks whether they have ended: the most a trial's
 # end waits for its ranks' exit to be seen (it was 0.5 s, up to a second a trial with the teardown's).
 RANK_POLL_S = 0.05
 
 
 def rank_messages(processes, messages) -> Iterator[Any]:
-    """What spawned ranks put on the queue `messages`, as it comes, until every rank has ended; raises
+    """What the ranks put on the queue `messages`, as it comes, until every rank has ended; raises
     if one failed. Read while the ranks run: a rank flushes its queue before it ends, and a reader
     after the join would leave it waiting on a full pipe. What a rank put just before it ended is
     still read after the end is seen."""
@@ -181,7 +219,7 @@ def rank_messages(processes, messages) -> Iterator[Any]:
 
 
 def terminate_ranks(processes) -> None:
-    """Stop the spawned ranks still alive: after a failure, none may be left waiting on a collective."""
+    """Stop the ranks still alive: after a failure, none may be left waiting on a collective."""
     for p in processes.processes:
         if p.is_alive():
             p.terminate()
@@ -510,14 +548,11 @@ def make_job(model, config: TrainConfig, devices: list[str], **extra) -> dict:
 
 def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list[str],
                         on_epoch: Callable[[EpochReport], Any] | None = None) -> list[EpochReport]:
-    """Train `model` (a LoweredModel) with one spawned process per device of this node. Where this
+    """Train `model` (a LoweredModel) with one process per device of this node (start_ranks). Where this
     node leads (always, but on a replica's follower nodes), the trained weights are loaded back into
     `model` and the epoch reports returned; a follower returns none and keeps its starting weights."""
-    import torch.multiprocessing as mp
-
     leads = config.layout is None or config.layout.leads
-    ctx = mp.get_context("spawn")
-    reports_q, replies_q = ctx.Queue(), ctx.Queue()
+    reports_q, replies_q = rank_queue(), rank_queue()
     if is_streaming(data):
         job = make_job(model, config, devices, stream=data, reports=reports_q, replies=replies_q)
     else:
@@ -528,8 +563,7 @@ def train_data_parallel(model, data: Dataset, config: TrainConfig, devices: list
             shared.append(torch.from_numpy(np.ascontiguousarray(array, dtype=dtype)).share_memory_())
         job = make_job(model, config, devices, data=shared, classes=data.classes, reports=reports_q,
                        replies=replies_q)
-    processes = mp.start_processes(_rank_main, args=(job,), nprocs=len(devices), join=False,
-                                   start_method="spawn")
+    processes = start_ranks(_rank_main, job, len(devices))
     reports: list[EpochReport] = []
     weights = None
     try:

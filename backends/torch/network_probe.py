@@ -2,8 +2,8 @@
 
 One rank per device of each node, every node's ranks in one process group met at the layout's
 coordinator (distributed.init_process_group: gloo on CPUs, NCCL on GPUs, the same group training
-uses). A node with one device runs its rank in this process; with several, one spawned process per
-device, as train_data_parallel does, and global rank 0 sends the timings back through a queue.
+uses). A node with one device runs its rank in this process; with several, one process per device
+(distributed.start_ranks), as train_data_parallel does, and global rank 0 sends the timings back through a queue.
 
 all-reduce is dist.all_reduce (SUM) of a float32 buffer of zeros (zeros stay zeros: the values never
 overflow, whatever the iterations); all-to-all is dist.all_to_all_single, each rank sending an equal
@@ -101,7 +101,8 @@ def _spawned_rank(local_rank: int, job: dict[str, Any]) -> None:
 def probe_collectives(layout: ReplicaLayout, devices: list[str], collectives: tuple[str, ...], sizes: list[int],
                       iterations: int, warmup: int, seconds_per_size: float) -> dict[str, Any] | None:
     """Backend.probe_collectives on torch; `devices` this node's."""
-    from aiperf_backends.torch.distributed import MASTER_ADDR, free_port, rank_messages, terminate_ranks
+    from aiperf_backends.torch.distributed import (MASTER_ADDR, free_port, rank_messages, rank_queue, start_ranks,
+                                                   terminate_ranks)
 
     if layout.multi_node:
         meeting = {"world": layout.world, "first_rank": layout.global_rank(0), "master_addr": layout.coordinator_addr,
@@ -113,10 +114,8 @@ def probe_collectives(layout: ReplicaLayout, devices: list[str], collectives: tu
            "iterations": iterations, "warmup": warmup, "seconds_per_size": seconds_per_size}
     if len(devices) == 1:
         return _time_collectives(job, 0)
-    import torch.multiprocessing as mp
-
-    job["results"] = results = mp.get_context("spawn").Queue()
-    processes = mp.start_processes(_spawned_rank, args=(job,), nprocs=len(devices), join=False, start_method="spawn")
+    job["results"] = results = rank_queue()
+    processes = start_ranks(_spawned_rank, job, len(devices))
     timings = None
     try:
         for timings in rank_messages(processes, results):  # rank 0's one message
