@@ -193,3 +193,49 @@ def test_ranks_fork_from_one_server_and_take_the_environment_of_their_start(monk
     assert len(servers) == 1 and os.getpid() not in servers, seen  # one forkserver, started once
     assert [[(rank, value) for rank, _, value in starts] for starts in seen] == [
         [(0, "first"), (1, "first")], [(0, "second"), (1, "second")], [(0, None), (1, None)]]
+
+
+def _wait_for_ever(local_rank: int, job: dict) -> None:
+    import os
+
+    job["results"].put(os.getpid())
+    job["never"].get()
+
+
+_KILLED_PARENT_SCRIPT = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from aiperf_backends.torch.distributed import rank_queue, start_ranks
+from test_torch_distributed import _wait_for_ever
+
+job = {{"results": rank_queue(), "never": rank_queue()}}
+start_ranks(_wait_for_ever, job, 2)
+ranks = sorted(job["results"].get(timeout=120) for _ in range(2))
+print(" ".join(map(str, ranks)), flush=True)
+job["never"].get()
+"""
+
+
+def test_ranks_and_their_forkserver_end_when_their_parent_is_killed():
+    """A rank waiting on its parent (a queue, a collective) ends when the parent is SIGKILLed, and the
+    forkserver with it: nothing is left behind by a replica killed mid-trial."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+
+    tests = str(Path(__file__).resolve().parent)
+    parent = subprocess.Popen([sys.executable, "-c", _KILLED_PARENT_SCRIPT.format(tests=tests)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        ranks = [psutil.Process(int(pid)) for pid in parent.stdout.readline().split()]
+        assert len(ranks) == 2
+        server = psutil.Process(ranks[0].ppid())
+        assert server.pid != parent.pid and ranks[1].ppid() == server.pid
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    _, alive = psutil.wait_procs([*ranks, server], timeout=10)
+    assert alive == [], [p.cmdline() for p in alive]
