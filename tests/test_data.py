@@ -467,7 +467,7 @@ print(" ".join(str(p) for p in pool._executor._processes), flush=True)
 time.sleep(600)
 """
 # How long the processes of a killed pool may take to leave: they look for their owner every
-# stream.ORPHAN_CHECK_S, so this only bounds a failure's wait on a loaded machine.
+# orphans.CHECK_S, so this only bounds a failure's wait on a loaded machine.
 WORKERS_LEAVE_BOUND_S = 120
 
 

@@ -36,8 +36,6 @@ import logging
 import multiprocessing
 import os
 import sys
-import threading
-import time
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -50,6 +48,7 @@ import numpy as np
 from aiperf_core.data.batch import SPLITS, TRAIN, VAL, Batch, check_split, shard  # noqa: F401
 from aiperf_core.data.preprocess import CorruptImage, augmentation_rng, train_image, val_image
 from aiperf_core.errors import AiperfError
+from aiperf_core.orphans import leave_when_gone, process_identity
 
 DEFAULT_PREFETCH = 2
 NATIVE, DALI = "native", "dali"  # who decodes: the backend's own pipeline or the host workers, or NVIDIA DALI
@@ -139,42 +138,11 @@ def start_method() -> str:
     return "forkserver" if any(name in sys.modules for name in FORK_UNSAFE) else "fork"
 
 
-ORPHAN_CHECK_S = 1.0
-
-
-def _process_identity(pid: int) -> str | None:
-    """(Linux) the start time of a live process, None once it is gone or a zombie: a pid alone
-    may be reused."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] in "ZX" else fields[19]
-
-
 def _init_worker(state: Any, owner: int, identity: str | None) -> None:
     global _worker_state
     _worker_state = state
-    # A replica killed with SIGKILL (a stalled one, restarted by the primary) cannot close its pool:
-    # its workers notice that the process that made the pool is gone and leave, rather than
-    # lingering for ever. (A fork server's children are not the owner's, and keep the fork server
-    # alive: the owner is watched itself, by its start time where /proc has it.) The owner reads its
-    # start time itself: a worker still starting when the owner was killed would find none, fall back
-    # to its parent, and wait for ever on a fork server that it keeps alive itself (or on init).
-    parent = os.getppid()
-
-    def owner_gone() -> bool:
-        if identity is not None:
-            return _process_identity(owner) != identity
-        return os.getppid() != parent
-
-    def watch() -> None:
-        while not owner_gone():
-            time.sleep(ORPHAN_CHECK_S)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="aiperf-data-orphan-check", daemon=True).start()
+    # A replica killed with SIGKILL cannot close its pool: its workers leave by themselves (orphans.py).
+    leave_when_gone(owner, identity, 0, "aiperf-data-orphan-check")
 
 
 def _call(fn: Callable[[Any, Any], Any], item: Any) -> Any:
@@ -194,7 +162,7 @@ class WorkerPool:
             context.set_forkserver_preload(["__main__", __name__])
         self.workers = workers
         self._executor = ProcessPoolExecutor(workers, mp_context=context, initializer=_init_worker,
-                                             initargs=(state, os.getpid(), _process_identity(os.getpid())))
+                                             initargs=(state, os.getpid(), process_identity(os.getpid())))
 
     def map(self, fn: Callable[[Any, Any], Any], items: Iterable[Any],
             prefetch: int = DEFAULT_PREFETCH) -> Iterator[Any]:

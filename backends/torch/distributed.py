@@ -181,44 +181,28 @@ def start_ranks(entry: Callable[[int, dict], None], job: dict, nprocs: int):
     """`nprocs` ranks running entry(local_rank, job), forked from the forkserver (_rank_context), not
     joined. The forkserver keeps the environment of the moment it started; each rank takes this
     process's environment of now (a replica sets its progress file's path for its ranks, and an
-    auto-precision probe unsets it for its own). Each rank ends when this process does (_end_with)."""
+    auto-precision probe unsets it for its own). A spawned rank died with its parent (torch sets its
+    parent-death signal), but a forked one's parent is the forkserver, which outlives a killed process
+    while any of its forks runs: each rank leaves once this process is gone (aiperf_core.orphans),
+    rather than wait for ever on its queue."""
     import torch.multiprocessing as mp
 
+    from aiperf_core.orphans import process_identity
+
     _rank_context()
-    return mp.start_processes(_rank_entry, args=(entry, job, dict(os.environ), os.getpid()), nprocs=nprocs,
-                              join=False, start_method="forkserver")
+    owner = os.getpid()
+    return mp.start_processes(_rank_entry, args=(entry, job, dict(os.environ), owner, process_identity(owner)),
+                              nprocs=nprocs, join=False, start_method="forkserver")
 
 
-def _rank_entry(local_rank: int, entry: Callable[[int, dict], None], job: dict, environ: dict, parent: int) -> None:
-    _end_with(parent)
+def _rank_entry(local_rank: int, entry: Callable[[int, dict], None], job: dict, environ: dict, owner: int,
+                identity: str | None) -> None:
+    from aiperf_core.orphans import leave_when_gone
+
+    leave_when_gone(owner, identity, 1, "watch-parent")
     os.environ.clear()
     os.environ.update(environ)
     entry(local_rank, job)
-
-
-# How often a rank looks whether the process that started it still runs.
-PARENT_POLL_S = 0.5
-
-
-def _end_with(parent: int) -> None:
-    """End this rank at once when the process that started it has ended (killed, say, by its replica's
-    stall deadline). A spawned rank died with its parent (torch sets its parent-death signal), but a
-    forked one's parent is the forkserver, which outlives a killed process while any of its forks runs:
-    a rank waiting on its dead parent's queue would never end, and neither would the forkserver."""
-    import threading
-
-    import psutil
-
-    def watch() -> None:
-        try:
-            process = psutil.Process(parent)  # its start time too: a reused pid is not the parent
-            while process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                time.sleep(PARENT_POLL_S)
-        except psutil.NoSuchProcess:
-            pass
-        os._exit(1)
-
-    threading.Thread(target=watch, name="watch-parent", daemon=True).start()
 
 
 # How long a parent waits on its ranks' queue before it looks whether they have ended: the most a trial's
