@@ -40,7 +40,9 @@ def cap_on_avx512(mindspore_module) -> bool:
     if capped is None:
         capped = False
         if "avx512f" in cpu_flags() and not any(os.environ.get(name) for name in ISA_ENV):
-            path = library(mindspore_module)
-            if path.exists():
-                capped = ctypes.CDLL(str(path)).dnnl_set_max_cpu_isa(DNNL_CPU_ISA_AVX2) == DNNL_SUCCESS
+            try:  # another MindSpore may ship no such library, or another oneDNN: its convs run as they are
+                set_max_cpu_isa = ctypes.CDLL(str(library(mindspore_module))).dnnl_set_max_cpu_isa
+            except (OSError, AttributeError):
+                return capped
+            capped = set_max_cpu_isa(DNNL_CPU_ISA_AVX2) == DNNL_SUCCESS
     return capped
