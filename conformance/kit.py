@@ -365,6 +365,14 @@ def make_context(backend: Backend, backend_name: str | None = None, seed: int = 
                    precisions=checked)
 
 
+def new_report(ctx: Context, levels: list[str], workloads: list[str]) -> Report:
+    """A report with no results yet, for the checks of `levels` and `workloads` run in `ctx`."""
+    backend = ctx.backend
+    return Report(backend.name, backend.framework_version(), list(levels), device=ctx.device,
+                  device_model=backend.device_model(ctx.device), precisions=list(ctx.precisions), quick=ctx.quick,
+                  expectations=ctx.expectations.to_dict(), workload_scope=list(workloads))
+
+
 def run_conformance(backend: Backend, levels: str | Iterable[str] = LEVELS, *, seed: int = 0, quick: bool = False,
                     precisions: str | None = None, workloads: str | Iterable[str] | None = None,
                     progress: Callable[[CheckResult], None] | None = None) -> Report:
@@ -374,10 +382,7 @@ def run_conformance(backend: Backend, levels: str | Iterable[str] = LEVELS, *, s
     reference()
     ctx = make_context(backend, seed=seed, quick=quick, precisions=precisions)
     ctx.workloads = tuple(workloads)
-    report = Report(backend.name, backend.framework_version(), levels, device=ctx.device,
-                    device_model=backend.device_model(ctx.device),
-                    precisions=list(ctx.precisions), quick=quick, expectations=ctx.expectations.to_dict(),
-                    workload_scope=workloads)
+    report = new_report(ctx, levels, workloads)
     checks = [c for c in collect(ctx, levels) if c.workload in workloads]
     if any(c.level == "parallel" for c in checks):
         from aiperf_conformance.levels.parallel import start_early

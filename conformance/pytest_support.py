@@ -18,10 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from aiperf_conformance.kit import LEVELS, Check, Context, collect, make_context, parse_levels, reference, run_check
-from aiperf_conformance.results import BAD, UNSUPPORTED, XFAIL
+from aiperf_conformance.kit import (LEVELS, Check, Context, collect, make_context, new_report, parse_levels,
+                                   parse_workloads, reference, run_check)
+from aiperf_conformance.results import BAD, UNSUPPORTED, XFAIL, CheckResult, Report
 
 _contexts: dict[tuple, Context] = {}
+# What each context's cases gave, by check id: the session's report of a backend (session_report).
+_results: dict[tuple, dict[str, CheckResult]] = {}
 # The contexts whose parallel checks the session will run: their first case to run starts the
 # level's child process (parallel.start_early), so that it trains beside the other levels' cases.
 _parallel_ahead: set[tuple] = set()
@@ -73,6 +76,7 @@ def run_case(case: Case) -> None:
 
         start_early(ctx)
     result = run_check(ctx, case.check)
+    _results.setdefault(case.context_key, {})[case.check.id] = result
     if result.status in BAD:
         raise AssertionError(f"{case}: {result.status}: {result.message}")
     if result.status == XFAIL:
@@ -83,3 +87,19 @@ def run_case(case: Case) -> None:
         import pytest
 
         pytest.skip(f"unsupported: {result.message}")
+
+
+def session_report(backend_name: str, *, quick: bool = False, precisions: str | None = None) -> Report | None:
+    """The report `aiperf conformance --backend NAME` would write (every level and workload), made of
+    the results of this session's cases on that backend; None unless every one of its checks ran here
+    (a deselected check leaves the report incomplete, and an incomplete report certifies nothing)."""
+    key = (backend_name, quick, precisions)
+    if key not in _contexts:
+        return None
+    ctx, ran = _contexts[key], _results.get(key, {})
+    checks = collect(ctx, LEVELS)
+    if any(check.id not in ran for check in checks):
+        return None
+    report = new_report(ctx, LEVELS, parse_workloads(None))
+    report.results = [ran[check.id] for check in checks]
+    return report
