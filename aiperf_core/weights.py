@@ -76,6 +76,27 @@ def he_normal(shape, fan_in: int, rng: np.random.Generator, dtype=np.float32) ->
     return (rng.standard_normal(shape) * math.sqrt(2.0 / fan_in)).astype(dtype)
 
 
+# A 64 x 64 float32 tile of the source and of the copy fits in L1 together. numpy copies a transposed view
+# element by element along the copy's rows, so it reads the source a column at a time and misses the
+# cache on every element: 3.3 s for vgg19's 25088 x 4096 dense kernel on this project's CI CPU, 0.28 s by
+# tiles (the same on small kernels).
+_TRANSPOSE_TILE = 64
+
+
+def transposed_copy(matrix: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """matrix.T as a C-ordered array of its own, of `dtype`: a dense kernel between the IR's (in, out)
+    layout and a framework's (out, in), either way."""
+    if np.ndim(matrix) != 2:
+        raise ValueError(f"transposed_copy takes a matrix, got shape {list(np.shape(matrix))}")
+    rows, cols = matrix.shape
+    out = np.empty((cols, rows), dtype)
+    tile = _TRANSPOSE_TILE
+    for i in range(0, rows, tile):
+        for j in range(0, cols, tile):
+            out[j:j + tile, i:i + tile] = matrix[i:i + tile, j:j + tile].T
+    return out
+
+
 def save_weights(weights: Mapping[str, Mapping[str, np.ndarray]], path) -> None:
     flat = {}
     for node_id, params in weights.items():

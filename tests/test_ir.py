@@ -8,7 +8,7 @@ import pytest
 from aiperf_core.builders import resnet50, resnet_small
 from aiperf_core.errors import GraphError
 from aiperf_core.ir import SCHEMA_VERSION, Graph, load_graph, save_graph
-from aiperf_core.weights import init_weights, load_weights, save_weights, validate_weights
+from aiperf_core.weights import init_weights, load_weights, save_weights, transposed_copy, validate_weights
 
 
 def nodes_of(g: Graph) -> list[dict]:
@@ -152,6 +152,18 @@ def test_weights_file_never_unpickles(tmp_path):
     np.savez(path, **{"conv1_conv/kernel": np.array([object()], dtype=object)})
     with pytest.raises(GraphError, match="not a weights"):
         load_weights(path)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 130), (200, 64), (64, 129), (1000, 2048)])
+def test_transposed_copy_is_the_transpose_in_c_order(shape):
+    # Shapes on, below and across the 64-element tiles, with partial tiles on either axis.
+    matrix = np.random.default_rng(0).standard_normal(shape)
+    copy = transposed_copy(matrix)
+    assert copy.dtype == np.float32 and copy.flags.c_contiguous and not np.shares_memory(copy, matrix)
+    assert np.array_equal(copy, matrix.T.astype(np.float32))
+    assert np.array_equal(transposed_copy(copy.T, np.float64), copy.astype(np.float64))  # a strided view too
+    with pytest.raises(ValueError, match=r"takes a matrix, got shape \[2, 3, 4\]"):
+        transposed_copy(np.zeros((2, 3, 4)))
 
 
 def test_bad_json_file_is_named(tmp_path):

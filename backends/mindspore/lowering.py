@@ -94,7 +94,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from aiperf_core.errors import GraphError
 from aiperf_core.ir import INPUT_OPS, Graph, Node, is_trainable, kv_heads, moe_mlp
-from aiperf_core.weights import Weights, validate_weights
+from aiperf_core.weights import Weights, transposed_copy, validate_weights
 from aiperf_backends.mindspore.onednn import cap_on_avx512
 
 cap_on_avx512(ms)  # before any op: MindSpore's oneDNN runs its NCHW convs 74 times faster (onednn.py)
@@ -843,8 +843,10 @@ class LoweredCell(nn.Cell):
         for node_id, params in weights.items():
             for pname, array in params.items():
                 value = np.asarray(array, dtype=np.float32)
-                if pname == "kernel":  # HWIO -> OIHW, (in, out) -> (out, in)
-                    value = value.transpose(3, 2, 0, 1) if value.ndim == 4 else value.T
+                if pname == "kernel" and value.ndim == 2:  # (in, out) -> (out, in)
+                    value = transposed_copy(value)
+                elif pname == "kernel":  # HWIO -> OIHW
+                    value = value.transpose(3, 2, 0, 1)
                 self.parameter(node_id, pname).set_data(Tensor(np.ascontiguousarray(value)))
 
     def export_canonical(self) -> Weights:
@@ -885,9 +887,11 @@ def normalised_pixels(pixels: Tensor) -> Tensor:
 def to_canonical(pname: str, array: np.ndarray) -> np.ndarray:
     """A MindSpore-layout parameter (or gradient) as a canonical float32 array of its own."""
     # A copy: asnumpy() shares a Parameter's memory, which the next optimizer step overwrites in place.
+    if pname == "kernel" and np.ndim(array) == 2:  # (out, in) -> (in, out)
+        return transposed_copy(array)
     array = np.array(array, dtype=np.float32)
-    if pname == "kernel":  # OIHW -> HWIO, (out, in) -> (in, out)
-        array = array.transpose(2, 3, 1, 0) if array.ndim == 4 else array.T
+    if pname == "kernel":  # OIHW -> HWIO
+        array = array.transpose(2, 3, 1, 0)
     return np.ascontiguousarray(array)
 
 

@@ -99,7 +99,7 @@ from aiperf_backends.torch.loss import normalise_pixels, summed_loss
 from aiperf_backends.torch.precision import AUTOCAST_DTYPES, compute_dtype
 from aiperf_core.errors import GraphError
 from aiperf_core.ir import Graph, is_trainable, kv_heads, moe_mlp
-from aiperf_core.weights import Weights, validate_weights
+from aiperf_core.weights import Weights, transposed_copy, validate_weights
 
 # Producers whose output autograd does not keep (their backward needs only their input),
 # so a sole reader may overwrite that output in place.
@@ -1166,7 +1166,7 @@ def _torch_param(module: nn.Module, pname: str, canonical: np.ndarray | None):
             return module.bias, canonical
     elif isinstance(module, nn.Linear):
         if pname == "kernel":  # (in, out) -> (out, in)
-            return module.weight, (None if canonical is None else np.ascontiguousarray(canonical.T))
+            return module.weight, (None if canonical is None else transposed_copy(canonical))
         if pname == "bias":
             return module.bias, canonical
     elif isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -1189,8 +1189,10 @@ def _torch_param(module: nn.Module, pname: str, canonical: np.ndarray | None):
 
 def to_canonical(module: nn.Module, pname: str, tensor) -> np.ndarray:
     array = tensor.detach().to("cpu", torch.float32).numpy()
-    if pname == "kernel":
-        array = array.transpose(2, 3, 1, 0) if isinstance(module, nn.Conv2d) else array.T  # OIHW -> HWIO, (out,in) -> (in,out)
+    if pname == "kernel" and not isinstance(module, nn.Conv2d):  # (out, in) -> (in, out)
+        return transposed_copy(array)
+    if pname == "kernel":  # OIHW -> HWIO
+        array = array.transpose(2, 3, 1, 0)
     return np.ascontiguousarray(array, dtype=np.float32)
 
 

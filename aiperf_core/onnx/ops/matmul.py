@@ -12,6 +12,7 @@ from aiperf_core.onnx.layouts import LAYOUT_TEXT, Act
 from aiperf_core.onnx.ops.attention import attention_output, scores
 from aiperf_core.onnx.ops.registry import converter
 from aiperf_core.onnx.protos import node_attrs
+from aiperf_core.weights import transposed_copy
 
 
 @converter("Gemm")
@@ -24,7 +25,7 @@ def gemm(imp, node) -> None:
     if kernel.ndim != 2:
         imp.fail(node, f"weight must be 2-D, got shape {list(kernel.shape)}")
     if a.get("transB", 0):
-        kernel = kernel.T
+        kernel = transposed_copy(kernel)
     if a.get("alpha", 1.0) != 1.0:
         kernel = kernel * np.float32(a["alpha"])
     bias = imp.const(node, 2, optional=True)
