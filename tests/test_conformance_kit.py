@@ -441,3 +441,26 @@ def test_plugin_discovered_from_its_own_package():
 
 def by_id_ops(listed, check_id: str) -> list:
     return next(r["ops"] for r in listed if r["id"] == check_id)
+
+
+def test_the_session_report_is_the_cli_report_once_every_check_ran(monkeypatch):
+    """pytest_support.session_report (what test_submission_e2e submits): the report `aiperf conformance`
+    writes, made of the session's results, and none while one check has not run (here the kit's levels
+    are the op level alone, so that the session's checks are few)."""
+    from aiperf_conformance import pytest_support
+
+    monkeypatch.setattr(pytest_support, "LEVELS", ("op",))
+    monkeypatch.setattr(pytest_support, "_contexts", {})
+    monkeypatch.setattr(pytest_support, "_results", {})
+    assert pytest_support.session_report("numpy") is None
+    cases = conformance_cases(["numpy"], "op")
+    for case in cases[:-1]:
+        pytest_support.run_case(case)
+    assert pytest_support.session_report("numpy") is None
+    pytest_support.run_case(cases[-1])
+    session = pytest_support.session_report("numpy").to_dict()
+    cli = run_conformance(NumpyBackend(), "op").to_dict()
+    for report in (session, cli):
+        for check in report["checks"]:
+            check.pop("seconds")
+    assert session == cli and session["certifies"] and len(session["checks"]) == len(cases)
