@@ -11,6 +11,10 @@ file can also build the items itself:
 An expected failure listed in the backend's expectations file passes as 'xfail'; a failure, an error
 or an unexpected pass fails the test with the kit's message; an unsupported check (an op the backend
 does not declare) is skipped, naming the ops.
+
+Once every check of a backend has run in the session, session_report(NAME) gives the report
+`aiperf conformance --backend NAME --report` would have written (every level and workload), made of
+the session's results: a later test can submit it without running the kit again.
 """
 
 from __future__ import annotations
