@@ -4,6 +4,8 @@ durations, the config file, the local device layout, sbatch passthrough."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,7 +15,8 @@ from aiperf_core.config_file import load_config
 from aiperf_core.errors import AiperfError
 from aiperf_core.rundir import EventLog, RunDir, read_events
 from aiperf_core.workflow.duration import format_duration, parse_duration
-from aiperf_core.workflow.executors.base import Executor, ProcessEnd, ReplicaHandle, describe_exit_code
+from aiperf_core.workflow.executors.base import (Executor, NodeProcessesHandle, ProcessEnd, ReplicaHandle,
+                                                 describe_exit_code)
 from aiperf_core.workflow.executors.local import plan_layout, replica_environment
 from aiperf_core.workflow.executors.slurm import SlurmHandle, parse_extra_args
 from aiperf_core.workflow.plan import WatchSettings
@@ -251,6 +254,28 @@ def test_a_replica_out_of_restarts_is_given_up(tmp_path):
     assert primary.run_to_end() == "all_replicas_failed"
     exits = [e for e in _primary_events(run_dir) if e["event"] == "replica_exit"]
     assert [(e["status"], e["restart"]) for e in exits] == [("crashed", True), ("crashed", False)]
+
+
+class SlowPollingExecutor(ScriptedExecutor):
+    """Each replica a real process that ends after 0.3 s, polled every 30 s."""
+
+    poll_interval_s = 30.0
+
+    def launch(self, command):
+        return NodeProcessesHandle(command, [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])])
+
+
+def test_the_primary_sees_a_replica_process_end_between_its_polls(tmp_path):
+    """The run's end, and so its score's time, follows the replica's exit, not the executor's poll interval."""
+    run_dir = RunDir(tmp_path / "run")
+    run_dir.primary_dir.mkdir(parents=True)
+    settings = WatchSettings(max_restarts=0, heartbeat_timeout_s=60.0, stop_grace_s=0.2, slurm={})
+    primary = Primary(run_dir, {"deadline": time.time() + 120, "replicas": 1}, SlowPollingExecutor(run_dir, {}), settings)
+    started = time.monotonic()
+    assert primary.run_to_end() == "all_replicas_failed"  # it logged no replica_stop: a crash, not restarted
+    assert time.monotonic() - started < 10
+    [launch, end] = [e for e in _primary_events(run_dir) if e["event"] in ("replica_launch", "run_end")]
+    assert end["time"] - launch["time"] < 5
 
 
 def test_a_silent_replica_is_lost_stopped_and_restarted(tmp_path):

@@ -199,9 +199,13 @@ class Primary:
             self.tick(now)
             self._sleep(self.executor.poll_interval_s)
 
-    def _sleep(self, seconds: float) -> None:
+    def _sleep(self, seconds: float, until_an_exit: bool = True) -> None:
+        """Wait up to `seconds`: less at a signal, or (`until_an_exit`) once a replica's process has ended,
+        which the next poll records."""
         end = self.clock.monotonic() + seconds
         while self._interrupted is None and self.clock.monotonic() < end:
+            if until_an_exit and any(slot.handle is not None and slot.handle.exited() for slot in self.slots):
+                return
             self.clock.sleep(min(0.2, max(0.0, end - self.clock.monotonic())))
 
     # --- launching and watching ---------------------------------------------------------------
@@ -252,7 +256,8 @@ class Primary:
                 continue
             kind, why = lost
             if kind == "stall" and self.executor.request_stacks(slot.handle):
-                self._sleep(STACKS_WAIT_S)  # its threads' stacks go to replica.log, then to log_tail
+                # its threads' stacks go to replica.log, then to log_tail
+                self._sleep(STACKS_WAIT_S, until_an_exit=False)
             self.executor.stop([slot.handle], grace_s=5)
             extra = {"last_progress": slot.last_progress} if kind == "stall" else {}
             self._record_exit(slot, ProcessEnd(False, why), lost=True, extra=extra)

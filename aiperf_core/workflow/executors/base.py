@@ -86,6 +86,12 @@ class ReplicaHandle(abc.ABC):
     def started(self) -> bool:
         """Whether the replica's process runs (a queued SLURM job has not started yet)."""
 
+    def exited(self) -> bool:
+        """Whether the replica's process is known to have ended without asking a batch system (False
+        where only a query would tell): the primary looks between its polls, so that a run's end (and
+        its score's time) is not a poll interval late."""
+        return False
+
 
 class Executor(abc.ABC):
     name: str = ""
@@ -164,6 +170,9 @@ class NodeProcessesHandle(ReplicaHandle):
 
     def started(self) -> bool:
         return True
+
+    def exited(self) -> bool:
+        return self.process.poll() is not None
 
 
 def end_processes(handles: list[ReplicaHandle], grace_s: float) -> None:
