@@ -125,6 +125,9 @@ A2A_BYTES = all_to_all_bytes(MOE_GPT, "fp32", 32, 8)
 DENSE_EPOCH = 2 * (2 * gradient_bytes(DENSE_GPT) // 2)  # 2 steps, 2 ranks: G per rank per step
 MOE_EPOCH = 2 * 3 * gradient_bytes(MOE_GPT, True) // 4  # 1 step, 4 ranks: 3/2 G
 WAITED = 2 * 0.25 + 0.5 + 0.3
+# The run's 400 s (1000 to the run_end at 1400) less the waits over the replicas' mean concurrency: 320 s
+# of lives in a span of 210 s.
+EFFICIENCY = (400 - WAITED * 210 / 320) / 400
 
 
 def test_summary_json_gives_the_all_reduce_and_the_network_cost(tmp_path):
@@ -141,7 +144,7 @@ def test_summary_json_gives_the_all_reduce_and_the_network_cost(tmp_path):
     network = communication["network"]
     assert network["wait_seconds"] == pytest.approx(WAITED) and network["step_seconds"] == 4.0
     assert network["share"] == pytest.approx(WAITED / 4.0)
-    assert network["efficiency"] == pytest.approx(1 - WAITED / 320)
+    assert network["efficiency"] == pytest.approx(EFFICIENCY)
     assert network["ideal_score_ops"] == pytest.approx(summary["score_ops"] / network["efficiency"])
     assert network["complete"] is True
     [dense, moe] = communication["per_trial"]
@@ -155,8 +158,25 @@ def test_summary_json_gives_the_all_reduce_and_the_network_cost(tmp_path):
                                    "bytes_per_second": 4 * DENSE_EPOCH}
     html = (tmp_path / "report.html").read_text()
     assert "<tr><th>seconds waiting on the all-reduce (measured)</th><td>1 s</td></tr>" in html
-    assert f"<tr><th>network efficiency</th><td>{100 * (1 - WAITED / 320):.1f}%</td></tr>" in html
+    assert f"<tr><th>network efficiency</th><td>{100 * EFFICIENCY:.1f}%</td></tr>" in html
     assert "score an ideal network would have given" in html and "all-reduce bus bandwidth" in html
+
+
+def test_one_replicas_ideal_network_time_is_the_runs_time_less_its_waits(tmp_path):
+    """The primary's seconds outside the replica (starting, launching, the report) are not the network's:
+    an ideal network gives back the 30 s waited, not 30 s of every 100 of the run's 120."""
+    b = RunBuilder(tmp_path)
+    b.replica_start(0, 1010)
+    a = b.trial_start(0, 1010, DENSE_GPT, "fp32")
+    report = SimpleNamespace(train_images=64, val_images=8, all_reduce_seconds=30.0)
+    b.epoch(0, a, 1100, 0, 64, 8, 0.5, step_seconds=40.0, **all_reduce_fields(report, _layouts()[0]))
+    b.trial_end(0, a, 1110, epochs=1, best=0.5)
+    b.finish(1120)
+    summary = json.loads(write_report(tmp_path)[1].read_text())
+    network = summary["communication"]["network"]
+    assert network["efficiency"] == pytest.approx((120 - 30) / 120)
+    assert network["ideal_score_ops"] == pytest.approx(DENSE_GPT_OPS / (120 - 30))
+    assert summary["score_ops"] == pytest.approx(DENSE_GPT_OPS / 120)
 
 
 def test_unmeasured_seconds_make_the_efficiency_an_upper_bound(tmp_path):
@@ -201,7 +221,7 @@ def test_metrics_and_watch_carry_the_all_reduce_and_the_efficiency(tmp_path, cap
     assert f"aiperf_all_reduce_bytes_per_second {float(total)!r}\n" in text
     assert "# TYPE aiperf_network_efficiency_ratio gauge" in text
     [line] = [x for x in text.splitlines() if x.startswith("aiperf_network_efficiency_ratio ")]
-    assert float(line.split()[1]) == pytest.approx(1 - WAITED / 320)
+    assert float(line.split()[1]) == pytest.approx(EFFICIENCY)
     [line] = [x for x in text.splitlines() if x.startswith("aiperf_network_wait_share_ratio ")]
     share = WAITED / 4.0  # the replicas' 4 s in steps
     assert float(line.split()[1]) == pytest.approx(share)

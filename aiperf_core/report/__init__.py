@@ -93,7 +93,7 @@ def build_summary(ledger: RunLedger, result: ScoreResult, nodes: list[dict[str, 
         "energy": energy.to_dict(result.total_ops),
         "compile": compile_summary(ledger),
         "expert_load": expert_load_summary(ledger),
-        "communication": communication_summary(ledger, result.score_ops),
+        "communication": communication_summary(ledger, result.score_ops, result.elapsed_s),
         "network_probe": network_probe_summary(ledger.run_dir.root),
         "machine": {
             "replicas": len(nodes), "replicas_configured": run.get("replicas"),
@@ -181,7 +181,7 @@ def network_probe_summary(root: Path) -> dict[str, Any] | None:
         return {"unreadable": str(exc)}
 
 
-def communication_summary(ledger: RunLedger, score_ops: float = 0.0) -> dict[str, Any] | None:
+def communication_summary(ledger: RunLedger, score_ops: float = 0.0, run_seconds: float = 0.0) -> dict[str, Any] | None:
     """The run's communication (docs/run-directory.md, summary.json): the experts' all-to-all of the
     expert-parallel trials (epoch_end.all_to_all) and the gradient all-reduce of the data-parallel ones
     (epoch_end.all_reduce), every epoch that logged them, inside the scored window or not: analytic bytes,
@@ -213,7 +213,7 @@ def communication_summary(ledger: RunLedger, score_ops: float = 0.0) -> dict[str
                       "seconds": sum(timed) if timed else None,
                       "bytes_per_second": (ledger.all_reduce_timed_bytes / ledger.all_reduce_seconds
                                            if ledger.all_reduce_seconds > 0 else None)}
-    return {"all_to_all": all_to_all, "all_reduce": all_reduce, "network": run_network(ledger, score_ops),
+    return {"all_to_all": all_to_all, "all_reduce": all_reduce, "network": run_network(ledger, score_ops, run_seconds),
             "per_trial": [{"trial": t.id, "all_to_all": t.to_dict()["all_to_all"],
                            "all_reduce": t.to_dict()["all_reduce"],
                            "network": trial_network(t, operations.get(t.id))} for t in trials]}

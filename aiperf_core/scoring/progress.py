@@ -246,18 +246,19 @@ def _progress(live: _LiveRun, now: float) -> Progress:
         all_to_all_seconds=ledger.all_to_all_seconds, all_to_all_trials=ledger.all_to_all_trials,
         all_reduce_bytes=ledger.all_reduce_bytes, all_reduce_seconds=ledger.all_reduce_seconds,
         all_reduce_timed_bytes=ledger.all_reduce_timed_bytes, all_reduce_trials=ledger.all_reduce_trials,
-        all_reduce_inter_node_bytes=ledger.all_reduce_inter_node_bytes, **_network_cost(ledger))
+        all_reduce_inter_node_bytes=ledger.all_reduce_inter_node_bytes, **_network_cost(ledger, end - info.start_time))
 
 
-def _network_cost(ledger) -> dict[str, float | None]:
-    """aiperf_core.scoring.network's share of step time waiting and run efficiency, None before a
-    trial communicated."""
-    from aiperf_core.scoring.network import efficiency, waits
+def _network_cost(ledger, run_seconds: float) -> dict[str, float | None]:
+    """aiperf_core.scoring.network's share of step time waiting and run efficiency (`run_seconds` the live
+    score's time), None before a trial communicated."""
+    from aiperf_core.scoring.network import run_efficiency, waits
 
     if not ledger.all_reduce_trials and not ledger.all_to_all_trials:
         return {"network_share": None, "network_efficiency": None}
-    waited, steps, lives = waits(ledger)
-    return {"network_share": waited / steps if steps > 0 else None, "network_efficiency": efficiency(waited, lives)}
+    waited, steps, lives, span = waits(ledger)
+    return {"network_share": waited / steps if steps > 0 else None,
+            "network_efficiency": run_efficiency(waited, lives, span, run_seconds)}
 
 
 def write_checkpoint(run_dir: str | os.PathLike, now: float | None = None) -> None:

@@ -271,7 +271,7 @@ def _check_run(verdict: Verdict, run_root: Path) -> _Run:
     verdict.score_ops, verdict.regulated_ops = result.score_ops, result.regulated_ops
     verdict.best_accuracy, verdict.workload = result.best_accuracy, result.workload
     verdict.rule_reasons = list(result.reasons)
-    network = run_network(ledger, result.score_ops)
+    network = run_network(ledger, result.score_ops, result.elapsed_s)
     verdict.network_share = None if network is None else network["share"]
     verdict.network_efficiency = None if network is None else network["efficiency"]
     verdict.precisions = sorted({str(t.precision) for t in ledger.trials.values()})

@@ -73,9 +73,9 @@ SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "aiperf_network_wait_share_ratio": ("gauge", (), "The share of the replicas' step time spent waiting on "
                                         "communication, all-reduce and all-to-all (absent before a trial "
                                         "communicated); not scored"),
-    "aiperf_network_efficiency_ratio": ("gauge", (), "The score over the score an ideal network would have given: 1 "
-                                        "- waits on communication / replica time (absent before a trial "
-                                        "communicated); not scored"),
+    "aiperf_network_efficiency_ratio": ("gauge", (), "The score over the score an ideal network would have given: the "
+                                        "run's time less its replicas' waits on communication, over its time "
+                                        "(absent before a trial communicated); not scored"),
     "aiperf_trials": ("gauge", ("status",), "Trials by status (running: started, not ended)"),
     "aiperf_replicas": ("gauge", ("state",), "Replicas by state: queued, running, stalled, restarting, done"),
     "aiperf_elapsed_seconds": ("gauge", (), "Seconds since the run's clock started, to its end once ended"),
