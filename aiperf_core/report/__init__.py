@@ -181,7 +181,7 @@ def network_probe_summary(root: Path) -> dict[str, Any] | None:
         return {"unreadable": str(exc)}
 
 
-def communication_summary(ledger: RunLedger, score_ops: float = 0.0, run_seconds: float = 0.0) -> dict[str, Any] | None:
+def communication_summary(ledger: RunLedger, score_ops: float, run_seconds: float) -> dict[str, Any] | None:
     """The run's communication (docs/run-directory.md, summary.json): the experts' all-to-all of the
     expert-parallel trials (epoch_end.all_to_all) and the gradient all-reduce of the data-parallel ones
     (epoch_end.all_reduce), every epoch that logged them, inside the scored window or not: analytic bytes,
