@@ -429,6 +429,30 @@ def test_last_batch_is_short_not_dropped():
     assert all(r.val_images == 3 for r in reports)
 
 
+def test_no_function_the_backend_traces_goes_through_autograph(monkeypatch, tmp_path):
+    # AutoGraph rewrote the source of each Python function a trace called (about 130 for a step): seconds
+    # of a process's first trace for nothing, the traced code being graph TensorFlow (graph_function).
+    from tensorflow.python.autograph.impl import api as autograph
+
+    from aiperf_core.data import load_dataset
+    from aiperf_core.data.samples import digits_tree
+
+    converted, real_convert = [], autograph._convert_actual
+    monkeypatch.setattr(autograph, "_convert_actual",
+                        lambda entity, program_ctx: (converted.append(entity), real_convert(entity, program_ctx))[1])
+    data = load_dataset({"name": "imagenet", "path": str(digits_tree(tmp_path / "tree")), "image_size": 8},
+                        workers=1)  # streamed through tf.data
+    backend = TensorFlowBackend()
+    graph = resnet_small((8, 8, 3), data.classes)
+    model = backend.lower(graph)
+    backend.train(model, data, TrainConfig(epochs=1, batch_size=64))
+    backend.predict(model, np.zeros((2, 8, 8, 3), np.float32))
+    backend.native_counter().count(model, 2, backward=True)
+    assert converted == []
+    tf.function(lambda t: t + 1 if t.shape[0] else t)(tf.ones(2))  # the patch does see a conversion
+    assert len(converted) == 1
+
+
 # -- devices ----------------------------------------------------------------------------------------
 
 DEVICES_SCRIPT = """

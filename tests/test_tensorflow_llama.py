@@ -18,6 +18,7 @@ assert TensorFlowBackend.availability().available, TensorFlowBackend.availabilit
 
 import tensorflow as tf  # noqa: E402
 
+from aiperf_backends.tensorflow.backend import graph_function  # noqa: E402
 from aiperf_core.builders import llama  # noqa: E402
 from aiperf_core.weights import init_weights  # noqa: E402
 
@@ -80,7 +81,7 @@ def test_grouped_query_attention_is_multi_head_attention_with_key_value_heads_re
 def test_rotary_tables_are_constants_of_the_lowering(backend):
     graph = llama(layers=1, hidden=HIDDEN, heads=HEADS, kv_heads=2, seq_len=SEQ, vocab=VOCAB, ffn=FFN)
     model = backend.lower(graph)
-    concrete = tf.function(lambda t: model.call(t, False)[0]).get_concrete_function(
+    concrete = graph_function(lambda t: model.call(t, False)[0]).get_concrete_function(
         tf.TensorSpec([2, SEQ], tf.int64))
     op_types = {op.type for op in concrete.graph.get_operations()}
     assert not op_types & {"Cos", "Sin", "Pow"}
@@ -100,6 +101,6 @@ def test_the_xla_compiled_llama_forward_equals_the_plain_one(backend):
     graph = llama(layers=1, hidden=HIDDEN, heads=HEADS, kv_heads=2, seq_len=SEQ, vocab=VOCAB, ffn=FFN)
     model = backend.lower(graph)
     x = tf.constant(_tokens(2, 2)[0], tf.int64)
-    plain = tf.function(lambda t: model.call(t, False)[0])(x).numpy()
-    compiled = tf.function(lambda t: model.call(t, False)[0], jit_compile=True)(x).numpy()
+    plain = graph_function(lambda t: model.call(t, False)[0])(x).numpy()
+    compiled = graph_function(lambda t: model.call(t, False)[0], jit_compile=True)(x).numpy()
     np.testing.assert_allclose(compiled, plain, rtol=0, atol=1e-6)

@@ -16,6 +16,7 @@ assert TensorFlowBackend.availability().available, TensorFlowBackend.availabilit
 
 import tensorflow as tf  # noqa: E402
 
+from aiperf_backends.tensorflow.backend import graph_function  # noqa: E402
 from aiperf_backends.tensorflow.counter import TFProfilerCounter  # noqa: E402
 from aiperf_conformance.cases import trained_looking_weights  # noqa: E402
 from aiperf_conformance.levels.count import BATCH, MOE_CASES, moe_graph, moe_products  # noqa: E402
@@ -41,7 +42,7 @@ def forward_and_grads(model, x, jit_compile: bool):
             loss = tf.reduce_sum(y * tf.reshape(tf.linspace(-1.0, 1.0, tf.size(y)), tf.shape(y)))
         return [y] + tape.gradient(loss, [x] + list(moe.values()))
 
-    return [t.numpy() for t in tf.function(step, jit_compile=jit_compile)(x)]
+    return [t.numpy() for t in graph_function(step, jit_compile=jit_compile)(x)]
 
 
 @pytest.mark.parametrize("name", MOE_CASES)
@@ -74,7 +75,7 @@ def test_the_routed_graph_has_one_product_per_expert_and_no_einsum(backend):
     graph = moe_graph("swiglu_top2")
     model = backend.lower(graph, trained_looking_weights(graph, 0))
     spec = tf.TensorSpec((BATCH,) + graph.input_shape, tf.float32)
-    ops = tf.function(lambda x: model.call(x, False)[0]).get_concrete_function(spec).graph.get_operations()
+    ops = graph_function(lambda x: model.call(x, False)[0]).get_concrete_function(spec).graph.get_operations()
     moe_ops = [op for op in ops if "aiperf_moe" in op.name.split("/")]
     assert not [op for op in ops if op.type == "Einsum"]
     experts = MOE_CASES["swiglu_top2"]["experts"]

@@ -36,7 +36,7 @@ from aiperf_core.data.text_corpus import embedded_corpus  # noqa: E402
 from aiperf_core.data.text_stream import TRAIN, VAL, TokenStream  # noqa: E402
 from aiperf_core.ir import Graph, Node  # noqa: E402
 from aiperf_backends.tensorflow import lowering  # noqa: E402
-from aiperf_backends.tensorflow.backend import gpu_memory_limits, tf_device_name  # noqa: E402
+from aiperf_backends.tensorflow.backend import gpu_memory_limits, graph_function, tf_device_name  # noqa: E402
 from aiperf_backends.tensorflow.training import Trainer  # noqa: E402
 from beside import beside
 
@@ -179,7 +179,7 @@ def assert_checkpointing_leaves_gradients_as_they_were(backend, graph, x, y):
         model = backend.lower(graph)
         trainer = Trainer(model, TrainConfig(epochs=1, batch_size=len(x), schedule=Schedule(0.01),
                                              checkpoint_blocks=checkpoint))
-        _, values, _ = tf.function(lambda a, b: trainer._gradients(a, b, float(len(x)), model.trainables))(x, y)
+        _, values, _ = graph_function(lambda a, b: trainer._gradients(a, b, float(len(x)), model.trainables))(x, y)
         grads[checkpoint] = [v.numpy() for v in values]
     for plain, recomputed in zip(grads[False], grads[True]):
         np.testing.assert_allclose(recomputed, plain, rtol=0, atol=1e-7)

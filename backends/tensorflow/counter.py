@@ -184,6 +184,7 @@ class TFProfilerCounter(NativeCounter):
     def count(self, model, batch: int, backward: bool) -> dict[str, int]:
         import tensorflow as tf
 
+        from aiperf_backends.tensorflow.backend import graph_function
         from aiperf_backends.tensorflow.training import summed_loss
 
         graph = model.graph
@@ -204,7 +205,7 @@ class TFProfilerCounter(NativeCounter):
             def fn(x):
                 return model.call(x, False)[0]
 
-        concrete = tf.function(fn).get_concrete_function(spec)
+        concrete = graph_function(fn).get_concrete_function(spec)
         # A sample for a graph whose shapes depend on the data (a routed moe): token 0 everywhere, or
         # normal features; every routing runs k experts per token, so the count does not depend on it.
         shape = [batch] + list(graph.input_shape)

@@ -134,7 +134,7 @@ from aiperf_core.data.preprocess import INV_STD, MEAN
 from aiperf_core.errors import GraphError
 from aiperf_core.ir import Graph, Node, is_trainable, kv_heads, moe_mlp
 from aiperf_core.weights import Weights, validate_weights
-from aiperf_backends.tensorflow.backend import framework, xla_setting
+from aiperf_backends.tensorflow.backend import framework, graph_function, xla_setting
 from aiperf_backends.tensorflow.counter import MOE_SCOPE
 
 tf = framework()  # configured before any use (backend.py): oneDNN, threads, AIPERF_CPU_DEVICES
@@ -267,8 +267,8 @@ class LoweredModel(tf.Module):
         inside precision_scope and the model's device)."""
         if self.precision not in self._predict_fns:
             spec = tf.TensorSpec([None] + list(self.graph.input_shape), self.input_dtype)
-            self._predict_fns[self.precision] = tf.function(lambda x: self.call(x, False)[0], input_signature=[spec],
-                                                            jit_compile=use_xla(self.device, self.graph))
+            self._predict_fns[self.precision] = graph_function(lambda x: self.call(x, False)[0], input_signature=[spec],
+                                                               jit_compile=use_xla(self.device, self.graph))
         return self._predict_fns[self.precision]
 
     @property

@@ -95,7 +95,7 @@ import numpy as np
 from aiperf_core.backend import (BackendError, Dataset, EpochReport, StepClock, TrainConfig, batches, is_streaming,
                                  is_token_stream)
 from aiperf_core.optim import CLIP_EPSILON, is_decayed
-from aiperf_backends.tensorflow.backend import framework
+from aiperf_backends.tensorflow.backend import framework, graph_function
 from aiperf_backends.tensorflow.lowering import make_variable, precision_scope, use_xla
 
 tf = framework()  # configured before any use (backend.py): oneDNN, threads, AIPERF_CPU_DEVICES
@@ -399,12 +399,12 @@ class Trainer:
                 def whole(x, y, lr, global_n):
                     return self._replica_step(x, y, lr, global_n, world=1, accumulate=accumulate)
 
-                self._steps[key] = tf.function(whole, input_signature=None if accumulate else spec,
-                                               jit_compile=self.xla)
+                self._steps[key] = graph_function(whole, input_signature=None if accumulate else spec,
+                                                  jit_compile=self.xla)
             else:
                 strategy, world = self.strategy, self.world
 
-                @tf.function(reduce_retracing=not accumulate)
+                @graph_function(reduce_retracing=not accumulate)
                 def distributed(x, y, lr, global_n):
                     per_replica = strategy.run(self._replica_step, args=(x, y, lr, global_n, world, accumulate))
                     return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
@@ -427,7 +427,7 @@ class Trainer:
                 correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(out, axis=-1), y), tf.int64))
                 return total, correct
 
-            self._evals[dtype] = tf.function(evaluate, input_signature=self._spec(dtype), jit_compile=self.xla)
+            self._evals[dtype] = graph_function(evaluate, input_signature=self._spec(dtype), jit_compile=self.xla)
         return self._evals[dtype]
 
     # -- placing batches --------------------------------------------------------------------------
@@ -799,16 +799,18 @@ def tf_input(data, split: str, epoch: int, seed: int, batch_size: int, device: s
     order = np.concatenate(plan).astype(np.int64) if plan else np.zeros(0, np.int64)
     labels = np.asarray(source.labels(split))[order].astype(np.int64)
     parallel = max(data.workers, 1)
+    # Graph TensorFlow already: AutoGraph would only rewrite their source (graph_function).
+    plain = tf.autograph.experimental.do_not_convert
     if source.layout == "imagefolder":
         files = np.asarray(source.files(split))[order]
         ds = tf.data.Dataset.from_tensor_slices((files, order, labels))
-        ds = ds.map(lambda f, i, y: (tf.io.read_file(f), i, y), num_parallel_calls=parallel)
+        ds = ds.map(plain(lambda f, i, y: (tf.io.read_file(f), i, y)), num_parallel_calls=parallel)
     else:
         def fetch(i):
             return source.encoded(split, int(i))  # raises on a bad checksum: the record is dropped
 
         ds = tf.data.Dataset.from_tensor_slices((order, labels))
-        ds = ds.map(lambda i, y: (tf.py_function(fetch, [i], tf.string), i, y), num_parallel_calls=parallel)
+        ds = ds.map(plain(lambda i, y: (tf.py_function(fetch, [i], tf.string), i, y)), num_parallel_calls=parallel)
     size = data.image_size
     epoch_seed = (seed * 1_000_003 + epoch) & 0x7FFFFFFF
     if split == TRAIN:
@@ -818,7 +820,7 @@ def tf_input(data, split: str, epoch: int, seed: int, batch_size: int, device: s
     else:
         def transform(encoded, i, y):
             return _val_image(encoded, size), y
-    ds = ds.map(transform, num_parallel_calls=parallel)
+    ds = ds.map(plain(transform), num_parallel_calls=parallel)
     # A corrupt image fails in read or decode; it is dropped here and counted by the caller.
     ds = ds.ignore_errors().batch(batch_size).prefetch(max(data.prefetch, 1))
     options = tf.data.Options()
