@@ -195,6 +195,39 @@ def test_ranks_fork_from_one_server_and_take_the_environment_of_their_start(monk
         [(0, "first"), (1, "first")], [(0, "second"), (1, "second")], [(0, None), (1, None)]]
 
 
+def _check_start(local_rank: int, job: dict) -> None:
+    from aiperf_backends.torch.distributed import end_rank, init_process_group, same_start
+
+    device = torch.device("cpu")
+    init_process_group(local_rank, 2, device, "127.0.0.1", job["port"])
+    torch.manual_seed(job["seeds"][local_rank])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
+    try:
+        same_start(model, [], device)
+        outcome = None
+    except Exception as exc:  # noqa: BLE001 (reported to the test, which asserts on it)
+        outcome = str(exc)
+    end_rank(None)
+    job["results"].put((local_rank, outcome))
+    job["results"].close()
+    job["results"].join_thread()
+
+
+def test_ranks_that_start_from_different_weights_are_refused():
+    """DDP does not broadcast rank 0's weights (init_sync=False: every rank lowered the same ones), so
+    same_start checks them: the same seed passes, another seed on rank 1 fails on every rank."""
+    from aiperf_backends.torch.distributed import free_port
+
+    seen = []
+    for seeds in ((0, 0), (0, 1)):
+        job = {"results": rank_queue(), "port": free_port(), "seeds": seeds}
+        seen.append(sorted(rank_messages(start_ranks(_check_start, job, 2), job["results"])))
+    assert seen[0] == [(0, None), (1, None)]
+    assert [rank for rank, _ in seen[1]] == [0, 1]
+    assert all(message is not None and "rank 1 starts the trial from other weights than rank 0" in message
+               for _, message in seen[1]), seen[1]
+
+
 def _wait_for_ever(local_rank: int, job: dict) -> None:
     import os
 
