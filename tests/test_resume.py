@@ -140,6 +140,49 @@ def _exits(run_dir: Path) -> list[dict]:
     return [e for e in read_events(run_dir / "primary/events.jsonl") if e["event"] == "replica_exit"]
 
 
+def _interrupted_ends(run_dir: Path) -> list[str]:
+    return [e["trial"] for log in sorted(run_dir.glob("replicas/*/events.jsonl")) for e in read_events(log)
+            if e["event"] == "trial_end" and e["status"] == "interrupted"]
+
+
+def _open_trial(run_dir: Path) -> tuple[int, str] | None:
+    """(replica, trial) of a trial that a replica's current launch started and has not ended."""
+    launches = {}
+    for e in read_events(run_dir / "primary/events.jsonl"):
+        if e["event"] == "replica_launch":
+            launches[e["replica"]] = e["time"]
+    for replica, launched in sorted(launches.items()):
+        events = read_events(run_dir / f"replicas/{replica}/events.jsonl")
+        ended = {e["trial"] for e in events if e["event"] == "trial_end"}
+        # A trial left open by an earlier launch is not this one's: its restart closes it.
+        for e in events:
+            if e["event"] == "trial_start" and e["time"] > launched and e["trial"] not in ended:
+                return replica, e["trial"]
+    return None
+
+
+def _trial_end(run_dir: Path, replica: int, trial: str) -> dict | None:
+    return next((e for e in read_events(run_dir / f"replicas/{replica}/events.jsonl")
+                 if e["event"] == "trial_end" and e["trial"] == trial), None)
+
+
+def _kill_mid_trial(run_dir: Path) -> int:
+    """SIGKILL a replica in the middle of a trial and see its restart close that trial as
+    interrupted: 1 where the kill landed, 0 where the trial ended between the look and the kill."""
+    _wait_until(lambda: _open_trial(run_dir) is not None, 300, "a replica to start a trial")
+    replica, trial = _open_trial(run_dir) or (None, None)
+    if replica is None:
+        return 0
+    exits_before = len(_exits(run_dir))
+    psutil.Process(_replica_pids(run_dir)[replica]).send_signal(signal.SIGKILL)
+    _wait_until(lambda: len(_exits(run_dir)) > exits_before, 30, "the primary to see the replica die")
+    if _trial_end(run_dir, replica, trial) is not None:
+        return 1  # ended before the kill (a SIGKILL cannot be caught): not this kill's to close
+    _wait_until(lambda: _trial_end(run_dir, replica, trial) is not None, 300, f"the restart to close trial {trial}")
+    assert _trial_end(run_dir, replica, trial)["status"] == "interrupted", _trial_end(run_dir, replica, trial)
+    return 1
+
+
 WORKLOADS = ("cnn", "lm")
 
 
@@ -214,6 +257,14 @@ def _kill_and_resume(tmp_path: Path, workload: str) -> None:
             kills[target] += 1
         # SIGTERM is the primary's to handle once it runs (run_start logged); before, it just dies.
         _wait_until(lambda: _run_starts(run_dir) > starts_before, 60, "the primary to start")
+        # On a loaded machine a replica's start-up can outlast every seeded pause, so that no kill
+        # lands mid-trial: one more, aimed at an open trial, keeps the restart check below from
+        # holding vacuously.
+        while not _interrupted_ends(run_dir):
+            hit = _kill_mid_trial(run_dir)
+            kills["replica"] += hit
+            landed += hit
+            ledger.check("the kill aimed at an open trial")
         # A usable trial, however the kills fell on a slow machine: the publication check below
         # must never hold vacuously.
         _wait_until(lambda: _usable_ends(run_dir), 300, "a trial to end usable")
