@@ -237,6 +237,12 @@ class EpochReport:
     # measured by the backend as its docs say (docs/backends/<name>.md); None when it cannot measure
     # them or none ran (one device). The bytes are analytic (opcount.communication.all_reduce_bytes).
     all_reduce_seconds: float | None = None
+    # Wall seconds of the epoch spent outside its steps running collectives only to price the steps'
+    # waits (a backend that times the all-reduce or the all-to-all apart from the steps: jax), compilation
+    # excluded; None when none ran. Communication all the same, which an ideal network would have given
+    # back: the run's network efficiency counts it with the waits (docs/scoring.md, "What the network
+    # cost"), a trial's (over its time in steps) does not.
+    pricing_seconds: float | None = None
 
 
 class StepClock:

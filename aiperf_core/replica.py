@@ -170,6 +170,13 @@ def all_to_all_fields(report, per_sample: tuple[int, int] | None) -> dict:
                            "bytes_per_second": moved / seconds if seconds > 0 else None}}
 
 
+def pricing_fields(report) -> dict:
+    """epoch_end's `pricing_seconds` (docs/run-directory.md): the backend's collectives outside the
+    steps that priced their waits (EpochReport.pricing_seconds); no field where none ran."""
+    seconds = _seconds(getattr(report, "pricing_seconds", None))
+    return {} if seconds is None else {"pricing_seconds": seconds}
+
+
 @dataclass(frozen=True)
 class AllReduceLayout:
     """What a trial's all-reduce bytes are counted from: its graph, data-parallel degree (`ranks`, every
@@ -811,7 +818,8 @@ class _EpochWatch:
                                      compile_seconds=_seconds(getattr(report, "compile_seconds", None)),
                                      **expert_load_fields(getattr(report, "expert_load", None)),
                                      **all_to_all_fields(report, self.all_to_all_per_sample),
-                                     **all_reduce_fields(report, self.all_reduce_layout))
+                                     **all_reduce_fields(report, self.all_reduce_layout),
+                                     **pricing_fields(report))
         self.compile_seconds = _total_compile_seconds([self.compile_seconds, event["compile_seconds"]])
         self.started = event["time"]
         self.accuracies.append(accuracy)

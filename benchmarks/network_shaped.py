@@ -35,6 +35,7 @@ network simulation, workflow/simulation.py, to be checked against):
      "score_ops": float,                  # the run's score (summary.json score_ops)
      "ideal_score_ops": float | null,     # the ideal-network score (communication.network.ideal_score_ops)
      "network_efficiency": float | null,  # communication.network.efficiency
+     "pricing_seconds": float,            # communication outside the steps that priced their waits (jax)
      "link_sent_bytes": [int, ...],       # each node's veth counters over the run: bytes the node sent
      "link_received_bytes": [int, ...],   #   and received (heartbeats, rendezvous and all)
      "wall_seconds": float}               # `aiperf run` from start to exit
@@ -110,6 +111,7 @@ def run_shaped(cluster, backend: str, rate_mbit: float, folder: Path) -> dict:
             "epoch_seconds": sum(e["time"] - e["started"] for e in epochs), "step_seconds": step_seconds,
             "seconds_per_step": step_seconds / steps, "score_ops": summary["score_ops"],
             "ideal_score_ops": network["ideal_score_ops"], "network_efficiency": network["efficiency"],
+            "pricing_seconds": network["pricing_seconds"],
             "link_sent_bytes": [a[0] - b[0] for a, b in zip(after, before)],
             "link_received_bytes": [a[1] - b[1] for a, b in zip(after, before)], "wall_seconds": wall}
 

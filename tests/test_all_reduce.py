@@ -18,7 +18,7 @@ from aiperf_core.errors import AiperfError
 from aiperf_core.ir import Graph
 from aiperf_core.monitoring.exporter.collector import RunCollector
 from aiperf_core.morph.transformer import upcycle_moe
-from aiperf_core.replica import AllReduceLayout, all_reduce_fields
+from aiperf_core.replica import AllReduceLayout, all_reduce_fields, pricing_fields
 from aiperf_core.report import write_report
 from aiperf_core.rundir import RunDir, read_events
 from aiperf_core.scoring import score_run, verify_run
@@ -177,6 +177,38 @@ def test_one_replicas_ideal_network_time_is_the_runs_time_less_its_waits(tmp_pat
     assert network["efficiency"] == pytest.approx((120 - 30) / 120)
     assert network["ideal_score_ops"] == pytest.approx(DENSE_GPT_OPS / (120 - 30))
     assert summary["score_ops"] == pytest.approx(DENSE_GPT_OPS / 120)
+
+
+def test_the_pricing_outside_the_steps_is_given_back_by_the_run_not_by_its_trial(tmp_path):
+    """jax times its all-reduce apart from the steps (EpochReport.pricing_seconds): communication an ideal
+    network would not have taken, so the run's time less the waits loses it too; a trial's figures are
+    over its time in steps, where it never was. The live figures, /metrics' and a restored ledger's agree."""
+    b = RunBuilder(tmp_path)
+    b.replica_start(0, 1010)
+    a = b.trial_start(0, 1010, DENSE_GPT, "fp32")
+    report = SimpleNamespace(train_images=64, val_images=8, all_reduce_seconds=30.0, pricing_seconds=6.0)
+    b.epoch(0, a, 1100, 0, 64, 8, 0.5, step_seconds=40.0, **all_reduce_fields(report, _layouts()[0]),
+            **pricing_fields(report))
+    b.trial_end(0, a, 1110, epochs=1, best=0.5)
+    b.finish(1120)
+    [epoch_end] = [e for e in read_events(tmp_path / "replicas/0/events.jsonl") if e["event"] == "epoch_end"]
+    assert epoch_end["pricing_seconds"] == 6.0 and pricing_fields(SimpleNamespace(pricing_seconds=None)) == {}
+    communication = json.loads(write_report(tmp_path)[1].read_text())["communication"]
+    network = communication["network"]
+    assert (network["wait_seconds"], network["pricing_seconds"]) == (30.0, 6.0)
+    assert network["share"] == pytest.approx(30 / 40)  # of the time in steps: the pricing is not in it
+    assert network["efficiency"] == pytest.approx((120 - 36) / 120)
+    assert network["ideal_score_ops"] == pytest.approx(DENSE_GPT_OPS / (120 - 36))
+    [trial] = communication["per_trial"]
+    assert trial["network"]["efficiency"] == pytest.approx(1 - 30 / 40)
+    text = RunCollector(tmp_path).render(openmetrics=False).decode()
+    forget(tmp_path)
+    [line] = [x for x in text.splitlines() if x.startswith("aiperf_network_efficiency_ratio ")]
+    assert float(line.split()[1]) == pytest.approx((120 - 36) / 120)
+    ledger = RunLedger(tmp_path)
+    ledger.refresh()
+    restored = RunLedger.from_state(tmp_path, json.loads(json.dumps(ledger.state())))
+    assert ledger.pricing_seconds == restored.pricing_seconds == restored.trials[a].pricing_seconds == 6.0
 
 
 def test_unmeasured_seconds_make_the_efficiency_an_upper_bound(tmp_path):

@@ -90,7 +90,8 @@ def _largest_difference(got, want, skip) -> tuple[float, str]:
 def _records(reports) -> list[dict]:
     return [{"loss": r.loss, "val_loss": r.val_loss, "train_images": r.train_images,
              "expert_load": {k: list(v) for k, v in (r.expert_load or {}).items()},
-             "all_to_all_seconds": r.all_to_all_seconds, "all_reduce_seconds": r.all_reduce_seconds} for r in reports]
+             "all_to_all_seconds": r.all_to_all_seconds, "all_reduce_seconds": r.all_reduce_seconds,
+             "pricing_seconds": r.pricing_seconds} for r in reports]
 
 
 def run_against_one_device(micro_batch: int | None, one: tuple | None = None) -> dict:
@@ -270,6 +271,8 @@ def test_all_to_all_seconds_are_measured_on_two_devices_and_none_on_one(fused):
         # The gradient all-reduce of the replicated parameters, priced apart too (all_reduce.AllReduceTimer).
         assert one["all_reduce_seconds"] is None
         assert two["all_reduce_seconds"] is not None and two["all_reduce_seconds"] > 0
+        # What those timings took, outside the steps: the run's network efficiency gives it back.
+        assert one["pricing_seconds"] is None and two["pricing_seconds"] > 0
 
 
 @pytest.mark.slow

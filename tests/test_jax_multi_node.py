@@ -180,6 +180,7 @@ def test_two_nodes_match_one_device(launch, name, check):
     # The gradient all-reduce across the nodes, priced on the global mesh (all_reduce.AllReduceTimer).
     assert all(r.all_reduce_seconds is not None and r.all_reduce_seconds > 0 for r in leader)
     assert all(r.all_reduce_seconds is None for r in one)
+    assert all(r.pricing_seconds > 0 for r in leader) and all(r.pricing_seconds is None for r in one)
     if scenario.expert_parallel:
         for a, b in zip(one, leader):
             assert dict(b.expert_load) == dict(a.expert_load)

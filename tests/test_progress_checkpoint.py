@@ -190,7 +190,7 @@ def test_a_checkpoint_that_cannot_be_trusted_is_ignored(checkpointed, change):
 
 def test_the_checkpoint_is_written_atomically_and_names_its_run(checkpointed, monkeypatch):
     state = json.loads(RunDir(checkpointed).progress_checkpoint.read_text())
-    assert state["format"] == "aiperf-progress-checkpoint" and state["version"] == 3
+    assert state["format"] == "aiperf-progress-checkpoint" and state["version"] == 4
     assert state["run_id"] == "test-run" and set(state["ledger"]["tails"]) == {"0", "1"}
     before = RunDir(checkpointed).progress_checkpoint.read_bytes()
 

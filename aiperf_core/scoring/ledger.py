@@ -9,7 +9,6 @@ so one count serves every trial (and every run) with the same graph.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -190,7 +189,7 @@ class Trial:
     __slots__ = ("id", "replica", "round", "parent", "graph_sha256", "precision", "started", "ended",
                  "status", "reason", "epochs", "last_epoch", "last_epoch_time", "best_accuracy", "per_image", "problem",
                  "compile_seconds", "expert_load", "all_to_all_bytes", "all_to_all_seconds", "step_seconds",
-                 "all_reduce")
+                 "all_reduce", "pricing_seconds")
 
     def __init__(self, trial_id: str, replica: int, event: dict[str, Any]):
         hyper = event.get("hyper") if isinstance(event.get("hyper"), dict) else {}
@@ -223,6 +222,8 @@ class Trial:
         # inter-node bytes, intra-node bytes, measured seconds (None: none measured), the bytes of the
         # epochs whose seconds were measured]; None for a trial on one device.
         self.all_reduce: list | None = None
+        # Summed epoch_end.pricing_seconds: communication outside the steps that priced their waits.
+        self.pricing_seconds = 0.0
 
     def all_to_all_bytes_per_second(self) -> float | None:
         """The trial's all-to-all bandwidth: its bytes over its seconds (None: none, or no time measured)."""
@@ -257,7 +258,8 @@ class Trial:
         (trial.id, trial.replica, trial.round, trial.parent, trial.graph_sha256, trial.precision, trial.started,
          trial.ended, trial.status, trial.reason, trial.epochs, trial.last_epoch, trial.last_epoch_time,
          trial.best_accuracy, per_image, trial.problem, trial.compile_seconds, trial.expert_load,
-         trial.all_to_all_bytes, trial.all_to_all_seconds, trial.step_seconds, trial.all_reduce) = values
+         trial.all_to_all_bytes, trial.all_to_all_seconds, trial.step_seconds, trial.all_reduce,
+         trial.pricing_seconds) = values
         if type(trial.id) is not str or type(trial.replica) is not int or type(trial.epochs) is not int:
             raise ValueError(f"trial {trial.id!r} of replica {trial.replica!r}")
         trial.per_image = None if per_image is None else (int(per_image[0]), int(per_image[1]))
@@ -372,6 +374,8 @@ class RunLedger:
         self.all_reduce_seconds = sum(r[AR_SECONDS] or 0.0 for r in reduced)
         self.all_reduce_timed_bytes = sum(r[AR_TIMED_BYTES] for r in reduced)
         self.all_reduce_trials = len(reduced)
+        # Seconds of communication outside the steps, spent pricing their waits (epoch_end.pricing_seconds).
+        self.pricing_seconds = sum(t.pricing_seconds for t in trials)
 
     def refresh(self) -> bool:
         """Read what every log gained since the last call. True if anything new was read.
@@ -546,6 +550,10 @@ class RunLedger:
                 trial.all_reduce[AR_TIMED_BYTES] += reduced[AR_BYTES]
                 self.all_reduce_seconds += reduced[AR_SECONDS]
                 self.all_reduce_timed_bytes += reduced[AR_BYTES]
+        pricing = event.get("pricing_seconds")
+        if type(pricing) in (float, int) and 0 <= pricing < math.inf:  # absent: nothing priced apart
+            trial.pricing_seconds += pricing
+            self.pricing_seconds += pricing
         self.epochs.append((time, trial, train_images, val_images, accuracy, error))
 
     def _resolve_new_trials(self) -> None:

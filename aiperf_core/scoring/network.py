@@ -8,20 +8,22 @@ waits summed over every replica:
 - `share`: W over the replicas' time in train and eval steps (epoch_end.step_seconds summed): the share of
   step time spent waiting on communication;
 - `efficiency` (the network efficiency): the score over the score an ideal network would have given.
-  An ideal network would have given each replica back its waits: the replicas' time would have been
-  L - W of L, L their lives summed (from each one's first replica_start to its last event, as the busy
+  An ideal network would have given each replica back its waits, and the communication a backend ran
+  outside the steps only to price their waits (epoch_end.pricing_seconds, P summed over every replica:
+  jax times its collectives apart from the steps). With W' = W + P the replicas' time would have been
+  L - W' of L, L their lives summed (from each one's first replica_start to its last event, as the busy
   fraction's). The run's time T (the score's) shortens by the waits of the replicas that ran at once:
-  by W / c, c = L / span their mean concurrency, span from the first replica_start to the last replica
-  event. So efficiency = (T - W / c) / T. Only the span shortens, not the primary's time before and
-  after it (starting, launching, the report): in a one-replica run the time less the waits is T - W. In
-  a run to its deadline, whose replicas span its time (span = T), it is 1 - W / L: the replicas would
-  have run the same operations in (L - W) / L of their time;
+  by W' / c, c = L / span their mean concurrency, span from the first replica_start to the last replica
+  event. So efficiency = (T - W' / c) / T. Only the span shortens, not the primary's time before and
+  after it (starting, launching, the report): in a one-replica run the time less the waits is T - W'. In
+  a run to its deadline, whose replicas span its time (span = T), it is 1 - W' / L: the replicas would
+  have run the same operations in (L - W') / L of their time;
 - `ideal_score_ops`: the score over the network efficiency, the same operations over the time less the
   waits.
 
 A trial's figures are the same over its own time in steps: share W_t / S_t, efficiency 1 - W_t / S_t, its
 rate its operations over its time in steps, and its ideal-network rate the same over that time less its
-waits.
+waits (its pricing, outside its steps, is in none of them).
 
 Where a backend measured no all-reduce seconds (it cannot: docs/backends/<name>.md), those epochs' waits
 are unknown, and `complete` is false: the efficiency is then an upper bound.
@@ -34,15 +36,16 @@ from typing import Any
 from aiperf_core.scoring.ledger import AR_BYTES, AR_TIMED_BYTES, RunLedger, Trial
 
 
-def waits(ledger: RunLedger) -> tuple[float, float, float, float]:
-    """(seconds waited on communication, seconds in steps, seconds of the replicas' lives, seconds of their
-    span: from the first replica_start to the last replica event), every replica."""
+def waits(ledger: RunLedger) -> tuple[float, float, float, float, float]:
+    """(seconds the steps waited on communication, seconds of communication outside the steps that priced
+    those waits, seconds in steps, seconds of the replicas' lives, seconds of their span: from the first
+    replica_start to the last replica event), every replica."""
     waited = ledger.all_to_all_seconds + ledger.all_reduce_seconds
     steps = sum(state.step_seconds for state in ledger.replicas.values())
     lived = [state for state in ledger.replicas.values() if state.life_seconds()]
     lives = sum(state.life_seconds() for state in lived)
     span = (max(s.last_time for s in lived) - min(s.starts[0]["time"] for s in lived)) if lived else 0.0
-    return waited, steps, lives, span
+    return waited, ledger.pricing_seconds, steps, lives, span
 
 
 def efficiency(waited: float, time: float) -> float | None:
@@ -63,10 +66,10 @@ def run_network(ledger: RunLedger, score_ops: float, run_seconds: float) -> dict
     communicated."""
     if not ledger.all_reduce_trials and not ledger.all_to_all_trials:
         return None
-    waited, steps, lives, span = waits(ledger)
-    ratio = run_efficiency(waited, lives, span, run_seconds)
-    return {"wait_seconds": waited, "step_seconds": steps, "share": waited / steps if steps > 0 else None,
-            "efficiency": ratio, "score_ops": score_ops,
+    waited, priced, steps, lives, span = waits(ledger)
+    ratio = run_efficiency(waited + priced, lives, span, run_seconds)
+    return {"wait_seconds": waited, "pricing_seconds": priced, "step_seconds": steps,
+            "share": waited / steps if steps > 0 else None, "efficiency": ratio, "score_ops": score_ops,
             "ideal_score_ops": score_ops / ratio if ratio else None,
             "complete": ledger.all_reduce_timed_bytes == ledger.all_reduce_bytes}
 

@@ -99,9 +99,9 @@ class Progress:
 
 
 CHECKPOINT_FORMAT = "aiperf-progress-checkpoint"
-# 2: trials hold their expert_load; 3: and their all-to-all bytes and seconds. A checkpoint of another
-# version is ignored and the logs read again.
-CHECKPOINT_VERSION = 3
+# 2: trials hold their expert_load; 3: and their all-to-all bytes and seconds (later, their all-reduce's);
+# 4: and their pricing seconds. A checkpoint of another version is ignored and the logs read again.
+CHECKPOINT_VERSION = 4
 CHECKPOINT_INTERVAL_S = 300.0  # how often the primary writes it: a reader then reads at most 5 minutes of logs
 
 
@@ -256,9 +256,9 @@ def _network_cost(ledger, run_seconds: float) -> dict[str, float | None]:
 
     if not ledger.all_reduce_trials and not ledger.all_to_all_trials:
         return {"network_share": None, "network_efficiency": None}
-    waited, steps, lives, span = waits(ledger)
+    waited, priced, steps, lives, span = waits(ledger)
     return {"network_share": waited / steps if steps > 0 else None,
-            "network_efficiency": run_efficiency(waited, lives, span, run_seconds)}
+            "network_efficiency": run_efficiency(waited + priced, lives, span, run_seconds)}
 
 
 def write_checkpoint(run_dir: str | os.PathLike, now: float | None = None) -> None:

@@ -13,9 +13,10 @@ is replicated, and its gradients need no all-reduce). It is the collective's who
 overlaps with the backward's computation in the real step is not taken off, so it bounds the step's
 wait from above. The bytes are analytic (docs/scoring.md), not this buffer's.
 
-The pricing is itself communication outside the steps, which no figure counts as a wait: on a slow link
-each run costs what a step's all-reduce does (0.75 s for 1.87 MB at 20 Mbit/s, docs/performance.md,
-"2026-12-07: the interconnect on this machine"), time the ideal-network score cannot give back. So the
+The pricing is itself communication outside the steps: on a slow link each run costs what a step's
+all-reduce does (0.75 s for 1.87 MB at 20 Mbit/s, docs/performance.md, "2026-12-07: the interconnect on
+this machine"). Its wall seconds are reported apart (`AllReduceTimer.priced_in`: EpochReport.pricing_seconds),
+which the run's ideal-network score gives back with the waits. It is kept short all the same: the
 compilation runs none, and a run that took LONG_RUN_S or more is the price by itself (its timer's noise
 is small beside it); a shorter one is run PRICING_REPEATS times in all and the median taken, which
 ignores one outlier. Every process must run the collective as many times, so they decide on the mean of
@@ -42,6 +43,7 @@ class AllReduceTimer:
     def __init__(self, mesh, names: tuple[str, ...], elements: int):
         self.mesh, self.names, self.elements = mesh, tuple(names), int(elements)
         self.steps = 0
+        self.priced_in = 0.0  # wall seconds of the last lap's collectives, compilation excluded
 
     def add(self) -> None:
         self.steps += 1
@@ -49,13 +51,16 @@ class AllReduceTimer:
     def lap(self) -> float | None:
         """The seconds of the steps counted since the last lap (None when none ran), the all-reduce timed
         now: call it between epochs, while no step runs (on every node alike: it is a collective)."""
-        steps, self.steps = self.steps, 0
+        steps, self.steps, self.priced_in = self.steps, 0, 0.0
         if not steps or not self.elements:
             return None
         for elements in (self.elements, 1):  # the gradients', and the scalar that agrees on the repeats
             if (self.names, elements) not in _REDUCES:
                 _REDUCES[(self.names, elements)] = compiled_all_reduce(self.mesh, elements)
-        return float(steps * price(_REDUCES[(self.names, self.elements)], _REDUCES[(self.names, 1)], self.mesh))
+        started = time.perf_counter()
+        seconds = price(_REDUCES[(self.names, self.elements)], _REDUCES[(self.names, 1)], self.mesh)
+        self.priced_in = time.perf_counter() - started
+        return float(steps * seconds)
 
 
 def price(gradients, scalar, mesh) -> float:

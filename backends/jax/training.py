@@ -67,7 +67,8 @@ rows: own experts and a psum; inside the micro step's shard_map: the collectives
 loop counts the all-to-all exchanges its steps ran and, at the epoch's end, prices them with
 exchanges of the same shapes timed apart from the steps (expert_parallel.AllToAllTimer):
 EpochReport.all_to_all_seconds. The gradient all-reduce of several devices is priced the same way
-(all_reduce.AllReduceTimer): EpochReport.all_reduce_seconds.
+(all_reduce.AllReduceTimer): EpochReport.all_reduce_seconds. The wall seconds those timings took are
+EpochReport.pricing_seconds: communication outside the steps, which the run's ideal-network score gives back.
 
 Feeding the device (issue 17):
 
@@ -839,13 +840,16 @@ def run_epochs(model, data: Dataset, config: TrainConfig, placement,
             # Measured apart from the steps, now that none runs (expert_parallel.AllToAllTimer).
             all_to_all = exchanges_run.lap() if exchanges_run is not None else None
             all_reduce = reduces_run.lap() if reduces_run is not None else None
+            pricing = [timer.priced_in for timer, figure in ((exchanges_run, all_to_all), (reduces_run, all_reduce))
+                       if figure is not None]
             report = EpochReport(epoch=epoch, train_images=images, val_images=val_total,
                                  loss=loss_sum / max(images * positions, 1),
                                  val_loss=val_loss / (val_total * positions) if val_total else 0.0,
                                  val_accuracy=correct / (val_total * positions) if val_total else 0.0,
                                  skipped_images=skipped, step_seconds=clock.lap(),
                                  compile_seconds=compiling.lap(), expert_load=expert_load,
-                                 all_to_all_seconds=all_to_all, all_reduce_seconds=all_reduce)
+                                 all_to_all_seconds=all_to_all, all_reduce_seconds=all_reduce,
+                                 pricing_seconds=sum(pricing) if pricing else None)
             reports.append(report)
             if agreed_stop(placement, on_epoch, report):
                 break
