@@ -46,6 +46,7 @@ import gc
 import os
 import queue as queue_module
 import socket
+import threading
 import time
 from dataclasses import asdict
 from datetime import timedelta
@@ -323,10 +324,13 @@ class AllReduceClock:
     Registered as DDP's communication hook: it runs torch's own allreduce_hook (the default reduction:
     divide by world, all-reduce, in the same buckets and order) and times it. DDP launches a bucket's
     all-reduce as soon as its gradients are ready, overlapping the rest of the backward; the bucket it
-    launches last (GradBucket.is_last) is launched once the backward's computation is done, and the
-    collectives of one process group complete in launch order. So a step's wait is from the last
-    bucket's launch to its completion: the communication the backward could not hide, including what was
-    still running of earlier buckets. Copying the reduced buckets back into the gradients is not counted.
+    launches last (GradBucket.is_last) is launched once the backward's computation is done. So a step's
+    wait is from the last bucket's launch to the completion of the step's last collective to end: the
+    communication the backward could not hide, including what was still running of earlier buckets.
+    Not the last bucket's own completion: gloo runs a process group's collectives on two threads, so an
+    earlier, larger bucket can end after it (at 20 Mbit/s the first 1 MiB bucket of gpt_small ended about
+    0.1 s a step after the last one, time no wait counted: docs/performance.md). Copying the reduced
+    buckets back into the gradients is not counted.
     A rank that finishes its backward first also waits there for the slower ranks to launch theirs: load
     imbalance, which an ideal network would not take away. So a step's wait is the least of the ranks'
     waits at that step (`take` reduces them with MIN over the default group, on every rank): the rank
@@ -340,33 +344,48 @@ class AllReduceClock:
         self.device = device
         self.cuda = device.type == "cuda"
         self.waits: list[float] = []  # this rank's wait at each step since the last take, in step order
-        self._launched = 0.0
         self._events: list = []  # CUDA: (launch, done) event pairs not yet read
+        # CPU: the step's collectives not yet ended, the last bucket's launch (None before it) and the
+        # latest end so far; the futures' callbacks run on gloo's threads.
+        self._lock = threading.Lock()
+        self._running, self._launched, self._ended = 0, None, 0.0
 
     def hook(self, process_group, bucket):
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
         last = bucket.is_last()
-        if last:
-            if self.cuda:  # unverified: no GPU here
+        if self.cuda:  # NCCL ends one communicator's collectives in launch order (unverified: no GPU here)
+            if last:
                 launched = torch.cuda.Event(enable_timing=True)
                 launched.record()
-            else:
-                self._launched = time.perf_counter()
-        future = allreduce_hook(process_group, bucket)
-        if not last:
-            return future
+            future = allreduce_hook(process_group, bucket)
+            if not last:
+                return future
 
-        def done(fut):
-            if self.cuda:
+            def recorded(fut):
                 finished = torch.cuda.Event(enable_timing=True)
                 finished.record()
                 self._events.append((launched, finished))
-            else:
-                self.waits.append(time.perf_counter() - self._launched)
+                return fut.value()
+
+            return future.then(recorded)
+        with self._lock:
+            self._running += 1
+            if last:
+                self._launched = time.perf_counter()
+        future = allreduce_hook(process_group, bucket)
+
+        def ended(fut):
+            now = time.perf_counter()
+            with self._lock:
+                self._running -= 1
+                self._ended = max(self._ended, now)
+                if self._launched is not None and not self._running:  # the step's last collective
+                    self.waits.append(self._ended - self._launched)
+                    self._launched, self._ended = None, 0.0
             return fut.value()
 
-        return future.then(done)
+        return future.then(ended)
 
     def take(self) -> float | None:
         """The steps' waits since the last call, each the least over the ranks, summed (None when no step
