@@ -82,9 +82,10 @@ def _the_all_reduce_follows_the_link(slow: dict, fast: dict, backend: str, ddp_f
         assert run["inter_node_bytes"] == run["all_reduce_bytes"] == run["steps"] * run["gradient_bytes_per_step"]
         # Every step's bytes crossed each node's link. Beside them the links carried: headers (under 1%:
         # the veth counts a 64 KiB offloaded segment with one), TCP's retransmissions of what the shaper's
-        # queue dropped (4% at 20 Mbit/s), the trial's end (jax gathers the weights to the host; torch's DDP
-        # no longer broadcasts them at the start: distributed.same_start), jax's pricing of the all-reduce (at most 3 runs of
-        # G), and the heartbeats, rendezvous and stop decisions (well under 1 MB): bounded together.
+        # queue dropped (4% at 20 Mbit/s), jax's pricing of the all-reduce (at most 3 runs of G), and the
+        # heartbeats, rendezvous, stop decisions and the checks that the nodes start alike (well under 1 MB):
+        # bounded together. Neither backend sends the weights at a trial's start any more (torch's DDP
+        # broadcast them, jax's device_put gathered them: distributed.same_start, same_everywhere).
         extra = (3 + 2) * run["gradient_bytes_per_step"]
         for sent in run["link_sent_bytes"]:
             assert run["inter_node_bytes"] <= sent <= 1.1 * (run["inter_node_bytes"] + extra) + 1e6, run
