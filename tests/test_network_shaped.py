@@ -83,9 +83,9 @@ def _the_all_reduce_follows_the_link(slow: dict, fast: dict, backend: str, ddp_f
         # Every step's bytes crossed each node's link. Beside them the links carried: headers (under 1%:
         # the veth counts a 64 KiB offloaded segment with one), TCP's retransmissions of what the shaper's
         # queue dropped (4% at 20 Mbit/s), jax's pricing of the all-reduce (at most 3 runs of G), and the
-        # heartbeats, rendezvous, stop decisions and the checks that the nodes start alike (well under 1 MB):
-        # bounded together. Neither backend sends the weights at a trial's start any more (torch's DDP
-        # broadcast them, jax's device_put gathered them: distributed.same_start, same_everywhere).
+        # heartbeats, rendezvous and stop decisions (well under 1 MB):
+        # bounded together, with jax's check that the nodes start alike (device_put's process_allgather of the
+        # weights: 1 G more at the start). torch's DDP no longer broadcasts them (distributed.same_start).
         extra = (3 + 2) * run["gradient_bytes_per_step"]
         for sent in run["link_sent_bytes"]:
             assert run["inter_node_bytes"] <= sent <= 1.1 * (run["inter_node_bytes"] + extra) + 1e6, run

@@ -201,32 +201,13 @@ class Placement:
     def put(self, tree, shardings):
         """A pytree (NumPy or jax arrays) laid out by `shardings` (one, or a pytree of them, on this
         placement's devices). Across processes every process holds the same values and places its own
-        devices' parts from the host: no array of one process goes to another's devices.
-
-        Not by jax.device_put there: given host values for devices of several processes, it first checks
-        that every process holds the same (multihost_utils.assert_equal, a process_allgather of the whole
-        tree), so each node sent the whole model at every trial's start, 1.05 G for gpt_small at 20 Mbit/s
-        (0.75 s that no wait counts: docs/performance.md). Each process builds its devices' parts itself
-        (jax.make_array_from_callback), and `same_everywhere` checks the processes agree from a SHA-256
-        of the values (32 bytes a process)."""
+        devices' parts from the host: jax moves no array of one process to another's devices."""
         import jax
-        from jax.sharding import Sharding
 
-        if not self.spans_processes:
-            return jax.device_put(tree, shardings)
-        if isinstance(shardings, Sharding):
-            shardings = jax.tree_util.tree_map(lambda _: shardings, tree)
-        # An array already across processes (not fully addressable) is resharded by jax; the rest go by the host.
-        tree = jax.tree_util.tree_map(lambda leaf: leaf if getattr(leaf, "is_fully_addressable", True) is False
-                                      else np.asarray(leaf), tree)
-        same_everywhere([leaf for leaf in jax.tree_util.tree_leaves(tree) if isinstance(leaf, np.ndarray)])
-
-        def place(leaf, sharding):
-            if not isinstance(leaf, np.ndarray):
-                return jax.device_put(leaf, sharding)
-            return jax.make_array_from_callback(leaf.shape, sharding, lambda index: leaf[index])
-
-        return jax.tree_util.tree_map(place, tree, shardings)
+        if self.spans_processes:  # an array on this process's devices only goes by the host
+            tree = jax.tree_util.tree_map(lambda leaf: leaf if getattr(leaf, "is_fully_addressable", True) is False
+                                          else np.asarray(leaf), tree)
+        return jax.device_put(tree, shardings)
 
     @property
     def replicated(self):
@@ -271,24 +252,6 @@ class Placement:
         whole = dict(zip(split, gathered))
         return jax.tree_util.tree_unflatten(structure, [np.asarray(whole[i] if i in whole else leaf)
                                                         for i, leaf in enumerate(leaves)])
-
-
-def same_everywhere(arrays: Sequence[np.ndarray]) -> None:
-    """Raises BackendError unless every process holds the same `arrays` (their dtypes, shapes and bytes,
-    in order): a SHA-256 of them each, gathered. A collective: every process calls it at the same point."""
-    import hashlib
-
-    from jax.experimental import multihost_utils
-
-    digest = hashlib.sha256()
-    for array in arrays:
-        digest.update(f"{array.dtype.str}{array.shape}".encode())
-        digest.update(np.ascontiguousarray(array).data)
-    everyone = np.asarray(multihost_utils.process_allgather(np.frombuffer(digest.digest(), np.uint8)))
-    for process, theirs in enumerate(everyone.reshape(-1, digest.digest_size)):
-        if not np.array_equal(theirs, everyone.reshape(-1, digest.digest_size)[0]):
-            raise BackendError(f"process {process} places other values than process 0 on the replica's devices: "
-                               f"every node must lower the same graph and weights and read the same data")
 
 
 def agreed_stop(placement: Placement, on_epoch, report) -> bool:
